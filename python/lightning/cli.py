@@ -1,0 +1,41 @@
+"""The `lightning` command: one entry point, one subcommand per module.
+
+Each subcommand lives with the code it drives and is imported only when used,
+so `lightning report` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> ("module:function", one-line help). The function takes argv (list[str])
+# and returns an exit code.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: lightning <command> [options]\n\ncommands:")
+        for name, (_, help_) in SUBCOMMANDS.items():
+            print(f"  {name:<10} {help_}")
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from lightning import __version__
+
+        print(f"lightning {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        known = ", ".join(SUBCOMMANDS)
+        print(f"lightning: unknown command {name!r}; known commands: {known}", file=sys.stderr)
+        return 2
+    target, _ = SUBCOMMANDS[name]
+    module_name, func_name = target.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

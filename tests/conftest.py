@@ -1,0 +1,4 @@
+"""Shared pytest configuration. Heavy fixtures (real models, tokenizers) live in
+tests/fixtures.py and are built once into $LIGHTNING_CACHE (never committed)."""
+
+from __future__ import annotations
