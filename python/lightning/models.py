@@ -60,7 +60,7 @@ def _publish(build: Path, target: Path) -> Path:
 def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
     """Dequantize a GGUF checkpoint into a safetensors model directory (fp32)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf_path = Path(gguf_path)
     target = Path(out_dir)
@@ -70,7 +70,12 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
     build = Path(tempfile.mkdtemp(prefix=target.name + ".build-", dir=target.parent))
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        gguf_path.parent,
+        gguf_file=gguf_path.name,
+        dtype=torch.float32,
+        # Dequantized weights are plain tensors, so the model can be saved as
+        # safetensors and trained; the quantized form cannot.
+        quantization_config=GgufConfig(gguf_file=gguf_path.name, dequantize=True),
     )
     model.save_pretrained(build, safe_serialization=True)
     tokenizer.save_pretrained(build)
