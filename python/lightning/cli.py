@@ -11,7 +11,9 @@ import sys
 
 # name -> ("module:function", one-line help). The function takes argv (list[str])
 # and returns an exit code.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("lightning.engine.server:serve", "run the embedded OpenAI-compatible engine"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
