@@ -11,7 +11,9 @@ import sys
 
 # name -> ("module:function", one-line help). The function takes argv (list[str])
 # and returns an exit code.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "data": ("lightning.data:main", "clean tasks: normalize, dedupe, filter, split, decontaminate"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
