@@ -13,6 +13,8 @@ import sys
 # and returns an exit code.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("lightning.data:main", "clean tasks: normalize, dedupe, filter, split, decontaminate"),
+    "report": ("lightning.report:main", "write RUN_DIR/report.html (plots and traces, offline)"),
+    "show": ("lightning.report:show_main", "print one rollout's merged trace, coloured"),
 }
 
 
