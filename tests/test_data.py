@@ -107,7 +107,7 @@ def test_dedupe_exact_and_normalized() -> None:
     assert [t["id"] for t in out] == ["1", "3", "4"]
     assert (rep.n_in, rep.n_out, rep.stage) == (4, 3, "dedupe_exact")
     out, rep = data.dedupe(tasks, mode="normalized")
-    # "What is 2+2?" and "what is 2 + 2" share the key "what is 2 2".
+    # "What is 2+2?" and "what is 2 + 2" share the key "what is 2 + 2".
     assert [t["id"] for t in out] == ["1", "4"]
     assert "1 with a different answer" in rep.detail
     with pytest.raises(ValueError, match="unknown dedupe mode"):
@@ -179,10 +179,10 @@ def test_split_by_size_and_seed_changes_it() -> None:
 
 def reference_decontaminate(train: list[dict], held: list[dict], n: int) -> list[dict]:
     """Slow, obvious twin: compare every pair of prompts window by window."""
-    import re
 
     def windows(text: str) -> list[list[str]]:
-        words = re.findall(r"\w+", text.casefold())
+        words = [w for w in text.casefold().split() if w.strip(".,;:!?")]
+        words = [w.strip(".,;:!?") for w in words]
         if not words:
             return []
         if len(words) < n:
@@ -197,6 +197,15 @@ def reference_decontaminate(train: list[dict], held: list[dict], n: int) -> list
         if not clash:
             kept.append(t)
     return kept
+
+
+def test_text_keys_keep_operators() -> None:
+    assert data.dedupe_key("What is 2+2?") == data.dedupe_key("what is  2 + 2") == "what is 2 + 2"
+    assert data.dedupe_key("What is 17 + 25?") != data.dedupe_key("What is 17 * 25?")
+    assert data.dedupe_key("“Ｈｉ”, she said…") == "hi she said"
+    held = [{"id": "e", "prompt": "What is 17 + 25? Answer with just the number."}]
+    train = [{"id": "t", "prompt": "What is 17 * 25? Answer with just the number."}]
+    assert data.decontaminate(train, held, n=8)[0] == train
 
 
 def test_decontaminate_drops_train_overlapping_eval() -> None:

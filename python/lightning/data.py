@@ -11,10 +11,13 @@ Choices where the issue was silent:
 1. Text normalization is NFKC, CRLF → LF and stripping the ends. Interior
    whitespace is kept (prompts may hold code); it is collapsed only inside the
    dedupe/decontamination keys.
-2. Dedupe is on the prompt only: two tasks with the same prompt but different
+2. The dedupe and decontamination keys are case-folded words *and symbols*
+   (:func:`text_tokens`): sentence punctuation is ignored, but operators are
+   not, so "What is 2+2?" equals "what is 2 + 2" while "17 + 25" differs from
+   "17 * 25". Dedupe is on the prompt only: two tasks with the same prompt but different
    answers are a conflict, not two tasks; the first one wins and the report
    counts the conflicts.
-3. Decontamination compares lower-cased word n-grams of prompts. A prompt with
+3. Decontamination compares n-grams of those tokens in prompts. A prompt with
    fewer than ``n`` words contributes its whole word sequence as one gram, so
    short templated prompts are caught only when they are identical. Every train
    task that shares a gram with any eval task is dropped (eval is never touched:
@@ -201,8 +204,17 @@ def _load_hf_disk(path: Path, split: str | None) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- text keys
 
 
-_WS = re.compile(r"\s+")
-_WORD = re.compile(r"\w+")
+# Words, plus every other non-space character as its own token, minus sentence
+# punctuation: "17 + 25" and "17 * 25" must not collide (operators matter), while
+# "What is 2+2?" and "what is 2 + 2" should.
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+_IGNORED = frozenset(".,;:!?\"'`“”‘’«»…")
+
+
+def text_tokens(text: str) -> list[str]:
+    """Case-folded words and symbols of ``text``, sentence punctuation dropped."""
+    folded = unicodedata.normalize("NFKC", text).casefold()
+    return [t for t in _TOKEN.findall(folded) if t not in _IGNORED]
 
 
 def normalize_text(text: str) -> str:
@@ -211,13 +223,14 @@ def normalize_text(text: str) -> str:
 
 
 def dedupe_key(text: str) -> str:
-    """Key under which near-identical prompts collide: case, punctuation and
-    whitespace differences vanish."""
-    return " ".join(_WORD.findall(unicodedata.normalize("NFKC", text).casefold()))
+    """Key under which near-identical prompts collide: case, whitespace and
+    sentence-punctuation differences vanish (see :func:`text_tokens`)."""
+    return " ".join(text_tokens(text))
 
 
 def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    words = _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
+    """n-grams of :func:`text_tokens`; a shorter text is one gram."""
+    words = text_tokens(text)
     if not words:
         return set()
     if len(words) < n:
