@@ -204,14 +204,14 @@ def test_render_trace_terminal_colours_generated_and_marks_divergences() -> None
     out = report.render_trace_terminal(PIECES, WEIGHTS, [{"position": 5, "kind": "template"}])
     assert f"{report.ANSI_GENERATED} 4{report.ANSI_RESET}" in out
     assert f"{report.ANSI_CONTEXT}<s>Q: 2+2" in out
-    assert f"{report.ANSI_DIVERGENCE}[⑂ template]{report.ANSI_RESET}" in out
+    assert f"{report.ANSI_DIVERGENCE}[↪ template]{report.ANSI_RESET}" in out
     # The marker sits right before the divergent position.
-    assert out.index("[⑂ template]") < out.index("A:")
+    assert out.index("[↪ template]") < out.index("A:")
     # Stripping the escapes gives the text back, plus the marker.
     import re
 
     plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
-    assert plain == "<s>Q: 2+2\n[⑂ template]A: 4"
+    assert plain == "<s>Q: 2+2\n[↪ template]A: 4"
 
 
 def test_render_trace_terminal_plain_and_errors() -> None:
@@ -221,7 +221,7 @@ def test_render_trace_terminal_plain_and_errors() -> None:
     out = report.render_trace_terminal(
         ["a"], [1.0], [{"position": 1, "kind": "other"}], color=False
     )
-    assert out == "«a»[⑂ other]"
+    assert out == "«a»[↪ other]"
     with pytest.raises(ValueError, match="2 pieces but 1 weights"):
         report.render_trace_terminal(["a", "b"], [0.0])
 
@@ -230,7 +230,7 @@ def test_cli_show_from_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str
     run = make_run(tmp_path / "run", steps=3)
     assert cli.main(["show", "r0-1", "--run", str(run), "--color", "always"]) == 0
     out = capsys.readouterr().out
-    assert "rollout r0-1" in out and report.ANSI_GENERATED in out and "[⑂ template]" in out
+    assert "rollout r0-1" in out and report.ANSI_GENERATED in out and "[↪ template]" in out
     assert cli.main(["show", "nope", "--run", str(run)]) == 1
     assert cli.main(["show", "r0-1", "--db", str(tmp_path / "x.db")]) == 2
     assert "lightning.Store" in capsys.readouterr().err

@@ -166,7 +166,9 @@ def _draw_divergences(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
             color="#666",
         )
     if kinds:
-        ax.legend(loc="best", fontsize=8)
+        # Headroom so the legend (top) never hides the tallest bars.
+        ax.set_ylim(0, max(1.0, *bottom) * 1.35)
+        ax.legend(loc="upper left", fontsize=8, ncols=min(4, len(kinds)))
 
 
 # fmt: off
@@ -271,14 +273,14 @@ def render_trace_terminal(
     color: bool = True,
 ) -> str:
     """A merged trace for the terminal: generated tokens (weight > 0) bold green,
-    context dim, and a ``[⑂ kind]`` marker before each divergence position.
+    context dim, and a ``[↪ kind]`` marker before each divergence position.
 
     With ``color=False`` generated runs are wrapped in ``«…»`` instead."""
     _check_trace(pieces, weights)
     out: list[str] = []
     for what, value in _runs(pieces, weights, _marks(divergences)):
         if what == "mark":
-            label = f"[⑂ {', '.join(value)}]"
+            label = f"[↪ {', '.join(value)}]"
             out.append(f"{ANSI_DIVERGENCE}{label}{ANSI_RESET}" if color else label)
             continue
         generated, text, _ = value
@@ -301,7 +303,7 @@ def render_trace_html(
     for what, value in _runs(pieces, weights, _marks(divergences)):
         if what == "mark":
             kinds = html.escape(", ".join(value))
-            out.append(f'<span class="div" title="divergence: {kinds}">⑂ {kinds}</span>')
+            out.append(f'<span class="div" title="divergence: {kinds}">↪ {kinds}</span>')
             continue
         generated, text, w = value
         if generated:
@@ -443,7 +445,7 @@ def _last_values_table(rows: Sequence[Mapping[str, Any]]) -> str:
     keys: list[str] = []
     for row in rows:
         for k, v in row.items():
-            if k not in keys and _num(v) is not None:
+            if k not in keys and k != "step" and _num(v) is not None:
                 keys.append(k)
     body = []
     for k in keys:
@@ -550,7 +552,7 @@ def write_report(run_dir: str | Path, *, max_traces: int = 6) -> ReportResult:
         parts.append(
             "<p class='legend note'><span class='gen'>generated (trained)</span>"
             "<span class='ctx'>context (prompt, tool output, template)</span>"
-            "<span class='div'>⑂ kind</span> a later call left this path here "
+            "<span class='div'>↪ kind</span> a later call left this path here "
             f"— showing {len(chosen)} of {len(traces)} recorded traces</p>"
         )
         parts += [_trace_block(t) for t in chosen]
