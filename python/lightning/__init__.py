@@ -13,10 +13,29 @@ from __future__ import annotations
 
 from lightning import _core
 from lightning._core import LightningError
+from lightning._core import (  # merge
+    Call,
+    Divergence,
+    InvalidCallError,
+    MergeResult,
+    MergeStats,
+    PackedTree,
+    Sample,
+    merge_calls,
+)
 
 __version__: str = _core.__version__
 
 __all__ = [
     "LightningError",
     "__version__",
+    # merge
+    "Call",
+    "Divergence",
+    "InvalidCallError",
+    "MergeResult",
+    "MergeStats",
+    "PackedTree",
+    "Sample",
+    "merge_calls",
 ]
