@@ -12,11 +12,11 @@ two cannot be installed in one environment.
 from __future__ import annotations
 
 from lightning import _core
-from lightning._core import LightningError
-from lightning._core import (  # merge
+from lightning._core import (
     Call,
     Divergence,
     InvalidCallError,
+    LightningError,
     MergeResult,
     MergeStats,
     PackedTree,
@@ -27,15 +27,14 @@ from lightning._core import (  # merge
 __version__: str = _core.__version__
 
 __all__ = [
-    "LightningError",
-    "__version__",
-    # merge
     "Call",
     "Divergence",
     "InvalidCallError",
+    "LightningError",
     "MergeResult",
     "MergeStats",
     "PackedTree",
     "Sample",
+    "__version__",
     "merge_calls",
 ]

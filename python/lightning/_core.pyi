@@ -1,5 +1,11 @@
 """Type stubs for the private native module. Use the names re-exported by `lightning`."""
 
+from collections.abc import Iterable, Sequence
+from typing import Any, final
+
+import numpy as np
+import numpy.typing as npt
+
 __version__: str
 
 class LightningError(Exception):
@@ -9,11 +15,6 @@ class InvalidCallError(LightningError, ValueError):
     """A call's data cannot be merged (bad ids, lengths that disagree, ...). A ValueError."""
 
 # --- merge (trace types and the radix-trie merge) ---
-
-import numpy as np
-import numpy.typing as npt
-from collections.abc import Iterable, Sequence
-from typing import Any, final
 
 _Ids = npt.ArrayLike | Sequence[int]
 
