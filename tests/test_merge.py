@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+from typing import Any
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import lightning
+import reference
 from lightning import Call, merge_calls
+from reference import RefCall
 
 
 def test_linear_conversation_is_one_sample() -> None:
@@ -131,3 +139,171 @@ def test_invalid_call_error_is_value_and_lightning_error() -> None:
 def test_non_call_input_is_type_error() -> None:
     with pytest.raises(TypeError, match=r"calls\[0\] is a dict"):
         merge_calls([{}])  # type: ignore[list-item]
+
+
+# --- properties against tests/reference.py -------------------------------------------
+
+TOK = st.integers(0, 4)  # a tiny alphabet, so paths collide and branch often
+LOGPROB = st.floats(-8.0, 0.0, width=32)
+OPS = ("linear", "observe", "edit", "strip", "branch", "duplicate", "subagent")
+
+
+@st.composite
+def rollout(draw: st.DrawFn, rollout_id: str, group: str | None, ops: tuple[str, ...] = OPS):
+    """Calls of one multi-turn rollout: every prompt carries the history so far,
+    with observations between turns, edited or stripped histories, branches back
+    to an earlier point, sub-agents with their own prompt, and exact repeats."""
+    history = draw(st.lists(TOK, max_size=6))
+    calls: list[RefCall] = []
+    for _ in range(draw(st.integers(1, 6))):
+        op = draw(st.sampled_from(ops))
+        if op == "duplicate" and calls:
+            calls.append(draw(st.sampled_from(calls)))
+            continue
+        prompt = list(history)
+        if op == "observe":
+            prompt += draw(st.lists(TOK, min_size=1, max_size=4))
+        elif op == "edit" and prompt:
+            prompt[draw(st.integers(0, len(prompt) - 1))] = draw(TOK)
+        elif op == "strip" and prompt:
+            i = draw(st.integers(0, len(prompt) - 1))
+            del prompt[i : draw(st.integers(i + 1, len(prompt)))]
+        elif op == "branch":
+            prompt = prompt[: draw(st.integers(0, len(prompt)))]
+        elif op == "subagent":
+            prompt = draw(st.lists(TOK, max_size=6))
+        completion = draw(st.lists(TOK, min_size=1, max_size=5))
+        logprobs = draw(
+            st.none() | st.lists(LOGPROB, min_size=len(completion), max_size=len(completion))
+        )
+        calls.append(RefCall(rollout_id, prompt, completion, logprobs, group))
+        if op != "subagent":
+            history = prompt + completion
+    return calls
+
+
+@st.composite
+def traces(draw: st.DrawFn, ops: tuple[str, ...] = OPS) -> list[RefCall]:
+    """Several rollouts, some sharing a GRPO group, interleaved in input order."""
+    n = draw(st.integers(1, 4))
+    groups = [draw(st.sampled_from([None, "g0", "g1"])) for _ in range(n)]
+    per = [draw(rollout(f"r{i}", groups[i], ops)) for i in range(n)]
+    # Interleave while keeping each rollout's own order.
+    order = draw(st.permutations([i for i, calls in enumerate(per) for _ in calls]))
+    cursors = [0] * n
+    out = []
+    for i in order:
+        out.append(per[i][cursors[i]])
+        cursors[i] += 1
+    return out
+
+
+def to_calls(ref: list[RefCall], as_numpy: bool) -> list[Call]:
+    def ids(x: list[int]) -> Any:
+        return np.array(x, dtype=np.uint32) if as_numpy else x
+
+    return [
+        Call(c.rollout_id, ids(c.prompt), ids(c.completion), logprobs=c.logprobs, group=c.group)
+        for c in ref
+    ]
+
+
+def same_floats(a: np.ndarray, b: list[float]) -> bool:
+    return np.array_equal(a, np.array(b, dtype=np.float32), equal_nan=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(traces(), st.none() | st.integers(1, 20), st.booleans())
+def test_merge_matches_reference(
+    ref: list[RefCall], max_tokens: int | None, as_numpy: bool
+) -> None:
+    got = merge_calls(to_calls(ref, as_numpy), max_tokens)
+    want = reference.merge(ref, max_tokens)
+    assert len(got.samples) == len(want.samples)
+    for s, w in zip(got.samples, want.samples, strict=True):
+        assert (s.rollout_id, s.group, s.truncated) == (w.rollout_id, w.group, w.truncated)
+        assert s.tokens.tolist() == w.tokens
+        assert s.weights.tolist() == w.weights
+        assert s.call_index.tolist() == w.call_index
+        assert same_floats(s.logprobs, w.logprobs)
+    divs = [(d.rollout_id, d.call_index, d.position, d.left_call_index) for d in got.divergences]
+    assert divs == want.divergences
+    assert all(d.kind == "unclassified" for d in got.divergences)
+    assert got.stats.as_dict() == want.stats
+
+
+@settings(max_examples=150, deadline=None)
+@given(traces(), st.none() | st.integers(1, 20), st.booleans())
+def test_packed_matches_reference(ref: list[RefCall], max_tokens: int | None, across: bool) -> None:
+    got = merge_calls(to_calls(ref, True), max_tokens).packed(across_rollouts=across)
+    want = reference.pack(ref, max_tokens, across)
+    assert got.tokens.tolist() == want.tokens
+    assert got.parent.tolist() == want.parent
+    assert got.depth.tolist() == want.depth
+    assert got.weights.tolist() == want.weights
+    assert same_floats(got.logprobs, want.logprobs)
+    offsets = got.gen_offsets.tolist()
+    gens = [got.gen_call[a:b].tolist() for a, b in itertools.pairwise(offsets)]
+    assert gens == want.gens
+    assert got.tree_keys == want.tree_keys
+    assert got.tree_offsets.tolist() == want.tree_offsets
+
+
+# The issue's invariants, checked directly (without the reference).
+
+
+@settings(max_examples=150, deadline=None)
+@given(traces())
+def test_invariants(ref: list[RefCall]) -> None:
+    res = merge_calls(to_calls(ref, False))
+    samples = [(s.rollout_id, tuple(s.tokens.tolist())) for s in res.samples]
+    # Every call's full sequence is a prefix of some sample of its rollout...
+    for c in ref:
+        assert any(r == c.rollout_id and t[: len(c.seq)] == c.seq for r, t in samples)
+    # ...and every sample is a path some call produced.
+    for r, t in samples:
+        assert any(c.rollout_id == r and c.seq == t for c in ref)
+    # The weighted multiset of generated (rollout, position, token) over all samples
+    # is exactly what the calls generated.
+    trained: Counter[tuple[str, int, int]] = Counter()
+    for s in res.samples:
+        for pos in np.flatnonzero(s.weights):
+            trained[(s.rollout_id, int(pos), int(s.tokens[pos]))] += int(s.weights[pos])
+    generated = Counter(
+        (c.rollout_id, len(c.prompt) + i, t) for c in ref for i, t in enumerate(c.completion)
+    )
+    assert trained == generated
+    # Trained tokens name a call that generated that token there, with that
+    # prefix, and carry its logprob when it has them.
+    for s in res.samples:
+        toks = s.tokens.tolist()
+        for pos in np.flatnonzero(s.weights):
+            c = ref[int(s.call_index[pos])]
+            assert c.rollout_id == s.rollout_id
+            assert len(c.prompt) <= pos < len(c.seq) and c.seq[: pos + 1] == tuple(toks[: pos + 1])
+            if c.logprobs is not None:
+                assert s.logprobs[pos] == np.float32(c.logprobs[pos - len(c.prompt)])
+        assert (s.call_index[s.weights == 0] == -1).all()
+    # Packed-tree paths reproduce the samples, and its weights are theirs summed.
+    tree = res.packed()
+    paths = {}
+    for i in range(len(tree)):
+        path, j = [], i
+        while j >= 0:
+            path.append(int(tree.tokens[j]))
+            j = int(tree.parent[j])
+        paths[tuple(reversed(path))] = i
+    for _, t in samples:
+        assert t in paths
+    assert tree.weights.sum() == sum(s.weights.sum() for s in res.samples)
+
+
+@settings(max_examples=100, deadline=None)
+@given(traces(ops=("linear", "observe")))
+def test_linear_rollout_is_one_sample(ref: list[RefCall]) -> None:
+    res = merge_calls(to_calls(ref, True))
+    last = {c.rollout_id: c for c in ref}
+    assert [s.rollout_id for s in res.samples] == list(last)
+    for s in res.samples:
+        assert tuple(s.tokens.tolist()) == last[s.rollout_id].seq
+    assert res.divergences == []
