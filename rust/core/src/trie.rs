@@ -475,6 +475,11 @@ fn group_by<'a, K: std::hash::Hash + Eq + Copy>(
     groups
 }
 
+/// A group as Python shows it.
+fn show_group(g: Option<&str>) -> String {
+    g.map_or_else(|| "None".to_string(), |g| format!("{g:?}"))
+}
+
 /// Merge calls into training samples, one trie per rollout (grouped by rollout
 /// id, input order kept within a rollout). Call indices in the output index
 /// `calls`. Divergences are reported with kind `Unclassified`.
@@ -491,9 +496,12 @@ pub fn merge(calls: &[CallView<'_>], max_tokens: Option<usize>) -> Result<Merged
                 return Err(CoreError::InvalidCall {
                     index: i,
                     message: format!(
-                        "group {:?} differs from group {:?} of call {} in the same rollout {:?}; \
+                        "group {} differs from group {} of call {} in the same rollout {:?}; \
                          every call of a rollout must carry the same group",
-                        calls[i].group, group, members[0], rollout_id
+                        show_group(calls[i].group),
+                        show_group(group),
+                        members[0],
+                        rollout_id
                     ),
                 });
             }
@@ -573,4 +581,233 @@ pub fn pack(
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn call<'a>(
+        rollout: &'a str,
+        prompt: &'a [u32],
+        completion: &'a [u32],
+        logprobs: Option<&'a [f32]>,
+    ) -> CallView<'a> {
+        CallView {
+            rollout_id: rollout,
+            group: None,
+            prompt,
+            completion,
+            logprobs,
+        }
+    }
+
+    #[test]
+    fn lcp_finds_first_difference_across_chunks() {
+        let a: Vec<u32> = (0..300).collect();
+        let mut b = a.clone();
+        assert_eq!(lcp(&a, &b), 300);
+        b[200] = 9999;
+        assert_eq!(lcp(&a, &b), 200);
+        assert_eq!(lcp(&a[..10], &b), 10);
+        assert_eq!(lcp(&[], &b), 0);
+        // Pieces split at different points still compare as one sequence.
+        assert_eq!(lcp_pieces([&a[..5], &a[5..50]], [&a[..30], &a[30..40]]), 40);
+        assert_eq!(lcp_pieces([&a[..5], &[]], [&[], &a[..3]]), 3);
+    }
+
+    #[test]
+    fn multi_turn_collapses_into_one_sample() {
+        let lp0 = [-0.5f32, -0.25];
+        let calls = [
+            call("r", &[1, 2, 3], &[10, 11], Some(&lp0)),
+            call("r", &[1, 2, 3, 10, 11, 20], &[30], None),
+            call("r", &[1, 2, 3, 10, 11, 20, 30, 21], &[40, 41], None),
+        ];
+        let m = merge(&calls, None).unwrap();
+        assert_eq!(m.samples.len(), 1);
+        let s = &m.samples[0];
+        assert_eq!(s.tokens, vec![1, 2, 3, 10, 11, 20, 30, 21, 40, 41]);
+        assert_eq!(s.weights, vec![0., 0., 0., 1., 1., 0., 1., 0., 1., 1.]);
+        assert_eq!(s.call_index, vec![-1, -1, -1, 0, 0, -1, 1, -1, 2, 2]);
+        assert_eq!(&s.logprobs[3..5], &lp0);
+        assert!(s.logprobs[6].is_nan());
+        assert!(m.divergences.is_empty());
+        assert_eq!(m.stats.generated_tokens, 5);
+        assert_eq!(m.stats.sample_tokens, 10);
+    }
+
+    #[test]
+    fn departure_from_generated_path_is_a_divergence() {
+        // Call 1 re-tokenized call 0's completion [3, 4] as [3, 5].
+        let calls = [
+            call("r", &[1, 2], &[3, 4], None),
+            call("r", &[1, 2, 3, 5, 6], &[7], None),
+        ];
+        let m = merge(&calls, None).unwrap();
+        assert_eq!(m.samples.len(), 2);
+        assert_eq!(m.samples[0].tokens, vec![1, 2, 3, 4]);
+        assert_eq!(m.samples[0].weights, vec![0., 0., 1., 1.]);
+        // Token 3 at depth 2 is shared: trained once, in the first sample.
+        assert_eq!(m.samples[1].tokens, vec![1, 2, 3, 5, 6, 7]);
+        assert_eq!(m.samples[1].weights, vec![0., 0., 0., 0., 0., 1.]);
+        assert_eq!(m.samples[1].logprobs.len(), 6);
+        assert_eq!(
+            m.divergences,
+            vec![Divergence {
+                rollout_id: "r".into(),
+                call_index: 1,
+                position: 3,
+                left_call_index: 0,
+                kind: DivergenceKind::Unclassified,
+            }]
+        );
+    }
+
+    #[test]
+    fn completion_branches_are_not_divergences() {
+        // Same prompt, two sampled completions (a retry): a branch, not a divergence.
+        let calls = [
+            call("r", &[1, 2], &[3, 4], None),
+            call("r", &[1, 2], &[3, 9], None),
+        ];
+        let m = merge(&calls, None).unwrap();
+        assert_eq!(m.samples.len(), 2);
+        assert!(m.divergences.is_empty());
+        assert_eq!(m.samples[1].weights, vec![0., 0., 0., 1.]);
+    }
+
+    #[test]
+    fn left_call_is_the_latest_on_the_path_left() {
+        let calls = [
+            call("r", &[1], &[2], None),
+            call("r", &[1, 2, 3], &[4], None),
+            call("r", &[1, 2, 3, 4, 5], &[6], None),
+            call("r", &[1, 2, 7], &[8], None),
+        ];
+        let m = merge(&calls, None).unwrap();
+        assert_eq!(m.divergences.len(), 1);
+        assert_eq!(m.divergences[0].position, 2);
+        assert_eq!(m.divergences[0].left_call_index, 2);
+    }
+
+    #[test]
+    fn duplicates_weigh_and_are_counted() {
+        let lp = [-1.0f32];
+        let calls = [
+            call("r", &[1], &[2], None),
+            call("r", &[1], &[2], Some(&lp)),
+            call("r", &[1, 2], &[3], None),
+        ];
+        let m = merge(&calls, None).unwrap();
+        assert_eq!(m.samples.len(), 1);
+        assert_eq!(m.samples[0].weights, vec![0., 2., 1.]);
+        assert_eq!(m.samples[0].call_index, vec![-1, 0, 2]);
+        // The first generator has no logprobs; the second's is used.
+        assert_eq!(m.samples[0].logprobs[1], -1.0);
+        assert_eq!(m.stats.duplicates, 1);
+    }
+
+    #[test]
+    fn split_keeps_generation_spans_on_both_halves() {
+        // Call 1's sequence ends inside call 0's completion: the edge splits.
+        let calls = [
+            call("r", &[1], &[2, 3, 4], None),
+            call("r", &[1, 2], &[3], None),
+        ];
+        let mut t = Trie::new(&calls);
+        t.insert(0);
+        t.insert(1);
+        assert_eq!(t.lookup(0, 1).map(|p| (p.0, p.1)), Some((1, 0)));
+        assert_eq!(t.lookup(0, 2).map(|p| (p.0, p.1)), Some((2, 0)));
+        assert_eq!(t.lookup(0, 3).map(|p| (p.0, p.1)), Some((1, 0)));
+        assert_eq!(t.lookup(0, 0).map(|p| (p.0, p.1)), Some((0, -1)));
+        let m = merge(&calls, None).unwrap();
+        assert_eq!(m.samples.len(), 1);
+        assert_eq!(m.samples[0].weights, vec![0., 1., 2., 1.]);
+    }
+
+    #[test]
+    fn truncation_reports_cut_tokens_and_drops_empty_samples() {
+        let calls = [
+            call("r", &[1, 2], &[3, 4, 5], None),
+            call("r", &[1, 2], &[3, 4, 6], None),
+        ];
+        let m = merge(&calls, Some(3)).unwrap();
+        // The second path only differs beyond the limit: nothing left to train.
+        assert_eq!(m.samples.len(), 1);
+        assert_eq!(m.samples[0].tokens, vec![1, 2, 3]);
+        assert_eq!(m.samples[0].weights, vec![0., 0., 2.]);
+        assert_eq!(m.samples[0].truncated, 3);
+        assert_eq!(m.stats.truncated_tokens, 4);
+        assert_eq!(m.stats.dropped_samples, 1);
+        assert!(matches!(
+            merge(&calls, Some(0)),
+            Err(CoreError::InvalidOption(_))
+        ));
+    }
+
+    #[test]
+    fn rollouts_are_separate_tries_in_first_appearance_order() {
+        let calls = [
+            call("b", &[1], &[2], None),
+            call("a", &[1], &[2], None),
+            call("b", &[1, 2], &[3], None),
+        ];
+        let m = merge(&calls, None).unwrap();
+        let ids: Vec<_> = m.samples.iter().map(|s| s.rollout_id.as_str()).collect();
+        assert_eq!(ids, ["b", "a"]);
+        assert_eq!(m.samples[0].call_index, vec![-1, 0, 2]);
+        assert_eq!(m.samples[1].call_index, vec![-1, 1]);
+        assert_eq!(m.stats.duplicates, 0);
+    }
+
+    #[test]
+    fn invalid_calls_name_their_index() {
+        let lp = [0.0f32; 2];
+        let bad_len = [
+            call("r", &[1], &[2], None),
+            call("r", &[1], &[2], Some(&lp)),
+        ];
+        let err = merge(&bad_len, None).unwrap_err().to_string();
+        assert!(err.starts_with("call 1:"), "{err}");
+        assert!(err.contains("logprobs has 2 entries"), "{err}");
+        let empty = [call("r", &[1], &[], None)];
+        let err = merge(&empty, None).unwrap_err().to_string();
+        assert!(
+            err.starts_with("call 0:") && err.contains("empty completion"),
+            "{err}"
+        );
+        let mut grouped = [call("r", &[1], &[2], None), call("r", &[1], &[3], None)];
+        grouped[1].group = Some("g");
+        let err = merge(&grouped, None).unwrap_err().to_string();
+        assert!(err.contains("group \"g\" differs from group None"), "{err}");
+    }
+
+    #[test]
+    fn pack_shares_a_group_prompt_once() {
+        let mut calls = [
+            call("r1", &[1, 2], &[3], None),
+            call("r2", &[1, 2], &[4], None),
+            call("r3", &[1, 2], &[3], None),
+        ];
+        for c in &mut calls {
+            c.group = Some("g");
+        }
+        let p = pack(&calls, None, true).unwrap();
+        assert_eq!(p.tokens, vec![1, 2, 3, 4]);
+        assert_eq!(p.parent, vec![-1, 0, 1, 1]);
+        assert_eq!(p.depth, vec![0, 1, 2, 2]);
+        assert_eq!(p.weights, vec![0., 0., 2., 1.]);
+        assert_eq!(p.gen_offsets, vec![0, 0, 0, 2, 3]);
+        assert_eq!(p.gen_call, vec![0, 2, 1]);
+        assert_eq!(p.tree_keys, vec!["g".to_string()]);
+        assert_eq!(p.tree_offsets, vec![0, 4]);
+        let per_rollout = pack(&calls, None, false).unwrap();
+        assert_eq!(per_rollout.tokens.len(), 9);
+        assert_eq!(per_rollout.tree_keys, ["r1", "r2", "r3"]);
+        let cut = pack(&calls, Some(2), true).unwrap();
+        assert_eq!(cut.tokens, vec![1, 2]);
+    }
 }
