@@ -12,11 +12,29 @@ two cannot be installed in one environment.
 from __future__ import annotations
 
 from lightning import _core
-from lightning._core import LightningError
+from lightning._core import (
+    Call,
+    Divergence,
+    InvalidCallError,
+    LightningError,
+    MergeResult,
+    MergeStats,
+    PackedTree,
+    Sample,
+    merge_calls,
+)
 
 __version__: str = _core.__version__
 
 __all__ = [
+    "Call",
+    "Divergence",
+    "InvalidCallError",
     "LightningError",
+    "MergeResult",
+    "MergeStats",
+    "PackedTree",
+    "Sample",
     "__version__",
+    "merge_calls",
 ]
