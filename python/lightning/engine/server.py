@@ -130,7 +130,7 @@ def parse_common(
         ("presence_penalty", 0.0),
         ("repetition_penalty", 1.0),
     ):
-        value = body.get(name)
+        value = _get(body, name, (int, float))
         if value is not None and float(value) != neutral:
             raise RequestError(
                 f"{name} is not supported by this engine; leave it at {neutral}", param=name
