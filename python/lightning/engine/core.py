@@ -232,6 +232,9 @@ class Engine:
             torch_dtype = DTYPES[dtype]
         self.dtype = torch_dtype
         kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": "sdpa"}
+        # transformers' Auto* return types are too loose for mypy to help here.
+        self.tokenizer: Any
+        self.model: Any
         if gguf_file is not None:
             from transformers import GgufConfig
 
@@ -254,6 +257,12 @@ class Engine:
             self.tokenizer = AutoTokenizer.from_pretrained(source)
             self.model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
             default_name = source.name
+        layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(
+                f"this engine batches full-attention layers only; {self.model.config.model_type} "
+                f"has layer types {sorted(layer_types)} (serve it with vLLM or SGLang)"
+            )
         self.model.to(self.device)
         self.model.eval()
         self.model_path = str(source)
@@ -572,7 +581,11 @@ class Engine:
                 joined.append((seq, kv.row_from_cache(cache, 0, seq.kv_len)))
         if not joined:
             return
-        rows = [(s, kv.row_from_cache(self._cache, i, s.kv_len)) for i, s in enumerate(self._rows)]
+        rows: list[tuple[SequenceState, kv.RowKV]] = []
+        if self._cache is not None:
+            rows = [
+                (s, kv.row_from_cache(self._cache, i, s.kv_len)) for i, s in enumerate(self._rows)
+            ]
         rows.extend(joined)
         self._rows = [s for s, _ in rows]
         self._cache = kv.build_slab(
