@@ -12,11 +12,24 @@ two cannot be installed in one environment.
 from __future__ import annotations
 
 from lightning import _core
-from lightning._core import LightningError
+from lightning._core import GatewayError, LightningError
+from lightning.client import CallRecord, GatewayClient, GatewayRequestError, Rollout
+from lightning.gateway import Gateway, GatewayConfig, GatewayHandle, UpstreamConfig
+from lightning.store import Store
 
 __version__: str = _core.__version__
 
 __all__ = [
+    "CallRecord",
+    "Gateway",
+    "GatewayClient",
+    "GatewayConfig",
+    "GatewayError",
+    "GatewayHandle",
+    "GatewayRequestError",
     "LightningError",
+    "Rollout",
+    "Store",
+    "UpstreamConfig",
     "__version__",
 ]
