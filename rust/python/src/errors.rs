@@ -64,5 +64,15 @@ pub fn core_error(py: Python<'_>, err: lightning_core::CoreError) -> PyErr {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LightningError", m.py().get_type::<LightningError>())?;
     m.add("InvalidCallError", invalid_call_type(m.py())?.bind(m.py()))?;
+create_exception!(
+    _core,
+    GatewayError,
+    LightningError,
+    "The gateway could not start or run (bad config, port in use, store failure)."
+);
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("LightningError", m.py().get_type::<LightningError>())?;
+    m.add("GatewayError", m.py().get_type::<GatewayError>())?;
     Ok(())
 }
