@@ -8,10 +8,12 @@
 use pyo3::prelude::*;
 
 mod errors;
+mod tokenizer;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
+    tokenizer::register(m)?;
     Ok(())
 }
