@@ -332,10 +332,11 @@ def micro_batches(items: Sequence[SeqItem], budget: int, *, mode: BatchMode) -> 
 
 
 def forward_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, *, entropy: bool = False
+    model: torch.nn.Module, mb: MicroBatch, *, entropy: bool = False, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probability of each target ``[K]`` (float32), and its entropy ``[K]``
-    when asked. Runs under whatever autocast context the caller set."""
+    """Log-probability of each target ``[K]`` (float32), and the entropy of the
+    predicted distribution ``[K]`` when asked (detached unless ``entropy_grad``).
+    Runs under whatever autocast context the caller set."""
     out = model(
         input_ids=mb.input_ids,
         position_ids=mb.position_ids,
@@ -346,5 +347,7 @@ def forward_logprobs(
     logits = out.logits.reshape(-1, out.logits.shape[-1])[mb.gather].float()  # [K, V]
     logz = torch.logsumexp(logits, dim=-1)  # [K]
     logp = logits.gather(1, mb.target_tokens[:, None]).squeeze(1) - logz  # [K]
-    ent = entropy_from_logits(logits) if entropy else None
+    ent = None
+    if entropy or entropy_grad:
+        ent = entropy_from_logits(logits if entropy_grad else logits.detach())
     return logp, ent
