@@ -53,7 +53,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from lightning.advantages import Estimator, estimate, zero_advantage_groups
 from lightning.batching import BatchMode, MicroBatch, SeqItem, forward_logprobs, micro_batches
@@ -105,7 +105,10 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # model and numerics
-    model: str = Field(description="local Hugging Face model directory")
+    model: str = Field(
+        description="local Hugging Face model directory",
+        validation_alias=AliasChoices("model", "model_path"),
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # "auto": bf16 autocast on CUDA, none (fp32) on CPU.
@@ -192,10 +195,16 @@ def _split_by_tokens(items: Sequence[SeqItem], parts: int) -> list[list[SeqItem]
 class Trainer:
     """A Hugging Face causal LM trained with the PPO family on merged samples."""
 
-    def __init__(self, config: TrainerConfig | Mapping[str, Any]) -> None:
+    def __init__(
+        self, config: TrainerConfig | Mapping[str, Any], *, log_dir: str | None = None
+    ) -> None:
+        """Load the model from ``config.model``; ``log_dir`` overrides ``config.log_dir``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.config = cfg = TrainerConfig.model_validate(config)
+        cfg = TrainerConfig.model_validate(config)
+        if log_dir is not None:
+            cfg = cfg.model_copy(update={"log_dir": log_dir})
+        self.config = cfg
         torch.manual_seed(cfg.seed)
         cuda = torch.cuda.is_available()
         if cfg.device == "cuda" and not cuda:
