@@ -344,10 +344,13 @@ def forward_logprobs(
         logits_to_keep=mb.keep,
         use_cache=False,
     )
-    logits = out.logits.reshape(-1, out.logits.shape[-1])[mb.gather].float()  # [K, V]
-    logz = torch.logsumexp(logits, dim=-1)  # [K]
-    logp = logits.gather(1, mb.target_tokens[:, None]).squeeze(1) - logz  # [K]
+    # Normalise each kept row once, then pick (row, token) pairs: a target
+    # shares its row with others in a tree, and indexing pairs avoids copying
+    # (and back-propagating through) a [K, V] gather of the logits.
+    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [R, V]
+    logz = torch.logsumexp(logits, dim=-1)  # [R]
+    logp = logits[mb.gather, mb.target_tokens] - logz[mb.gather]  # [K]
     ent = None
     if entropy or entropy_grad:
-        ent = entropy_from_logits(logits if entropy_grad else logits.detach())
+        ent = entropy_from_logits(logits if entropy_grad else logits.detach())[mb.gather]  # [K]
     return logp, ent
