@@ -45,6 +45,7 @@ __all__ = [
     "micro_batches",
     "packed_batches",
     "padded_batches",
+    "seq_items",
     "tree_batch",
     "tree_batches",
 ]
@@ -110,6 +111,20 @@ def _check(items: Sequence[SeqItem], budget: int) -> None:
     for item in items:
         if len(item.positions) and int(np.min(item.positions)) < 1:
             raise ValueError("a trained position must be >= 1 (position 0 has no logits before it)")
+
+
+def seq_items(samples: Sequence[Any]) -> list[SeqItem]:
+    """One :class:`SeqItem` per merged sample (``tokens``, ``weights``): trained
+    positions are those with weight > 0 (position 0 cannot be trained: nothing
+    predicts it); target ids run consecutively over the samples."""
+    items, tid = [], 0
+    for s in samples:
+        tokens = np.asarray(s.tokens).astype(np.int64)
+        pos = np.nonzero(np.asarray(s.weights) > 0)[0]
+        pos = pos[pos >= 1]
+        items.append(SeqItem(tokens, pos, np.arange(tid, tid + len(pos))))
+        tid += len(pos)
+    return items
 
 
 def padded_batches(items: Sequence[SeqItem], budget: int) -> list[MicroBatch]:

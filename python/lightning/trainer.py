@@ -56,7 +56,14 @@ import torch.distributed as dist
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from lightning.advantages import Estimator, estimate, zero_advantage_groups
-from lightning.batching import BatchMode, MicroBatch, SeqItem, forward_logprobs, micro_batches
+from lightning.batching import (
+    BatchMode,
+    MicroBatch,
+    SeqItem,
+    forward_logprobs,
+    micro_batches,
+    seq_items,
+)
 from lightning.losses import (
     AggregationMode,
     KLEstimator,
@@ -362,17 +369,11 @@ class Trainer:
         samples = [samples[i] for i in order]
 
         # Step-wide per-target tensors, indexed by target id.
-        items: list[SeqItem] = []
+        items = seq_items(samples)
         weight, advantage, rollout_lp, sample_id, rollout_idx = [], [], [], [], []
-        tid = 0
-        for k, s in enumerate(samples):
-            tokens = np.asarray(s.tokens).astype(np.int64)
-            w = np.asarray(s.weights, dtype=np.float32)
-            pos = np.nonzero(w > 0)[0]
-            pos = pos[pos >= 1]  # position 0 has no logits before it
-            items.append(SeqItem(tokens, pos, np.arange(tid, tid + len(pos))))
-            tid += len(pos)
-            weight.append(w[pos])
+        for k, (s, item) in enumerate(zip(samples, items, strict=True)):
+            pos = item.positions
+            weight.append(np.asarray(s.weights, dtype=np.float32)[pos])
             advantage.append(np.full(len(pos), adv_of[s.rollout_id], dtype=np.float32))
             lp = s.logprobs
             rollout_lp.append(
@@ -382,7 +383,7 @@ class Trainer:
             )
             sample_id.append(np.full(len(pos), k))
             rollout_idx.append(np.full(len(pos), rollout_rank[s.rollout_id]))
-        n = tid
+        n = sum(len(i.positions) for i in items)
         cat = lambda xs, dt: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0)).to(dt)  # noqa: E731
         W = cat(weight, torch.float32)  # [N]
         A = cat(advantage, torch.float32).to(self.device)  # [N]
