@@ -43,11 +43,19 @@ REWARD_AFTER_RETRY = 0.5
 MAX_TURNS = 2
 
 _NUMBER = re.compile(r"-?\d+")
+# "17 + 25 = 42", "The answer is 42", "Answer: 42": the number after the last
+# "=", "is" or ":" is the answer; SmolLM2-135M often restates the question first.
+_STATED = re.compile(r"(?:=|\bis\b|:)\s*(-?\d+)")
 
 
 def parse_answer(text: str) -> int | None:
-    """The first integer in the reply ("42", "The answer is 42.", "1,234")."""
-    match = _NUMBER.search(re.sub(r"(?<=\d),(?=\d{3}\b)", "", text or ""))
+    """The integer the reply gives as its answer: the one after the last "=",
+    "is" or ":" if any, else the first integer ("42", "1,234"); None if none."""
+    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text or "")
+    stated = _STATED.findall(text)
+    if stated:
+        return int(stated[-1])
+    match = _NUMBER.search(text)
     return int(match.group()) if match else None
 
 

@@ -330,3 +330,29 @@ def test_serve_cli(model_dir: Path) -> None:
         proc.wait(timeout=30)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_reload_lets_in_flight_finish_on_old_weights(model_dir: Path, tmp_path: Path) -> None:
+    new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(1.5)
+    new.save_pretrained(tmp_path / "w")
+    with Engine(model_dir, max_batch=4) as engine:
+        prompt = engine.chat_prompt_ids(MESSAGES)
+        long = SamplingParams(max_tokens=200, seed=0, ignore_eos=True)
+        box: list = []
+        import threading
+
+        worker = threading.Thread(target=lambda: box.append(engine.generate(prompt, long)))
+        worker.start()
+        while engine.status()["running"] == 0 and not box:
+            time.sleep(0.005)
+        assert engine.load_weights(tmp_path / "w", 3) == 3
+        # load_weights returned only after the in-flight sequence finished, on version 0.
+        assert box and box[0].weight_version == 0 and len(box[0].token_ids) == 200
+        worker.join()
+        old = reference_logprobs(model_dir, prompt, box[0].token_ids)
+        assert max(abs(a - b) for a, b in zip(old, box[0].logprobs, strict=True)) < 1e-4
+        after = engine.generate(prompt, SamplingParams(max_tokens=4, seed=0))
+        assert after.weight_version == 3 and engine.status()["weight_version"] == 3

@@ -137,6 +137,11 @@ def test_parse_and_check_answer() -> None:
     assert agent.parse_answer("The answer is -7.") == -7
     assert agent.parse_answer("1,234 apples") == 1234
     assert agent.parse_answer("no idea") is None
+    # Restating the question first is common for a 135M model.
+    assert agent.parse_answer("17 + 25 = 42") == 42
+    assert agent.parse_answer("2 + 8 is 10, because 2 and 8 are") == 10
+    assert agent.parse_answer("Answer: 7") == 7
+    assert agent.parse_answer("42 apples and 3 pears") == 42
     assert agent.check_answer(TASK, " 42\n") == (True, "Correct.")
     ok, feedback = agent.check_answer(TASK, "41")
     assert not ok and "too low" in feedback and "42" not in feedback

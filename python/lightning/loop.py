@@ -447,6 +447,12 @@ class Run:
         self._append_metrics({"step": cfg.steps, "eval_reward": summary["eval_after"]})
         self._checkpoint()
         self.state_path.write_text(json.dumps(self.state))
+        try:
+            from lightning.report import write_report
+
+            summary["report"] = str(write_report(self.out).html_path)
+        except Exception as e:  # the run's data is safe on disk; a report can be redone
+            log.warning("report failed: %s (rerun `lightning report %s`)", e, self.out)
         return summary
 
     def _checkpoint(self) -> None:
@@ -498,14 +504,7 @@ def _progress(total: int, start: int, *, quiet: bool) -> Iterator[Any]:
 
 def train(config: RunConfig, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
     with Run(config, resume=resume, quiet=quiet) as run:
-        summary = run.run()
-    try:
-        from lightning.report import write_report
-
-        summary["report"] = str(write_report(config.output_dir))
-    except Exception as e:  # the run's data is safe on disk; a report can be redone
-        log.warning("report failed: %s (rerun `lightning report %s`)", e, config.output_dir)
-    return summary
+        return run.run()
 
 
 def train_main(argv: list[str]) -> int:

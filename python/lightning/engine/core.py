@@ -130,6 +130,43 @@ class _Reload:
     done: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
 
 
+class _Collector:
+    """A sink that gathers one sequence's events into a GenerationResult future."""
+
+    def __init__(self, done: concurrent.futures.Future[GenerationResult]) -> None:
+        self.done = done
+        self.seq: SequenceState | None = None
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+
+    def __call__(self, ev: Event) -> None:
+        if ev.error is not None:
+            self.done.set_exception(RuntimeError(ev.error))
+            return
+        if ev.token is not None:
+            self.ids.append(ev.token.token)
+            self.logprobs.append(ev.token.logprob)
+            self.top.append(ev.token.top or [])
+        if ev.finish_reason is not None:
+            # submit_many returned (and set .seq) before the scheduler could admit
+            # anything: it needs the lock that submit_many held while queueing.
+            seq = self.seq
+            assert seq is not None
+            self.done.set_result(
+                GenerationResult(
+                    prompt_ids=list(seq.prompt_ids),
+                    token_ids=self.ids,
+                    logprobs=self.logprobs,
+                    top_logprobs=self.top if seq.params.logprobs else None,
+                    text=seq.text,
+                    finish_reason=ev.finish_reason,
+                    stop_reason=ev.stop_reason,
+                    weight_version=seq.weight_version,
+                )
+            )
+
+
 def default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -195,6 +232,9 @@ class Engine:
             torch_dtype = DTYPES[dtype]
         self.dtype = torch_dtype
         kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": "sdpa"}
+        # transformers' Auto* return types are too loose for mypy to help here.
+        self.tokenizer: Any
+        self.model: Any
         if gguf_file is not None:
             from transformers import GgufConfig
 
@@ -217,6 +257,12 @@ class Engine:
             self.tokenizer = AutoTokenizer.from_pretrained(source)
             self.model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
             default_name = source.name
+        layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(
+                f"this engine batches full-attention layers only; {self.model.config.model_type} "
+                f"has layer types {sorted(layer_types)} (serve it with vLLM or SGLang)"
+            )
         self.model.to(self.device)
         self.model.eval()
         self.model_path = str(source)
@@ -239,6 +285,9 @@ class Engine:
         self._ids = itertools.count()
         self._token_text: dict[int, tuple[str, bytes]] = {}
         self._byte_decoder = _byte_level_decoder(self.tokenizer)
+        # Fast tokenizers raise "Already borrowed" when one thread encodes (which may
+        # reset truncation state) while another decodes; the server does both.
+        self._tok_lock = threading.Lock()
         self.stats = {"steps": 0, "generated_tokens": 0, "requests": 0, "prefill_tokens": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -275,20 +324,23 @@ class Engine:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The prompt ids of a conversation, exactly ``apply_chat_template(tokenize=True)``."""
-        out = self.tokenizer.apply_chat_template(
-            list(messages),
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=True,
-            **(chat_template_kwargs or {}),
-        )
+        with self._tok_lock:
+            out = self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                **(chat_template_kwargs or {}),
+            )
         if hasattr(out, "keys"):
             out = out["input_ids"]
         return [int(t) for t in out]
 
     def text_prompt_ids(self, text: str) -> list[int]:
-        return [int(t) for t in self.tokenizer(text, add_special_tokens=True)["input_ids"]]
+        with self._tok_lock:
+            ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return [int(t) for t in ids]
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise EngineError when the request cannot run; nothing is queued."""
@@ -316,58 +368,43 @@ class Engine:
         self, prompt_ids: Sequence[int], params: SamplingParams, sink: Callable[[Event], None]
     ) -> SequenceState:
         """Queue one sequence; ``sink`` is called from the scheduler thread with each Event."""
-        ids = [int(t) for t in prompt_ids]
-        self.validate(ids, params)
-        seq = SequenceState(next(self._ids), ids, params, sink)
+        return self.submit_many([(prompt_ids, params, sink)])[0]
+
+    def submit_many(
+        self, items: Sequence[tuple[Sequence[int], SamplingParams, Callable[[Event], None]]]
+    ) -> list[SequenceState]:
+        """Queue several sequences at once (all validated first, queued together).
+
+        The choices of one request are queued in one go, so a weight reload cannot
+        fall between them unless ``max_batch`` is smaller than their number.
+        """
+        seqs = []
+        for prompt_ids, params, sink in items:
+            ids = [int(t) for t in prompt_ids]
+            self.validate(ids, params)
+            seqs.append(SequenceState(next(self._ids), ids, params, sink))
         with self._cv:
-            if self._closing:
-                raise RuntimeError("the engine is closed")
-            self._waiting.append(seq)
-            self.stats["requests"] += 1
+            if self._closing or self._thread is None:
+                raise RuntimeError(
+                    "the engine is not running; call start() or use `with Engine(...)`"
+                )
+            self._waiting.extend(seqs)
+            self.stats["requests"] += len(seqs)
             self._cv.notify_all()
-        if self._thread is None:
-            raise RuntimeError("the engine is not started; call start() or use `with Engine(...)`")
-        return seq
+        return seqs
 
     def generate_many(
         self, prompts: Iterable[Sequence[int]], params: SamplingParams
     ) -> list[GenerationResult]:
         """Run several prompts concurrently (batched) and wait for all of them."""
-        waiters = []
+        waiters: list[concurrent.futures.Future[GenerationResult]] = []
+        items = []
         for prompt in prompts:
             done: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
-            collected: dict[str, Any] = {"ids": [], "lps": [], "tops": []}
-            holder: list[SequenceState] = []
-
-            def sink(ev: Event, done=done, collected=collected, holder=holder) -> None:
-                if ev.error is not None:
-                    done.set_exception(RuntimeError(ev.error))
-                    return
-                if ev.token is not None:
-                    collected["ids"].append(ev.token.token)
-                    collected["lps"].append(ev.token.logprob)
-                    collected["tops"].append(ev.token.top)
-                if ev.finish_reason is not None:
-                    seq = holder[0]
-                    done.set_result(
-                        GenerationResult(
-                            prompt_ids=list(seq.prompt_ids),
-                            token_ids=collected["ids"],
-                            logprobs=collected["lps"],
-                            top_logprobs=collected["tops"] if seq.params.logprobs else None,
-                            text=seq.text,
-                            finish_reason=ev.finish_reason,
-                            stop_reason=ev.stop_reason,
-                            weight_version=seq.weight_version,
-                        )
-                    )
-
-            # The sink only fires after the scheduler picks the sequence up, by which
-            # time `holder` is filled (append happens before the lock is released).
-            with self._cv:
-                seq = self.submit(prompt, params, sink)
-                holder.append(seq)
             waiters.append(done)
+            items.append((prompt, params, _Collector(done)))
+        for seq, (_, _, collector) in zip(self.submit_many(items), items, strict=True):
+            collector.seq = seq
         return [w.result() for w in waiters]
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
@@ -450,7 +487,8 @@ class Engine:
         """The text and raw bytes of one token (byte-level BPE tokens may be partial UTF-8)."""
         hit = self._token_text.get(token)
         if hit is None:
-            piece = self.tokenizer.convert_ids_to_tokens(token)
+            with self._tok_lock:
+                piece = self.tokenizer.convert_ids_to_tokens(token)
             raw: bytes | None = None
             if self._byte_decoder is not None and isinstance(piece, str):
                 try:
@@ -458,7 +496,8 @@ class Engine:
                 except KeyError:
                     raw = None
             if raw is None:
-                raw = self.tokenizer.decode([token], skip_special_tokens=False).encode()
+                with self._tok_lock:
+                    raw = self.tokenizer.decode([token], skip_special_tokens=False).encode()
             hit = (raw.decode("utf-8", errors="replace"), raw)
             self._token_text[token] = hit
         return hit
@@ -542,7 +581,11 @@ class Engine:
                 joined.append((seq, kv.row_from_cache(cache, 0, seq.kv_len)))
         if not joined:
             return
-        rows = [(s, kv.row_from_cache(self._cache, i, s.kv_len)) for i, s in enumerate(self._rows)]
+        rows: list[tuple[SequenceState, kv.RowKV]] = []
+        if self._cache is not None:
+            rows = [
+                (s, kv.row_from_cache(self._cache, i, s.kv_len)) for i, s in enumerate(self._rows)
+            ]
         rows.extend(joined)
         self._rows = [s for s, _ in rows]
         self._cache = kv.build_slab(
@@ -606,11 +649,12 @@ class Engine:
             reason, stop_reason = "stop", token
         elif not params.ignore_eos and token in self.eos_ids:
             reason = "stop"
-        text = self.tokenizer.decode(
-            seq.output_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        with self._tok_lock:
+            text = self.tokenizer.decode(
+                seq.output_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                clean_up_tokenization_spaces=False,
+            )
         if params.stop and reason is None:
             longest = max(len(s) for s in params.stop)
             start = max(0, len(seq.text) - longest + 1)

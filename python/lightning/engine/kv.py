@@ -14,6 +14,8 @@ Padding is zeros, never garbage: a masked score has weight exactly 0, and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -54,14 +56,15 @@ class SlabCache(Cache):
 
     def __init__(self, layers: list[SlabLayer]) -> None:
         super().__init__(layers=list(layers))
+        self.slabs = list(layers)
 
     @property
     def length(self) -> int:
-        return self.layers[0].length if self.layers else 0
+        return self.slabs[0].length if self.slabs else 0
 
     @property
     def capacity(self) -> int:
-        return self.layers[0].buf_k.shape[2] if self.layers else 0
+        return self.slabs[0].buf_k.shape[2] if self.slabs else 0
 
 
 # One row's cache for every layer: [(keys [H, L, D], values [H, L, D])]; L = row length.
@@ -71,6 +74,7 @@ RowKV = list[tuple[torch.Tensor, torch.Tensor]]
 def row_from_cache(cache: Cache, row: int, row_len: int) -> RowKV:
     """Views of one row of any transformers cache (a prefill's DynamicCache, or a slab)."""
     out: RowKV = []
+    layer: Any
     for layer in cache.layers:
         keys, values = layer.keys, layer.values
         assert keys is not None and values is not None
@@ -104,9 +108,9 @@ def select_rows(cache: SlabCache, keep: list[int], row_lens: list[int], headroom
     length = cache.length
     new_length = max(row_lens)
     start = length - new_length
-    index = torch.tensor(keep, dtype=torch.long, device=cache.layers[0].buf_k.device)
+    index = torch.tensor(keep, dtype=torch.long, device=cache.slabs[0].buf_k.device)
     layers: list[SlabLayer] = []
-    for layer in cache.layers:
+    for layer in cache.slabs:
         capacity = max(layer.buf_k.shape[2] - start, new_length + max(headroom, 1))
         shape = (len(keep), layer.buf_k.shape[1], capacity, layer.buf_k.shape[3])
         keys = torch.zeros(shape, dtype=layer.buf_k.dtype, device=layer.buf_k.device)
@@ -122,7 +126,7 @@ def ensure_capacity(cache: SlabCache, extra: int) -> SlabCache:
     if cache.length + extra <= cache.capacity:
         return cache
     layers: list[SlabLayer] = []
-    for layer in cache.layers:
+    for layer in cache.slabs:
         capacity = layer.length + extra + GROW
         shape = (layer.buf_k.shape[0], layer.buf_k.shape[1], capacity, layer.buf_k.shape[3])
         keys = torch.zeros(shape, dtype=layer.buf_k.dtype, device=layer.buf_k.device)

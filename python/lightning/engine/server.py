@@ -130,7 +130,7 @@ def parse_common(
         ("presence_penalty", 0.0),
         ("repetition_penalty", 1.0),
     ):
-        value = body.get(name)
+        value = _get(body, name, (int, float))
         if value is not None and float(value) != neutral:
             raise RequestError(
                 f"{name} is not supported by this engine; leave it at {neutral}", param=name
@@ -367,19 +367,16 @@ class Api:
     ) -> tuple[asyncio.Queue[tuple[int, Event]], list[Any], list[ChoiceResult]]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        seqs, results = [], []
+        items: list[Any] = []
+        results: list[ChoiceResult] = []
         n = len(parsed.params)
+        for pi, prompt in enumerate(prompts):
+            for ci, params in enumerate(parsed.params):
+                items.append((prompt, params, ChoiceStream(loop, queue, pi * n + ci)))
+                results.append(ChoiceResult(prompt, [], []))
         try:
-            for pi, prompt in enumerate(prompts):
-                for ci, params in enumerate(parsed.params):
-                    index = pi * n + ci
-                    seqs.append(
-                        self.engine.submit(prompt, params, ChoiceStream(loop, queue, index))
-                    )
-                    results.append(ChoiceResult(prompt, [], []))
+            seqs: list[Any] = self.engine.submit_many(items)
         except EngineError as exc:
-            for s in seqs:
-                s.cancel()
             raise RequestError(str(exc), code=exc.code, param=exc.param) from None
         return queue, seqs, results
 
@@ -605,7 +602,6 @@ class Api:
     async def _chat_stream(
         self, rid, created, parsed, prompt, queue, seqs, results
     ) -> AsyncIterator[dict[str, Any]]:  # type: ignore[no-untyped-def]
-        version = self.engine.weight_version
         base = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -613,26 +609,30 @@ class Api:
             "model": self.engine.model_name,
         }
         completion_tokens = 0
-        for i in range(len(results)):
-            first: dict[str, Any] = {
-                **base,
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            }
-            if parsed.return_token_ids:
-                first["prompt_token_ids"] = prompt
-            if parsed.continuous_usage:
-                first["usage"] = _usage(len(prompt), 0)
-            first["weight_version"] = version
-            yield first
+        started: set[int] = set()
         try:
             async for index, event in self._stream_events(queue, seqs, results):
+                version = seqs[index].weight_version
+                if index not in started:
+                    # vLLM's first chunk of a choice: the role, and the prompt ids.
+                    started.add(index)
+                    first: dict[str, Any] = {
+                        **base,
+                        "choices": [
+                            {
+                                "index": index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                    if parsed.return_token_ids:
+                        first["prompt_token_ids"] = prompt
+                    if parsed.continuous_usage:
+                        first["usage"] = _usage(len(prompt), completion_tokens)
+                    first["weight_version"] = version
+                    yield first
                 choice: dict[str, Any] = {
                     "index": index,
                     "delta": {"content": event.text} if event.text or event.token else {},
@@ -649,7 +649,7 @@ class Api:
                 chunk: dict[str, Any] = {**base, "choices": [choice]}
                 if parsed.continuous_usage:
                     chunk["usage"] = _usage(len(prompt), completion_tokens)
-                chunk["weight_version"] = seqs[index].weight_version
+                chunk["weight_version"] = version
                 yield chunk
         except RequestError as exc:
             yield self._error_chunk(exc)
