@@ -12,11 +12,29 @@ two cannot be installed in one environment.
 from __future__ import annotations
 
 from lightning import _core
-from lightning._core import LightningError
+from lightning._core import (
+    Drift,
+    LightningError,
+    MessageSpan,
+    SplicedSpan,
+    SpliceResult,
+    TemplateError,
+    Tokenizer,
+    TokenizerError,
+    classify_drift,
+)
 
 __version__: str = _core.__version__
 
 __all__ = [
+    "Drift",
     "LightningError",
+    "MessageSpan",
+    "SpliceResult",
+    "SplicedSpan",
+    "TemplateError",
+    "Tokenizer",
+    "TokenizerError",
+    "classify_drift",
     "__version__",
 ]

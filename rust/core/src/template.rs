@@ -67,6 +67,10 @@ impl ChatTemplate {
             Ok(Value::from(strftime_now(&fmt)))
         });
         env.add_filter("tojson", tojson);
+        // Python: None and numbers are not iterable (minijinja iterates none as empty).
+        env.add_test("iterable", |v: &Value| {
+            matches!(v.kind(), ValueKind::Seq | ValueKind::Map | ValueKind::String | ValueKind::Iterable)
+        });
         env.add_template_owned(NAME, source.to_owned()).map_err(|e| template_error(&e))?;
         Ok(Self { env })
     }
