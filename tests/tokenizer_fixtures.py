@@ -201,3 +201,42 @@ if __name__ == "__main__":
     for stem, info in build_all().items():
         print(f"{stem:16} {info}")
     print("smollm2", smollm2())
+
+
+# --- pytest fixtures (imported by tests/conftest.py) ---------------------------
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smol():
+    from lightning import Tokenizer
+
+    return Tokenizer.from_dir(smollm2_dir())
+
+
+@pytest.fixture(scope="session")
+def smol_hf():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir())
+
+
+def load_pair(stem: str, template: str | None):
+    """(ours, transformers) for a converted vocab with one of the sdist templates."""
+    from transformers import AutoTokenizer
+
+    from lightning import Tokenizer
+
+    d = tokenizer_dir(stem)
+    if d is None:
+        pytest.skip(f"vocab {stem} did not convert to a matching tokenizer")
+    src = None
+    if template is not None:
+        path = template_path(template)
+        if path is None:
+            pytest.skip(f"template {template} not in the sdist")
+        src = path.read_text(encoding="utf-8")
+    hf = AutoTokenizer.from_pretrained(d)
+    if src is not None:
+        hf.chat_template = src
+    return Tokenizer.from_dir(d, chat_template=src), hf

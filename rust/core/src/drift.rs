@@ -15,8 +15,8 @@
 //!    completion was cut, e.g. no EOS) and the divergence lies in its last turn.
 //! 6. `separator`: the texts agree once whitespace and control tokens are
 //!    ignored (the template's scaffold between turns changed).
-//! 7. `compacted`: the previous text after the divergence is (mostly) absent
-//!    from the next prompt: history summarized or dropped.
+//! 7. `compacted`: most turns after the divergent one are absent from the next
+//!    prompt: history summarized or dropped.
 //! 8. `other`.
 
 use serde_json::Value as Json;
@@ -244,11 +244,29 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
         ));
     }
 
-    let head: String = squeeze(a).chars().take(32).collect();
-    if !head.is_empty() && !squeeze(b).contains(&head) {
+    // Compacted: the turns after the divergent one are gone from the next prompt.
+    let later: Vec<String> = {
+        let pcs = tok.pieces(a, &[]);
+        let first = pcs.iter().position(|pc| matches!(pc, Piece::Added { .. }));
+        pcs.iter()
+            .skip(first.map_or(pcs.len(), |f| f + 1))
+            .filter_map(|pc| match *pc {
+                Piece::Text(s, e) => Some(squeeze(&a[s..e])),
+                _ => None,
+            })
+            .filter(|s| s.chars().count() >= 4)
+            .collect()
+    };
+    let sb_all = squeeze(b);
+    let present = later.iter().filter(|s| sb_all.contains(s.as_str())).count();
+    if !later.is_empty() && present * 2 < later.len() {
         return Ok(verdict(
             DriftKind::Compacted,
-            format!("previous text after byte {c} is absent from the next prompt: history dropped or summarized ({id_note})"),
+            format!(
+                "{} of {} later turns of the previous context are absent from the next prompt: history dropped or summarized ({id_note})",
+                later.len() - present,
+                later.len()
+            ),
         ));
     }
     Ok(verdict(
