@@ -31,7 +31,9 @@ def _tasks(tmp_path: Path) -> tuple[Path, Path]:
     finally:
         sys.path.remove(str(EXAMPLES))
     out = tmp_path / "tasks"
-    assert arith_tasks.main(["--n", "60", "--eval-size", "4", "--seed", "3", "--out", str(out)]) == 0
+    assert (
+        arith_tasks.main(["--n", "60", "--eval-size", "4", "--seed", "3", "--out", str(out)]) == 0
+    )
     return out / "train.jsonl", out / "eval.jsonl"
 
 

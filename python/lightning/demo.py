@@ -45,8 +45,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, help="override the number of training steps")
     p.add_argument("--output-dir", help="default: runs/demo-seed<SEED>")
-    p.add_argument("--model", choices=["smollm2-135m-instruct", "tiny"],
-                   help="override the model (tiny: a random model, for smoke tests)")
+    p.add_argument(
+        "--model",
+        choices=["smollm2-135m-instruct", "tiny"],
+        help="override the model (tiny: a random model, for smoke tests)",
+    )
     p.add_argument("--config", help="default: examples/demo.toml")
     args = p.parse_args(argv)
 

@@ -42,6 +42,11 @@ from lightning.runner import RolloutResult, Runner, load_callable
 
 log = logging.getLogger("lightning.loop")
 
+# The name the embedded engine serves the policy under; harnesses get it as
+# OPENAI_MODEL (most read it; one that hard-codes a name needs external engines
+# started with that name).
+SERVED_MODEL_NAME = "policy"
+
 
 def read_tasks(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Tasks from a JSONL file (one JSON object per line)."""
@@ -99,6 +104,8 @@ class EmbeddedEngine:
             str(max_batch),
             "--dtype",
             dtype,
+            "--served-model-name",
+            SERVED_MODEL_NAME,
         ]
         if threads:
             argv += ["--threads", str(threads)]
@@ -214,7 +221,7 @@ class Run:
         self._stack.close()
 
     def _setup(self) -> None:
-        from lightning import Gateway, GatewayClient, GatewayConfig, Tokenizer
+        from lightning import Gateway, GatewayClient, GatewayConfig, Tokenizer, UpstreamConfig
         from lightning.trainer import Trainer, TrainerConfig
 
         cfg = self.config
@@ -235,6 +242,8 @@ class Run:
             }
         )
         self.trainer = Trainer(trainer_cfg, log_dir=str(self.out))
+        if hasattr(self.trainer, "close"):
+            self._stack.callback(self.trainer.close)
         start_weights: Path | None = None
         if self.resume and self.state["step"] > 0:
             ckpt = self.out / "checkpoints" / "latest"
@@ -262,16 +271,21 @@ class Run:
 
         self.admin_key = cfg.gateway.admin_key or secrets.token_urlsafe(24)
         db = cfg.gateway.db or str(self.out / "lightning.db")
+        version = int(self.state["weight_version"])
         gw_config = GatewayConfig(
             listen=cfg.gateway.listen,
-            upstreams=upstreams,
+            upstreams=[UpstreamConfig(url=u, weight_version=version) for u in upstreams],
             db=db,
             admin_key=self.admin_key,
-            weight_version=int(self.state["weight_version"]),
+            # The gateway enforces the sampling temperature per mode, so even a
+            # harness that sets its own temperature samples what the trainer assumes.
+            train_temperature=cfg.algorithm.train_temperature,
+            eval_temperature=cfg.algorithm.eval_temperature,
         )
         self.gateway = Gateway(gw_config).start()
         self._stack.callback(self.gateway.stop)
         self.client = GatewayClient(self.gateway.url, self.admin_key)
+        self._stack.callback(self.client.close)
 
         harness: Any
         if cfg.harness.command is not None:
@@ -279,6 +293,9 @@ class Run:
         else:
             assert cfg.harness.callable is not None
             harness = load_callable(cfg.harness.callable)
+        env = dict(cfg.harness.env)
+        if self.engine is not None:
+            env.setdefault("OPENAI_MODEL", SERVED_MODEL_NAME)
         self.runner = Runner(
             self.client,
             harness,
@@ -286,7 +303,7 @@ class Run:
             reward_fn=cfg.reward.function,
             concurrency=cfg.harness.concurrency,
             timeout_s=cfg.harness.timeout_s,
-            env=cfg.harness.env,
+            env=env,
             cwd=cfg.harness.cwd,
         )
 
@@ -321,11 +338,8 @@ class Run:
 
     def _sync_weights(self, version: int) -> None:
         """Pause the gateway, drain in-flight calls, push weights, resume (DESIGN.md §7)."""
-        self.client.pause()
+        self.client.pause(drain=True, timeout_s=120.0)
         try:
-            deadline = time.monotonic() + 120
-            while self.client.state().get("in_flight", 0) and time.monotonic() < deadline:
-                time.sleep(0.05)
             path = self.out / "weights" / f"v{version}"
             self.trainer.export_weights(str(path))
             if self.engine is not None:
@@ -347,6 +361,8 @@ class Run:
     def _write_traces(
         self, step: int, results: Sequence[RolloutResult], merged: Any, rewards: dict[str, float]
     ) -> None:
+        from lightning.report import decode_pieces
+
         n = self.config.traces_per_step
         if n <= 0:
             return
@@ -360,7 +376,7 @@ class Run:
         with open(self.out / "traces.jsonl", "a") as f:
             for rid in list(by_rollout)[:n]:
                 sample = by_rollout[rid][0]
-                pieces = [self.tokenizer.decode([int(t)]) for t in sample.tokens]
+                pieces = decode_pieces([int(t) for t in sample.tokens], self.tokenizer.decode)
                 f.write(
                     json.dumps(
                         {
@@ -396,6 +412,12 @@ class Run:
             )
         merged = merge_calls(calls, tokenizer=self.tokenizer)
         t_rollout = time.monotonic() - t0
+        if not merged.samples:
+            raise RuntimeError(
+                f"step {step}: no trainable calls from {len(results)} rollouts "
+                f"(statuses {dict(status)}); see the stderr events in the store "
+                f"({self.out / 'lightning.db'}) and {self.out / 'engine.log'}"
+            )
         metrics: dict[str, Any] = dict(self.trainer.step(merged.samples, rewards, groups))
         version = step + 1
         self._sync_weights(version)
