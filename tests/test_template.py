@@ -180,7 +180,9 @@ def conversations(draw):
     return msgs
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(msgs=conversations(), agp=st.booleans())
 def test_generated_parity_smollm2(smol, smol_hf, msgs, agp):
     check(smol, smol_hf, msgs, agp=agp)
@@ -196,7 +198,9 @@ def qwen3():
     return load_pair("qwen2", "Qwen-Qwen3-0.6B.jinja")
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(msgs=conversations(), agp=st.booleans(), with_tools=st.booleans())
 def test_generated_parity_qwen(qwen25, qwen3, msgs, agp, with_tools):
     for ours, hf in (qwen25, qwen3):

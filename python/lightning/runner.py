@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -125,8 +127,6 @@ def load_callable(spec: str) -> Callable[..., Any]:
         raise RunnerError(f"expected 'module:function', got {spec!r}")
     module_name, _, func_name = spec.rpartition(":")
     if module_name.endswith(".py"):
-        import importlib.util
-
         path = os.path.abspath(module_name)
         mod_spec = importlib.util.spec_from_file_location(
             os.path.splitext(os.path.basename(path))[0], path
