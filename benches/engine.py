@@ -18,6 +18,7 @@ import subprocess
 import time
 
 import openai
+
 from lightning.engine import Engine
 from lightning.engine.server import RunningServer
 from lightning.models import smollm2_dir

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from lightning import cli, data
 from lightning.data import DataConfig
 
@@ -133,8 +134,9 @@ def test_length_filter_with_plain_encode() -> None:
 
 
 def test_length_filter_with_real_tokenizers() -> None:
-    from lightning.models import smollm2_dir
     from transformers import AutoTokenizer
+
+    from lightning.models import smollm2_dir
 
     model_dir = smollm2_dir()
     fast = data.load_tokenizer(model_dir)  # tokenizers.Tokenizer

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tokenizer_fixtures import load_pair
 
 import lightning
+from tokenizer_fixtures import load_pair
 
 
 def ids(tok, text):

@@ -16,10 +16,11 @@ import httpx
 import openai
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from lightning.engine import Engine, SamplingParams
 from lightning.engine.server import RunningServer
 from lightning.models import tiny_model_dir
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 

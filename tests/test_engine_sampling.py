@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from lightning.engine.sampling import SamplingParams, filtered_logits, sample_row
 
 

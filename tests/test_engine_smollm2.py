@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from lightning.engine import Engine, SamplingParams
 from lightning.models import smollm2_dir
-from transformers import AutoModelForCausalLM
 
 QUESTIONS = ("What is 2 + 3?", "Name a color.", "Say hello.", "What is the capital of France?")
 

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import lightning
 import numpy as np
 import openai
 import pytest
+
+import lightning
 from fake_vllm import FakeEngine
 from lightning import Gateway, GatewayClient, GatewayConfig, GatewayRequestError, Store
 

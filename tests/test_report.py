@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from lightning import cli, report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_vllm import FakeEngine
 
 import lightning
+from fake_vllm import FakeEngine
 from lightning import Gateway, GatewayClient, GatewayConfig
-from lightning.runner import Runner, RunnerError, RolloutTrace
+from lightning.runner import RolloutTrace, Runner, RunnerError
 
 
 @pytest.fixture(scope="module")

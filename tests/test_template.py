@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizer_fixtures import load_pair
 
 import lightning
+from tokenizer_fixtures import load_pair
 
 TOOLS = [
     {
