@@ -682,15 +682,21 @@ class Engine:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         if not seq.cancelled:
-            seq.sink(
-                Event(
-                    token=choice,
-                    text=delta,
-                    text_offset=min(offset, len(text)),
-                    finish_reason=reason,
-                    stop_reason=stop_reason,
-                )
+            event = Event(
+                token=choice,
+                text=delta,
+                text_offset=min(offset, len(text)),
+                finish_reason=reason,
+                stop_reason=stop_reason,
             )
+            try:
+                seq.sink(event)
+            except Exception:
+                # A broken consumer (e.g. its event loop closed) must not take the
+                # whole batch down: drop just this sequence.
+                log.warning("dropping sequence %d: its sink failed", seq.id, exc_info=True)
+                seq.cancelled = True
+                seq.finish_reason = seq.finish_reason or "abort"
 
 
 def _byte_level_decoder(tokenizer: Any) -> dict[str, int] | None:

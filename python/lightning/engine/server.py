@@ -643,8 +643,9 @@ class Api:
                         choice["logprobs"] = self._chat_logprobs([event], parsed.tokens_as_ids)
                     if parsed.return_token_ids:
                         choice["token_ids"] = [event.token.token]
+                # vLLM sets finish_reason on every chunk (null until the last).
+                choice["finish_reason"] = event.finish_reason
                 if event.finish_reason is not None:
-                    choice["finish_reason"] = event.finish_reason
                     choice["stop_reason"] = event.stop_reason
                 chunk: dict[str, Any] = {**base, "choices": [choice]}
                 if parsed.continuous_usage:
