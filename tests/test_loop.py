@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lightning import cli
 from lightning.config import RunConfig
 from lightning.loop import Run, read_tasks
 
@@ -37,7 +38,9 @@ def _tasks(tmp_path: Path) -> tuple[Path, Path]:
     return out / "train.jsonl", out / "eval.jsonl"
 
 
-def test_two_steps_of_the_demo_on_the_tiny_model(tmp_path: Path) -> None:
+def test_two_steps_of_the_demo_on_the_tiny_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     train, eval_ = _tasks(tmp_path)
     assert len(read_tasks(train)) > 10 and len(read_tasks(eval_)) == 4
     out = tmp_path / "run"
@@ -85,3 +88,14 @@ def test_two_steps_of_the_demo_on_the_tiny_model(tmp_path: Path) -> None:
     assert (out / "checkpoints" / "latest").is_dir()
     assert (out / "report.html").stat().st_size > 1000
     assert (out / "traces.jsonl").read_text().strip()
+
+    # `lightning show` reads a rollout back from the store, merged and decoded.
+    (rid,) = db.execute(
+        "select r.id from rollouts r join calls c on c.rollout_id = r.id "
+        "where r.mode = 'train' limit 1"
+    ).fetchone()
+    capsys.readouterr()
+    assert cli.main(["show", rid, "--db", str(out / "lightning.db"), "--color", "never"]) == 0
+    shown = capsys.readouterr().out
+    assert f"rollout {rid}" in shown and "«" in shown  # generated text is marked
+    assert cli.main(["show", "no-such-rollout", "--db", str(out / "lightning.db")]) == 1

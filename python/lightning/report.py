@@ -583,15 +583,56 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def trace_records_from_store(db: str, rollout_id: str) -> list[dict[str, Any]]:
-    """Hook for ``lightning show --db``: fetch the rollout's calls from the gateway
-    store, merge them and decode pieces (see :func:`decode_pieces`). The store and
-    merge bindings land with the gateway and merge branches; until then this says so."""
-    raise NotImplementedError(
-        f"reading rollout {rollout_id!r} from the store {db!r} needs lightning.Store and "
-        "lightning.merge_calls (gateway/merge branches); use --run RUN_DIR to show a "
-        "trace from RUN_DIR/traces.jsonl"
-    )
+def _model_dir_for(db: Path) -> str:
+    """The policy's directory for a store inside a run dir (RUN_DIR/config.json)."""
+    config = db.parent / "config.json"
+    if not config.exists():
+        raise FileNotFoundError(
+            f"no run config next to {db}; pass --model DIR (the tokenizer's model directory)"
+        )
+    from lightning.config import RunConfig
+
+    return str(RunConfig.model_validate_json(config.read_text()).model.resolve())
+
+
+def trace_records_from_store(
+    db: str, rollout_id: str, model_dir: str | None = None
+) -> list[dict[str, Any]]:
+    """One rollout's merged samples from the gateway store, as ``traces.jsonl`` records.
+
+    Reads the calls straight from the SQLite file, merges them with the radix trie
+    (divergences classified with the policy's tokenizer) and decodes each token.
+    """
+    from lightning import Store, Tokenizer, merge_calls
+
+    path = Path(db)
+    if not path.exists():
+        raise FileNotFoundError(f"store {db} does not exist")
+    with Store(path) as store:
+        calls = store.trace(rollout_id)
+        reward = store.rewards().get(rollout_id)
+        info = next((r for r in store.rollouts() if r["rollout_id"] == rollout_id), None)
+    if info is None:
+        raise LookupError(f"rollout {rollout_id!r} is not in {db}")
+    if not calls:
+        return []
+    tokenizer = Tokenizer.from_dir(model_dir or _model_dir_for(path))
+    merged = merge_calls(calls, tokenizer=tokenizer)
+    divergences = [{"position": int(d.position), "kind": d.kind} for d in merged.divergences]
+    records = []
+    for sample in merged.samples:
+        ids = [int(t) for t in sample.tokens]
+        records.append(
+            {
+                "rollout_id": rollout_id,
+                "reward": reward,
+                "task": info["task"],
+                "pieces": decode_pieces(ids, tokenizer.decode),
+                "weights": [float(w) for w in sample.weights],
+                "divergences": [d for d in divergences if d["position"] < len(ids)],
+            }
+        )
+    return records
 
 
 def show_main(argv: list[str]) -> int:
@@ -604,6 +645,7 @@ def show_main(argv: list[str]) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--db", help="gateway store (SQLite file)")
     src.add_argument("--run", help="run directory with traces.jsonl")
+    p.add_argument("--model", help="model dir for the tokenizer (default: from the run's config)")
     p.add_argument(
         "--color",
         choices=("auto", "always", "never"),
@@ -613,10 +655,13 @@ def show_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.db:
         try:
-            records = trace_records_from_store(args.db, args.rollout_id)
-        except NotImplementedError as e:
+            records = trace_records_from_store(args.db, args.rollout_id, args.model)
+        except FileNotFoundError as e:
             print(f"lightning show: {e}", file=sys.stderr)
             return 2
+        except LookupError as e:
+            print(f"lightning show: {e}", file=sys.stderr)
+            return 1
     else:
         records = [
             t
