@@ -119,6 +119,7 @@ class AlgorithmSection(_Section):
     tasks_per_step: int = Field(2, ge=1)
     train_temperature: float = Field(1.0, ge=0.0)
     eval_temperature: float = Field(0.0, ge=0.0)
+    eval_samples: int = Field(1, ge=1, description="rollouts per held-out task at each eval")
     drop_failed_rollouts: bool = True
 
 

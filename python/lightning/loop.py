@@ -317,10 +317,14 @@ class Run:
         if not self.eval_tasks:
             return float("nan")
         temp = self.config.algorithm.eval_temperature
-        jobs = [({**t, "temperature": temp}, None) for t in self.eval_tasks]
+        k = self.config.algorithm.eval_samples
+        jobs = [({**t, "temperature": temp}, None) for t in self.eval_tasks for _ in range(k)]
         results = self.runner.run(jobs, mode="eval")
         reward = _eval_reward(results)
-        self._say(f"eval ({label}): mean reward {reward:.3f} over {len(results)} held-out tasks")
+        self._say(
+            f"eval ({label}): mean reward {reward:.3f} over {len(self.eval_tasks)} held-out "
+            f"tasks × {k} at temperature {temp:g}"
+        )
         return reward
 
     def _rollouts(self, step: int) -> list[RolloutResult]:
