@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
+
 from lightning.batching import BATCH_MODES, SeqItem, forward_logprobs, micro_batches
 from lightning.models import smollm2_dir, tiny_model_dir
-from transformers import AutoModelForCausalLM
 
 
 def grpo_items(tasks: int, group: int, prompt: int, completion: int, seed: int) -> list[SeqItem]:

@@ -7,6 +7,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+
 from split_case import grads_per_mode, trainer
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from lightning.losses import AGGREGATION_MODES
 from lightning.models import tiny_model_dir
 from lightning.trainer import Trainer

@@ -5,10 +5,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-import reference
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import reference
 from lightning.advantages import (
     ESTIMATORS,
     discounted_returns,

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import reference
 import torch
+from transformers import AutoModelForCausalLM
+
+import reference
 from lightning.batching import (
     BATCH_MODES,
     SeqItem,
@@ -13,7 +15,6 @@ from lightning.batching import (
     tree_batch,
 )
 from lightning.models import tiny_model_dir
-from transformers import AutoModelForCausalLM
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,11 @@ from __future__ import annotations
 import math
 
 import pytest
-import reference
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import reference
 from lightning.losses import (
     AGGREGATION_MODES,
     Normalizer,

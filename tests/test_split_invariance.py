@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lightning.losses import AGGREGATION_MODES
 from split_case import grads_per_mode, trainer
 

@@ -7,11 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
+
 from lightning.models import smollm2_dir, tiny_model_dir
 from lightning.trainer import METRIC_KEYS, Trainer, TrainerConfig
-from pydantic import ValidationError
 from samples import grpo_batch, make_sample
-from transformers import AutoModelForCausalLM
 
 
 def tiny_trainer(**kw: object) -> Trainer:

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import math
 
-import lightning
 import numpy as np
 import pytest
-import reference
 import torch
+from transformers import AutoModelForCausalLM
+
+import lightning
+import reference
 from lightning.batching import BATCH_MODES, forward_logprobs, micro_batches, seq_items, tree_batch
 from lightning.models import tiny_model_dir
 from lightning.trainer import Trainer
-from transformers import AutoModelForCausalLM
 
 if not hasattr(lightning, "merge_calls"):  # the merge branch has not landed in this checkout
     pytest.skip("lightning.merge_calls is not built in this checkout", allow_module_level=True)
