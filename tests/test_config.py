@@ -1,0 +1,74 @@
+"""`lightning train` configs: the bundled ones validate, bad ones fail early with
+a message that says what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from lightning.config import RunConfig
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("name", ["demo.toml", "gpu_qwen.toml"])
+def test_bundled_configs_validate(name: str) -> None:
+    from lightning.trainer import TrainerConfig
+
+    config = RunConfig.load(EXAMPLES / name)
+    # Relative paths resolve against the config file, not the working directory.
+    assert Path(config.tasks.train).is_absolute()
+    assert config.harness.cwd == str(EXAMPLES.resolve())
+    TrainerConfig.model_validate({"model_path": "unused", **config.trainer})
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+BASE = """
+[model]
+builtin = "tiny"
+[harness]
+command = ["true"]
+[tasks]
+train = "tasks.jsonl"
+"""
+
+
+def test_overrides_and_defaults(tmp_path: Path) -> None:
+    config = RunConfig.load(write(tmp_path, BASE), {"steps": 3, "algorithm.group_size": 4})
+    assert config.steps == 3 and config.algorithm.group_size == 4
+    assert config.tasks.train == str(tmp_path / "tasks.jsonl")
+    assert config.engine.kind == "embedded" and config.reward.source == "stdout"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ('[engine]\nkind = "external"\n', "needs `urls`"),
+        ('[reward]\nsource = "function"\n', "needs `function"),
+        ("unknown_key = 1\n", "Extra inputs are not permitted"),
+        ('[algorithm]\nestimator = "ppo"\n', "grpo"),
+    ],
+)
+def test_bad_configs_name_the_problem(tmp_path: Path, extra: str, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        RunConfig.load(write(tmp_path, extra + BASE))
+
+
+def test_harness_needs_exactly_one_kind(tmp_path: Path) -> None:
+    text = BASE.replace('command = ["true"]', 'command = ["true"]\ncallable = "m:f"')
+    with pytest.raises(ValidationError, match="exactly one of `command` or `callable`"):
+        RunConfig.load(write(tmp_path, text))
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        RunConfig.load(tmp_path / "nope.toml")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        RunConfig.load(write(tmp_path, "steps = = 3"))
