@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lightning demo", description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, help="override the number of training steps")
-    p.add_argument("--output-dir", help="default: runs/demo-seed<SEED>")
+    p.add_argument("--output-dir", help="default: runs/demo-seed<SEED>-<timestamp>")
     p.add_argument(
         "--model",
         choices=["smollm2-135m-instruct", "tiny"],
@@ -55,7 +56,8 @@ def main(argv: list[str]) -> int:
 
     examples = examples_dir()
     config_path = Path(args.config) if args.config else examples / "demo.toml"
-    out = Path(args.output_dir or f"runs/demo-seed{args.seed}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.output_dir or f"runs/demo-seed{args.seed}-{stamp}")
     tasks_dir = out / "tasks"
     print(f"[lightning] demo: generating and cleaning tasks into {tasks_dir}", flush=True)
     gen = _load(examples / "arith_tasks.py")
