@@ -232,42 +232,6 @@ def pack(
     return out
 
 
-def linear_prefix_merge(
-    calls: Sequence[tuple[str, list[int], list[int], list[float]]],
-) -> list[tuple[str, list[int], list[int], list[float]]]:
-    """The peer's algorithm (a row per rollout, a new row whenever the next prompt
-    does not start with the row so far): the baseline of benches/merge.py.
-
-    Input: (rollout_id, prompt, completion, logprobs) in order. Output rows of
-    (rollout_id, tokens, loss mask, logprobs).
-    """
-    by_rollout: dict[str, list[tuple[list[int], list[int], list[float]]]] = {}
-    for rid, prompt, completion, logprobs in calls:
-        by_rollout.setdefault(rid, []).append((prompt, completion, logprobs))
-    rows: list[tuple[str, list[int], list[int], list[float]]] = []
-    nan = math.nan
-    for rid, turns in by_rollout.items():
-        tokens: list[int] = []
-        mask: list[int] = []
-        lps: list[float] = []
-        for prompt, completion, logprobs in turns:
-            if tokens and prompt[: len(tokens)] == tokens:
-                extra = prompt[len(tokens) :]
-            else:
-                if tokens:
-                    rows.append((rid, tokens, mask, lps))
-                tokens, mask, lps = [], [], []
-                extra = prompt
-            tokens += extra
-            mask += [0] * len(extra)
-            lps += [nan] * len(extra)
-            tokens += completion
-            mask += [1] * len(completion)
-            lps += logprobs
-        rows.append((rid, tokens, mask, lps))
-    return rows
-
-
 # --- RL math (advantages, aggregation, PPO) ---------------------------------
 
 

@@ -69,7 +69,8 @@ class Sample:
     where it is trained (0 for context); ``logprobs`` is the rollout logprob wherever
     some call generated the token (NaN otherwise); ``call_index`` is the first
     generating call's index in the ``merge_calls`` input where the weight is > 0,
-    else -1.
+    else -1. The arrays are views into one flat buffer per field shared by all
+    samples of the merge (writable; each access returns a new view of the same memory).
     """
 
     @property

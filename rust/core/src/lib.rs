@@ -18,4 +18,4 @@ pub use error::CoreError;
 pub use trace::{
     Call, CallView, Divergence, DivergenceKind, MergeStats, Merged, PackedTree, Sample,
 };
-pub use trie::{merge, pack, Trie};
+pub use trie::{merge, pack, plan, MergePlan, SampleInfo, SampleMut, Trie};

@@ -204,6 +204,9 @@ pub struct Merged {
     pub samples: Vec<Sample>,
     pub divergences: Vec<Divergence>,
     pub stats: MergeStats,
+    /// Wall-clock seconds spent inserting calls and emitting samples (for benchmarks).
+    pub insert_seconds: f64,
+    pub samples_seconds: f64,
 }
 
 /// All trie nodes (one per token) in DFS order, for one forward pass with an

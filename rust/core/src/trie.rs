@@ -11,9 +11,10 @@
 //! calls) in the first sample that contains the node, and are context elsewhere.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use crate::error::CoreError;
-use crate::trace::{CallView, Divergence, DivergenceKind, Merged, PackedTree, Sample};
+use crate::trace::{CallView, Divergence, DivergenceKind, MergeStats, Merged, PackedTree, Sample};
 
 /// A span `[from, to)` of depths that `call` generated on one edge.
 #[derive(Debug, Clone, Copy)]
@@ -281,25 +282,36 @@ impl<'c, 'a> Trie<'c, 'a> {
         }
     }
 
-    /// Root-to-leaf paths, DFS in creation order, cut at `limit` tokens. `map`
-    /// turns trie call indices into the indices reported to the user.
-    /// Returns the samples (without rollout id/group) and the dropped count.
-    fn samples(&self, limit: usize, map: &[usize]) -> (Vec<Sample>, usize) {
+    /// Root-to-leaf paths in DFS order (children in creation order), cut at
+    /// `limit` tokens. A node is trained in the first sample that contains it;
+    /// samples left with nothing to train after the cut are marked `keep: false`.
+    fn layouts(&self, limit: usize) -> Vec<Layout> {
         let mut out = Vec::new();
-        let mut dropped = 0;
         let mut visited = vec![false; self.nodes.len()];
         // (node, next child to visit)
         let mut stack: Vec<(usize, usize)> = vec![(ROOT, 0)];
         while let Some(&mut (node, ref mut next)) = stack.last_mut() {
             let children = &self.nodes[node].children;
             if node != ROOT && children.is_empty() {
-                let path: Vec<usize> = stack[1..].iter().map(|&(n, _)| n).collect();
-                let sample = self.emit(&path, limit, map, &mut visited);
-                if sample.weights.iter().any(|&w| w > 0.0) {
-                    out.push(sample);
-                } else {
-                    dropped += 1;
+                let mut layout = Layout {
+                    path: Vec::with_capacity(stack.len() - 1),
+                    len: (self.nodes[node].end as usize).min(limit),
+                    truncated: 0,
+                    keep: false,
+                };
+                for &(n, _) in &stack[1..] {
+                    let first = !visited[n];
+                    visited[n] = true;
+                    layout.path.push((n as u32, first));
+                    if first {
+                        for g in &self.nodes[n].gens {
+                            let (from, to) = (g.from as usize, g.to as usize);
+                            layout.truncated += to.saturating_sub(from.max(limit));
+                            layout.keep |= from < limit;
+                        }
+                    }
                 }
+                out.push(layout);
                 stack.pop();
             } else if *next < children.len() {
                 let ch = children[*next] as usize;
@@ -309,66 +321,64 @@ impl<'c, 'a> Trie<'c, 'a> {
                 stack.pop();
             }
         }
-        (out, dropped)
+        out
     }
 
-    fn emit(&self, path: &[usize], limit: usize, map: &[usize], visited: &mut [bool]) -> Sample {
-        let full = path.last().map_or(0, |&n| self.nodes[n].end as usize);
-        let len = full.min(limit);
-        let mut tokens = Vec::with_capacity(len);
-        let mut weights = vec![0f32; len];
-        let mut logprobs = vec![f32::NAN; len];
-        let mut call_index = vec![-1i32; len];
-        let mut truncated = 0usize;
-        for &node in path {
-            self.extend_tokens(node, limit, &mut tokens);
-            let n = &self.nodes[node];
-            let first_visit = !visited[node];
-            visited[node] = true;
+    /// Write one sample into buffers of exactly `layout.len` tokens.
+    fn write(&self, layout: &Layout, out: SampleMut<'_>) {
+        let SampleMut {
+            tokens,
+            weights,
+            logprobs,
+            call_index,
+        } = out;
+        let limit = layout.len;
+        for &(node, first_visit) in &layout.path {
+            let n = &self.nodes[node as usize];
+            let start = n.start as usize;
+            let end = (n.end as usize).min(limit);
+            if start >= end {
+                break;
+            }
+            let mut at = start;
+            for piece in self.calls[n.src as usize].pieces(start, end) {
+                tokens[at..at + piece.len()].copy_from_slice(piece);
+                at += piece.len();
+            }
+            weights[start..end].fill(0.0);
+            logprobs[start..end].fill(f32::NAN);
+            call_index[start..end].fill(-1);
             for g in &n.gens {
                 let call = self.calls[g.call as usize];
-                let (from, to) = (g.from as usize, g.to as usize);
-                if first_visit {
-                    truncated += to.saturating_sub(from.max(limit));
-                }
-                let to = to.min(limit);
+                let (from, to) = (g.from as usize, (g.to as usize).min(limit));
                 if from >= to {
                     continue;
                 }
-                let user_call = map[g.call as usize] as i32;
                 if first_visit {
                     for w in &mut weights[from..to] {
                         *w += 1.0;
                     }
                     for ci in &mut call_index[from..to] {
                         if *ci < 0 {
-                            *ci = user_call;
+                            *ci = g.call as i32;
                         }
                     }
                 }
                 if let Some(l) = call.logprobs {
                     let off = call.prompt.len();
-                    for (dst, &src) in logprobs[from..to].iter_mut().zip(&l[from - off..to - off]) {
+                    let src = &l[from - off..to - off];
+                    for (dst, &v) in logprobs[from..to].iter_mut().zip(src) {
                         if dst.is_nan() {
-                            *dst = src;
+                            *dst = v;
                         }
                     }
                 }
             }
         }
-        Sample {
-            rollout_id: String::new(),
-            group: None,
-            tokens,
-            weights,
-            logprobs,
-            call_index,
-            truncated,
-        }
     }
 
     /// Append this trie as one tree of `out`, cut at `limit` tokens.
-    fn pack_into(&self, limit: usize, map: &[usize], out: &mut PackedTree) {
+    fn pack_into(&self, limit: usize, out: &mut PackedTree) {
         // (node, next child, index of the node's last token in `out`)
         let mut stack: Vec<(usize, usize, i64)> = vec![(ROOT, 0, -1)];
         while let Some(&mut (node, ref mut next, _)) = stack.last_mut() {
@@ -399,7 +409,7 @@ impl<'c, 'a> Trie<'c, 'a> {
                 for g in &n.gens {
                     if g.from <= d && d < g.to {
                         count += 1;
-                        out.gen_call.push(map[g.call as usize] as i32);
+                        out.gen_call.push(g.call as i32);
                         if lp.is_nan() {
                             lp = self.calls[g.call as usize].logprob_at(d as usize);
                         }
@@ -480,65 +490,205 @@ fn show_group(g: Option<&str>) -> String {
     g.map_or_else(|| "None".to_string(), |g| format!("{g:?}"))
 }
 
-/// Merge calls into training samples, one trie per rollout (grouped by rollout
-/// id, input order kept within a rollout). Call indices in the output index
-/// `calls`. Divergences are reported with kind `Unclassified`.
-pub fn merge(calls: &[CallView<'_>], max_tokens: Option<usize>) -> Result<Merged, CoreError> {
+/// One sample's place in its trie: the path (node, trained here) and its length.
+#[derive(Debug)]
+struct Layout {
+    path: Vec<(u32, bool)>,
+    len: usize,
+    truncated: usize,
+    keep: bool,
+}
+
+/// Mutable output buffers for one sample (all the same length).
+#[derive(Debug)]
+pub struct SampleMut<'o> {
+    pub tokens: &'o mut [u32],
+    pub weights: &'o mut [f32],
+    pub logprobs: &'o mut [f32],
+    pub call_index: &'o mut [i32],
+}
+
+/// Where a planned sample goes: its rollout, group, length and what it lost.
+#[derive(Debug, Clone, Copy)]
+pub struct SampleInfo<'a> {
+    pub rollout_id: &'a str,
+    pub group: Option<&'a str>,
+    pub len: usize,
+    pub truncated: usize,
+}
+
+#[derive(Debug)]
+struct RolloutPlan<'c, 'a> {
+    rollout_id: &'a str,
+    group: Option<&'a str>,
+    trie: Trie<'c, 'a>,
+    samples: Vec<Layout>,
+}
+
+/// A merge with its tries built and its samples laid out, before any sample
+/// token is written: the caller sizes the output from `sample_tokens` (one
+/// flat buffer per field, so large outputs cost few page faults) and then
+/// calls [`MergePlan::write`].
+#[derive(Debug)]
+pub struct MergePlan<'c, 'a> {
+    rollouts: Vec<RolloutPlan<'c, 'a>>,
+    pub divergences: Vec<Divergence>,
+    pub stats: MergeStats,
+    /// Wall-clock seconds spent inserting calls and laying out samples.
+    pub insert_seconds: f64,
+}
+
+impl<'c, 'a> MergePlan<'c, 'a> {
+    /// The kept samples, in output order.
+    pub fn samples(&self) -> impl Iterator<Item = SampleInfo<'a>> + '_ {
+        self.rollouts.iter().flat_map(|r| {
+            r.samples.iter().filter(|l| l.keep).map(|l| SampleInfo {
+                rollout_id: r.rollout_id,
+                group: r.group,
+                len: l.len,
+                truncated: l.truncated,
+            })
+        })
+    }
+
+    /// Write every kept sample back to back into buffers of `stats.sample_tokens`.
+    pub fn write(&self, out: SampleMut<'_>) {
+        let SampleMut {
+            mut tokens,
+            mut weights,
+            mut logprobs,
+            mut call_index,
+        } = out;
+        for r in &self.rollouts {
+            for l in r.samples.iter().filter(|l| l.keep) {
+                let (t, t_rest) = std::mem::take(&mut tokens).split_at_mut(l.len);
+                let (w, w_rest) = std::mem::take(&mut weights).split_at_mut(l.len);
+                let (p, p_rest) = std::mem::take(&mut logprobs).split_at_mut(l.len);
+                let (c, c_rest) = std::mem::take(&mut call_index).split_at_mut(l.len);
+                r.trie.write(
+                    l,
+                    SampleMut {
+                        tokens: t,
+                        weights: w,
+                        logprobs: p,
+                        call_index: c,
+                    },
+                );
+                (tokens, weights, logprobs, call_index) = (t_rest, w_rest, p_rest, c_rest);
+            }
+        }
+    }
+}
+
+/// Build one trie per rollout (grouped by rollout id, input order kept within a
+/// rollout) and lay out the samples. Call indices in the output index `calls`.
+/// Divergences are reported with kind `Unclassified`.
+pub fn plan<'c, 'a>(
+    calls: &'c [CallView<'a>],
+    max_tokens: Option<usize>,
+) -> Result<MergePlan<'c, 'a>, CoreError> {
     let limit = check(calls, max_tokens)?;
+    let t0 = Instant::now();
     let rollouts = group_by(calls, |c| c.rollout_id);
-    let mut merged = Merged::default();
-    let mut local: Vec<CallView<'_>> = Vec::new();
-    for (rollout_id, members) in &rollouts {
+    let mut plan = MergePlan {
+        rollouts: Vec::with_capacity(rollouts.len()),
+        divergences: Vec::new(),
+        stats: MergeStats::default(),
+        insert_seconds: 0.0,
+    };
+    for (rollout_id, members) in rollouts {
         let group = calls[members[0]].group;
-        local.clear();
-        for &i in members {
-            if calls[i].group != group {
+        let mut trie = Trie::new(calls);
+        for &c in &members {
+            if calls[c].group != group {
                 return Err(CoreError::InvalidCall {
-                    index: i,
+                    index: c,
                     message: format!(
                         "group {} differs from group {} of call {} in the same rollout {:?}; \
                          every call of a rollout must carry the same group",
-                        show_group(calls[i].group),
+                        show_group(calls[c].group),
                         show_group(group),
                         members[0],
                         rollout_id
                     ),
                 });
             }
-            local.push(calls[i]);
-        }
-        let mut trie = Trie::new(&local);
-        for (li, &gi) in members.iter().enumerate() {
-            let ins = trie.insert(li);
+            let ins = trie.insert(c);
             if let Some((position, left)) = ins.divergence {
-                merged.divergences.push(Divergence {
+                plan.divergences.push(Divergence {
                     rollout_id: rollout_id.to_string(),
-                    call_index: gi,
+                    call_index: c,
                     position,
-                    left_call_index: members[left],
+                    left_call_index: left,
                     kind: DivergenceKind::Unclassified,
                 });
             }
-            merged.stats.duplicates += usize::from(ins.duplicate);
+            plan.stats.duplicates += usize::from(ins.duplicate);
         }
-        let (samples, dropped) = trie.samples(limit, members);
-        merged.stats.dropped_samples += dropped;
-        for mut s in samples {
-            s.rollout_id = rollout_id.to_string();
-            s.group = group.map(str::to_string);
-            merged.stats.sample_tokens += s.tokens.len();
-            merged.samples.push(s);
+        let samples = trie.layouts(limit);
+        for l in &samples {
+            if l.keep {
+                plan.stats.samples += 1;
+                plan.stats.sample_tokens += l.len;
+            } else {
+                plan.stats.dropped_samples += 1;
+            }
         }
+        plan.rollouts.push(RolloutPlan {
+            rollout_id,
+            group,
+            trie,
+            samples,
+        });
     }
-    let stats = &mut merged.stats;
+    let stats = &mut plan.stats;
     stats.calls = calls.len();
-    stats.rollouts = rollouts.len();
-    stats.samples = merged.samples.len();
+    stats.rollouts = plan.rollouts.len();
     for c in calls {
         stats.generated_tokens += c.completion.len();
         stats.truncated_tokens += c.len().saturating_sub(c.prompt.len().max(limit));
     }
-    Ok(merged)
+    plan.insert_seconds = t0.elapsed().as_secs_f64();
+    Ok(plan)
+}
+
+/// Merge calls into training samples (see [`plan`]), each sample in its own vectors.
+pub fn merge(calls: &[CallView<'_>], max_tokens: Option<usize>) -> Result<Merged, CoreError> {
+    let plan = plan(calls, max_tokens)?;
+    let t0 = Instant::now();
+    let n = plan.stats.sample_tokens;
+    let (mut tokens, mut weights) = (vec![0u32; n], vec![0f32; n]);
+    let (mut logprobs, mut call_index) = (vec![0f32; n], vec![0i32; n]);
+    plan.write(SampleMut {
+        tokens: &mut tokens,
+        weights: &mut weights,
+        logprobs: &mut logprobs,
+        call_index: &mut call_index,
+    });
+    let mut at = 0;
+    let samples = plan
+        .samples()
+        .map(|info| {
+            let r = at..at + info.len;
+            at += info.len;
+            Sample {
+                rollout_id: info.rollout_id.to_string(),
+                group: info.group.map(str::to_string),
+                tokens: tokens[r.clone()].to_vec(),
+                weights: weights[r.clone()].to_vec(),
+                logprobs: logprobs[r.clone()].to_vec(),
+                call_index: call_index[r].to_vec(),
+                truncated: info.truncated,
+            }
+        })
+        .collect();
+    Ok(Merged {
+        samples,
+        divergences: plan.divergences,
+        stats: plan.stats,
+        insert_seconds: plan.insert_seconds,
+        samples_seconds: t0.elapsed().as_secs_f64(),
+    })
 }
 
 /// Key of the tree a call goes into when packing.
@@ -566,15 +716,12 @@ pub fn pack(
         tree_offsets: vec![0],
         ..PackedTree::default()
     };
-    let mut local: Vec<CallView<'_>> = Vec::new();
     for (key, members) in &trees {
-        local.clear();
-        local.extend(members.iter().map(|&i| calls[i]));
-        let mut trie = Trie::new(&local);
-        for li in 0..local.len() {
-            trie.insert(li);
+        let mut trie = Trie::new(calls);
+        for &c in members {
+            trie.insert(c);
         }
-        trie.pack_into(limit, members, &mut out);
+        trie.pack_into(limit, &mut out);
         out.tree_offsets.push(out.tokens.len() as i64);
         out.tree_keys.push(match key {
             TreeKey::Rollout(s) | TreeKey::Group(s) => s.to_string(),

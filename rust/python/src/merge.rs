@@ -5,14 +5,18 @@
 //! error; `merge_calls` borrows every buffer read-only, releases the GIL for the
 //! whole merge, and hands the output vectors to numpy without copying.
 
-use lightning_core::{CallView, Merged, PackedTree, Sample};
+use std::time::Instant;
+
+use std::sync::Arc;
+
+use lightning_core::{CallView, PackedTree, SampleMut};
 use numpy::{
-    dtype, Element, IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
-    PyUntypedArray, PyUntypedArrayMethods,
+    dtype, Element, IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray,
+    PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PySlice};
 
 use crate::errors::{core_error, invalid_call};
 
@@ -296,55 +300,39 @@ impl PyCall {
     }
 }
 
-type Held<'py> = (
-    PyReadonlyArray1<'py, u32>,
-    PyReadonlyArray1<'py, u32>,
-    Option<PyReadonlyArray1<'py, f32>>,
-);
-
-/// Borrow every call's buffers read-only (numpy's borrow checker guards them
-/// against writers from Rust while the GIL is released).
-fn borrow_all<'py>(calls: &[Bound<'py, PyCall>]) -> PyResult<Vec<Held<'py>>> {
-    let mut held = Vec::with_capacity(calls.len());
+/// Every call's buffers as slices, for reading with the GIL released.
+///
+/// numpy's borrow tracking is skipped on purpose: it costs microseconds per
+/// array (a global table), which dominated merging thousands of calls, and it
+/// cannot see writers in Python anyway. The arrays stay alive as long as
+/// `calls` does, and nothing in lightning writes to a `Call`'s arrays (ours are
+/// created read-only; caller-supplied uint32 arrays are documented as shared).
+fn views<'a>(calls: &'a [Bound<'_, PyCall>]) -> PyResult<Vec<CallView<'a>>> {
+    let mut out = Vec::with_capacity(calls.len());
     for (i, c) in calls.iter().enumerate() {
         let py = c.py();
         let c = c.get();
-        let busy = |e: numpy::BorrowError| {
-            invalid_call(
-                py,
-                format!("call {i}: its arrays are being written elsewhere: {e}"),
-            )
-        };
-        held.push((
-            c.prompt_ids.bind(py).try_readonly().map_err(busy)?,
-            c.completion_ids.bind(py).try_readonly().map_err(busy)?,
-            match &c.logprobs {
-                Some(l) => Some(l.bind(py).try_readonly().map_err(busy)?),
-                None => None,
-            },
-        ));
-    }
-    Ok(held)
-}
-
-fn views<'a>(calls: &'a [Bound<'_, PyCall>], held: &'a [Held<'_>]) -> PyResult<Vec<CallView<'a>>> {
-    let mut out = Vec::with_capacity(calls.len());
-    for (i, (c, (p, q, l))) in calls.iter().zip(held).enumerate() {
-        let py = c.py();
-        let c = c.get();
         let slice_err = |e: numpy::AsSliceError| invalid_call(py, format!("call {i}: {e}"));
-        out.push(CallView {
-            rollout_id: &c.rollout_id,
-            group: c.group.as_deref(),
-            prompt: p.as_slice().map_err(slice_err)?,
-            completion: q.as_slice().map_err(slice_err)?,
-            logprobs: match l {
-                Some(l) => Some(l.as_slice().map_err(slice_err)?),
-                None => None,
-            },
-        });
+        // SAFETY: see above; each array is 1-D, C-contiguous (checked by
+        // `as_slice`) and owned by `calls`, which outlives the returned views.
+        unsafe {
+            out.push(CallView {
+                rollout_id: &c.rollout_id,
+                group: c.group.as_deref(),
+                prompt: c.prompt_ids.bind(py).as_slice().map_err(slice_err)?,
+                completion: c.completion_ids.bind(py).as_slice().map_err(slice_err)?,
+                logprobs: match &c.logprobs {
+                    Some(l) => Some(l.bind(py).as_slice().map_err(slice_err)?),
+                    None => None,
+                },
+            });
+        }
     }
     Ok(out)
+}
+
+fn busy_output<E: std::fmt::Display>(e: E) -> PyErr {
+    pyo3::exceptions::PyRuntimeError::new_err(format!("merge output buffer unavailable: {e}"))
 }
 
 /// One training sequence: a root-to-leaf path of a rollout's trie. `weights` is
@@ -352,32 +340,37 @@ fn views<'a>(calls: &'a [Bound<'_, PyCall>], held: &'a [Held<'_>]) -> PyResult<V
 /// trained (0 for context); `logprobs` is the rollout logprob wherever some call
 /// generated the token (NaN otherwise); `call_index` is the first generating
 /// call's index in the `merge_calls` input where the weight is > 0, else -1.
+/// The arrays are views into one flat buffer per field shared by all samples of
+/// the merge (writable; each access returns a new view of the same memory).
 #[pyclass(name = "Sample", module = "lightning._core", frozen)]
 #[derive(Debug)]
 pub struct PySample {
     rollout_id: String,
     group: Option<String>,
+    buffers: Arc<SampleBuffers>,
+    start: usize,
+    len: usize,
+    truncated: usize,
+}
+
+/// The flat output of one merge; every sample is a range of it.
+#[derive(Debug)]
+struct SampleBuffers {
     tokens: Py<PyArray1<u32>>,
     weights: Py<PyArray1<f32>>,
     logprobs: Py<PyArray1<f32>>,
     call_index: Py<PyArray1<i32>>,
-    truncated: usize,
 }
 
 impl PySample {
-    fn from_core(py: Python<'_>, s: Sample) -> PyResult<Py<PySample>> {
-        Py::new(
-            py,
-            PySample {
-                rollout_id: s.rollout_id,
-                group: s.group,
-                tokens: s.tokens.into_pyarray(py).unbind(),
-                weights: s.weights.into_pyarray(py).unbind(),
-                logprobs: s.logprobs.into_pyarray(py).unbind(),
-                call_index: s.call_index.into_pyarray(py).unbind(),
-                truncated: s.truncated,
-            },
-        )
+    /// A numpy view of this sample's range of `arr`.
+    fn view<'py, T: Element>(
+        &self,
+        py: Python<'py>,
+        arr: &Py<PyArray1<T>>,
+    ) -> PyResult<Bound<'py, PyArray1<T>>> {
+        let slice = PySlice::new(py, self.start as isize, (self.start + self.len) as isize, 1);
+        Ok(arr.bind(py).get_item(slice)?.cast_into::<PyArray1<T>>()?)
     }
 }
 
@@ -397,26 +390,26 @@ impl PySample {
 
     /// Token ids (uint32).
     #[getter]
-    fn tokens(&self, py: Python<'_>) -> Py<PyArray1<u32>> {
-        self.tokens.clone_ref(py)
+    fn tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        self.view(py, &self.buffers.tokens)
     }
 
     /// Loss weight per token (float32): number of generating calls, 0 for context.
     #[getter]
-    fn weights(&self, py: Python<'_>) -> Py<PyArray1<f32>> {
-        self.weights.clone_ref(py)
+    fn weights<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        self.view(py, &self.buffers.weights)
     }
 
     /// Rollout logprob per token (float32, NaN where unknown).
     #[getter]
-    fn logprobs(&self, py: Python<'_>) -> Py<PyArray1<f32>> {
-        self.logprobs.clone_ref(py)
+    fn logprobs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        self.view(py, &self.buffers.logprobs)
     }
 
     /// Generating call per token (int32 index into the input, -1 for context).
     #[getter]
-    fn call_index(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
-        self.call_index.clone_ref(py)
+    fn call_index<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.view(py, &self.buffers.call_index)
     }
 
     /// Generated tokens (summed weights) this sample lost to `max_tokens`.
@@ -425,17 +418,14 @@ impl PySample {
         self.truncated
     }
 
-    fn __len__(&self, py: Python<'_>) -> usize {
-        self.tokens.bind(py).len()
+    fn __len__(&self) -> usize {
+        self.len
     }
 
-    fn __repr__(&self, py: Python<'_>) -> String {
+    fn __repr__(&self) -> String {
         format!(
             "Sample(rollout_id={:?}, group={:?}, tokens={}, truncated={})",
-            self.rollout_id,
-            self.group,
-            self.tokens.bind(py).len(),
-            self.truncated
+            self.rollout_id, self.group, self.len, self.truncated
         )
     }
 }
@@ -618,6 +608,7 @@ pub struct PyMergeResult {
     stats: Py<PyMergeStats>,
     calls: Vec<Py<PyCall>>,
     max_tokens: Option<usize>,
+    timings: [(&'static str, f64); 5],
 }
 
 #[pymethods]
@@ -648,13 +639,23 @@ impl PyMergeResult {
     #[pyo3(signature = (across_rollouts=false))]
     fn packed(&self, py: Python<'_>, across_rollouts: bool) -> PyResult<PyPackedTree> {
         let calls: Vec<Bound<'_, PyCall>> = self.calls.iter().map(|c| c.bind(py).clone()).collect();
-        let held = borrow_all(&calls)?;
-        let views = views(&calls, &held)?;
+        let views = views(&calls)?;
         let max_tokens = self.max_tokens;
         let packed = py
             .detach(|| lightning_core::pack(&views, max_tokens, across_rollouts))
             .map_err(|e| core_error(py, e))?;
         Ok(PyPackedTree::from_core(py, packed))
+    }
+
+    /// Seconds spent borrowing inputs, merging (GIL released) and building the
+    /// numpy output, for benchmarks.
+    #[getter]
+    fn _timings<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, v) in self.timings {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
@@ -708,18 +709,73 @@ fn merge_calls(
             }
         }
     }
-    let held = borrow_all(&pycalls)?;
-    let views = views(&pycalls, &held)?;
-    let merged: Merged = py
-        .detach(|| lightning_core::merge(&views, max_tokens))
+    let t0 = Instant::now();
+    let views = views(&pycalls)?;
+    let t1 = Instant::now();
+    let plan = py
+        .detach(|| lightning_core::plan(&views, max_tokens))
         .map_err(|e| core_error(py, e))?;
-    drop(views);
-    drop(held);
-    let samples = merged
-        .samples
-        .into_iter()
-        .map(|s| PySample::from_core(py, s))
+    // One numpy buffer per field for all samples: numpy asks the kernel for
+    // huge pages on large allocations, so writing the output costs few faults.
+    let n = plan.stats.sample_tokens;
+    let buffers = SampleBuffers {
+        // SAFETY: `plan.write` below writes every element of all four buffers
+        // (the kept samples tile [0, sample_tokens) exactly) before any is read.
+        tokens: unsafe { PyArray1::<u32>::new(py, n, false) }.unbind(),
+        weights: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
+        logprobs: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
+        call_index: unsafe { PyArray1::<i32>::new(py, n, false) }.unbind(),
+    };
+    let t2 = Instant::now();
+    {
+        let mut tokens = buffers
+            .tokens
+            .bind(py)
+            .try_readwrite()
+            .map_err(busy_output)?;
+        let mut weights = buffers
+            .weights
+            .bind(py)
+            .try_readwrite()
+            .map_err(busy_output)?;
+        let mut logprobs = buffers
+            .logprobs
+            .bind(py)
+            .try_readwrite()
+            .map_err(busy_output)?;
+        let mut call_index = buffers
+            .call_index
+            .bind(py)
+            .try_readwrite()
+            .map_err(busy_output)?;
+        let out = SampleMut {
+            tokens: tokens.as_slice_mut().map_err(busy_output)?,
+            weights: weights.as_slice_mut().map_err(busy_output)?,
+            logprobs: logprobs.as_slice_mut().map_err(busy_output)?,
+            call_index: call_index.as_slice_mut().map_err(busy_output)?,
+        };
+        py.detach(|| plan.write(out));
+    }
+    let t3 = Instant::now();
+    let buffers = Arc::new(buffers);
+    let mut start = 0;
+    let samples = plan
+        .samples()
+        .map(|info| {
+            let s = PySample {
+                rollout_id: info.rollout_id.to_string(),
+                group: info.group.map(str::to_string),
+                buffers: Arc::clone(&buffers),
+                start,
+                len: info.len,
+                truncated: info.truncated,
+            };
+            start += info.len;
+            Py::new(py, s)
+        })
         .collect::<PyResult<Vec<_>>>()?;
+    let insert_seconds = plan.insert_seconds;
+    let merged = plan;
     let divergences = merged
         .divergences
         .into_iter()
@@ -756,6 +812,13 @@ fn merge_calls(
         stats,
         calls: pycalls.into_iter().map(Bound::unbind).collect(),
         max_tokens,
+        timings: [
+            ("borrow", (t1 - t0).as_secs_f64()),
+            ("insert", insert_seconds),
+            ("allocate", (t2 - t1).as_secs_f64() - insert_seconds),
+            ("write", (t3 - t2).as_secs_f64()),
+            ("output", t3.elapsed().as_secs_f64()),
+        ],
     })
 }
 

@@ -1,0 +1,214 @@
+"""Benchmark: `lightning.merge_calls` against the peer's pure-Python linear prefix merge.
+
+Data (issue 2): ROLLOUTS rollouts x TURNS turns; each rollout starts from a 2,000-token
+system+task prompt (shared by the GROUP rollouts of one task), then every turn
+generates a 200-token completion and adds a 300-token observation, and every
+prompt carries the whole history. Token ids are random in a 50k vocabulary.
+
+Both merges run on the same data in this process. `merge_calls` is fed numpy
+uint32 arrays and Python lists; the baseline gets Python lists (its natural,
+best input). Each list is built separately (`.tolist()` per call), so its ints
+are distinct objects, as when ids are decoded from JSON. Times are the best of
+--repeats runs. Run: `.venv/bin/python benches/merge.py` (or `make bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import lightning
+from lightning import Call, merge_calls
+
+Row = tuple[str, list[int], list[int], list[float]]
+
+
+def linear_prefix_merge(
+    calls: Sequence[tuple[str, list[int], list[int], list[float]]],
+) -> list[Row]:
+    """The peer's algorithm: one row per rollout, a new row whenever the next
+    prompt does not start with the row so far. Returns (rollout_id, tokens,
+    loss mask, logprobs) rows."""
+    by_rollout: dict[str, list[tuple[list[int], list[int], list[float]]]] = {}
+    for rid, prompt, completion, logprobs in calls:
+        by_rollout.setdefault(rid, []).append((prompt, completion, logprobs))
+    rows: list[Row] = []
+    nan = math.nan
+    for rid, turns in by_rollout.items():
+        tokens: list[int] = []
+        mask: list[int] = []
+        lps: list[float] = []
+        for prompt, completion, logprobs in turns:
+            if tokens and prompt[: len(tokens)] == tokens:
+                extra = prompt[len(tokens) :]
+            else:
+                if tokens:
+                    rows.append((rid, tokens, mask, lps))
+                tokens, mask, lps = [], [], []
+                extra = prompt
+            tokens += extra
+            mask += [0] * len(extra)
+            lps += [nan] * len(extra)
+            tokens += completion
+            mask += [1] * len(completion)
+            lps += logprobs
+        rows.append((rid, tokens, mask, lps))
+    return rows
+
+
+def make_data(
+    args: argparse.Namespace,
+) -> list[tuple[str, str, np.ndarray, np.ndarray, np.ndarray]]:
+    """(rollout_id, group, prompt, completion, logprobs) per call, rollouts interleaved
+    turn by turn as a gateway would record them."""
+    rng = np.random.default_rng(0)
+    vocab = 50_000
+    tasks = [
+        rng.integers(0, vocab, args.prompt, dtype=np.uint32)
+        for _ in range(math.ceil(args.rollouts / args.group))
+    ]
+    histories = [tasks[r // args.group] for r in range(args.rollouts)]
+    calls = []
+    for turn in range(args.turns):
+        for r in range(args.rollouts):
+            if turn > 0:
+                obs = rng.integers(0, vocab, args.observation, dtype=np.uint32)
+                histories[r] = np.concatenate([histories[r], obs])
+            prompt = histories[r]
+            completion = rng.integers(0, vocab, args.completion, dtype=np.uint32)
+            logprobs = -rng.random(args.completion, dtype=np.float32)
+            calls.append((f"r{r}", f"task{r // args.group}", prompt, completion, logprobs))
+            histories[r] = np.concatenate([prompt, completion])
+    return calls
+
+
+def best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(repeats):
+        out = None  # free the previous result before the next run
+        t = time.process_time()
+        out = fn()
+        times.append(time.process_time() - t)
+    return min(times), out
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()} | {cpu} | {os.cpu_count()} cpus | {platform.python_version()} | numpy {np.__version__}"
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rollouts", type=int, default=1000)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8, help="rollouts per task (GRPO group)")
+    ap.add_argument("--prompt", type=int, default=2000)
+    ap.add_argument("--completion", type=int, default=200)
+    ap.add_argument("--observation", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    print(f"machine: {machine()}")
+    print(f"commit:  {commit()}   lightning {lightning.__version__}")
+    print(
+        f"data:    {args.rollouts} rollouts x {args.turns} turns, prompt {args.prompt}, "
+        f"completion {args.completion}, observation {args.observation}, group {args.group}"
+    )
+    raw = make_data(args)
+    n_calls = len(raw)
+    call_tokens = sum(len(p) + len(c) for _, _, p, c, _ in raw)
+    print(f"calls:   {n_calls}, sum of per-call sequence lengths {call_tokens:,} tokens")
+
+    lists = [(rid, p.tolist(), c.tolist(), lp.tolist()) for rid, _, p, c, lp in raw]
+
+    t_base, rows = best(lambda: linear_prefix_merge(lists), args.repeats)
+
+    def build_numpy() -> list[Call]:
+        return [Call(rid, p, c, lp, group=g) for rid, g, p, c, lp in raw]
+
+    def build_lists() -> list[Call]:
+        return [Call(rid, p, c, lp, group=raw[i][1]) for i, (rid, p, c, lp) in enumerate(lists)]
+
+    t_np_build, np_calls = best(build_numpy, args.repeats)
+    t_np_merge, res = best(lambda: merge_calls(np_calls), args.repeats)
+    t_ls_build, ls_calls = best(build_lists, args.repeats)
+    t_ls_merge, _ = best(lambda: merge_calls(ls_calls), args.repeats)
+
+    # Same answer as the baseline (linear data: one sample per rollout).
+    assert len(rows) == len(res.samples) == args.rollouts
+    for (rid, tokens, mask, _), s in zip(rows[:50], res.samples[:50], strict=True):
+        assert rid == s.rollout_id and s.tokens.tolist() == tokens
+        assert ((s.weights > 0).astype(int)).tolist() == mask
+
+    def report(name: str, seconds: float) -> None:
+        print(
+            f"  {name:<34} {seconds * 1e3:9.1f} ms  {n_calls / seconds:12,.0f} calls/s  "
+            f"{call_tokens / seconds / 1e6:9.1f} M tok/s  {t_base / seconds:7.1f}x"
+        )
+
+    print("\nthroughput (tokens = sum of per-call sequence lengths; ratio vs baseline)")
+    report("python linear prefix merge (lists)", t_base)
+    report("merge_calls, numpy input", t_np_merge)
+    report("Call() from numpy + merge_calls", t_np_build + t_np_merge)
+    report("merge_calls, list input", t_ls_merge)
+    report("Call() from lists + merge_calls", t_ls_build + t_ls_merge)
+
+    tm = res._timings
+    print("\nwhere the time goes (numpy input; CPU time unless noted)")
+    print(f"  Call() construction (zero-copy)  {t_np_build * 1e3:9.1f} ms")
+    print(f"  Call() construction from lists   {t_ls_build * 1e3:9.1f} ms")
+    print("  merge_calls phases (wall clock, last run):")
+    for k in ("borrow", "insert", "allocate", "write", "output"):
+        print(f"    {k:<30} {tm[k] * 1e3:9.1f} ms")
+
+    t_pack, packed = best(lambda: res.packed(), 1)
+    t_gpack, gpacked = best(lambda: res.packed(across_rollouts=True), 1)
+    sample_tokens = res.stats.sample_tokens
+    print("\ncompute that merging saves (tokens through the model)")
+    print(f"  per-call sequences               {call_tokens:12,}")
+    print(
+        f"  merged samples                   {sample_tokens:12,}  ({call_tokens / sample_tokens:.1f}x fewer)"
+    )
+    print(
+        f"  packed tree, per rollout         {len(packed):12,}  ({call_tokens / len(packed):.1f}x fewer)"
+        f"  [{t_pack * 1e3:.0f} ms]"
+    )
+    print(
+        f"  packed tree, across each group   {len(gpacked):12,}  ({call_tokens / len(gpacked):.1f}x fewer)"
+        f"  [{t_gpack * 1e3:.0f} ms]"
+    )
+    ratio = t_base / t_np_merge
+    print(
+        f"\ntarget >= 50x with numpy input: {ratio:.1f}x -> {'met' if ratio >= 50 else 'NOT met'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
