@@ -12,7 +12,18 @@ two cannot be installed in one environment.
 from __future__ import annotations
 
 from lightning import _core
-from lightning._core import GatewayError, LightningError
+from lightning._core import (
+    Call,
+    Divergence,
+    InvalidCallError,
+    LightningError,
+    MergeResult,
+    MergeStats,
+    PackedTree,
+    Sample,
+    merge_calls,
+)
+from lightning._core import GatewayError
 from lightning.client import CallRecord, GatewayClient, GatewayRequestError, Rollout
 from lightning.gateway import Gateway, GatewayConfig, GatewayHandle, UpstreamConfig
 from lightning.store import Store
@@ -20,15 +31,23 @@ from lightning.store import Store
 __version__: str = _core.__version__
 
 __all__ = [
+    "Call",
     "CallRecord",
+    "Divergence",
     "Gateway",
     "GatewayClient",
     "GatewayConfig",
     "GatewayError",
     "GatewayHandle",
     "GatewayRequestError",
+    "InvalidCallError",
     "LightningError",
+    "merge_calls",
+    "MergeResult",
+    "MergeStats",
+    "PackedTree",
     "Rollout",
+    "Sample",
     "Store",
     "UpstreamConfig",
     "__version__",

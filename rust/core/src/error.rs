@@ -9,4 +9,7 @@ pub enum CoreError {
     /// A call's data is inconsistent (e.g. logprobs length differs from completion length).
     #[error("call {index}: {message}")]
     InvalidCall { index: usize, message: String },
+    /// An option passed to a merge is out of range.
+    #[error("{0}")]
+    InvalidOption(String),
 }

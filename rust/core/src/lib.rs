@@ -5,5 +5,11 @@
 //! fuzzed in isolation.
 
 pub mod error;
+pub mod trace;
+pub mod trie;
 
 pub use error::CoreError;
+pub use trace::{
+    Call, CallView, Divergence, DivergenceKind, MergeStats, Merged, PackedTree, Sample,
+};
+pub use trie::{merge, pack, Trie};

@@ -8,12 +8,14 @@
 use pyo3::prelude::*;
 
 mod errors;
+mod merge;
 mod gateway;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
+    merge::register(m)?;
     gateway::register(m)?;
     Ok(())
 }
