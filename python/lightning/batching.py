@@ -45,6 +45,7 @@ __all__ = [
     "micro_batches",
     "packed_batches",
     "padded_batches",
+    "seq_items",
     "tree_batch",
     "tree_batches",
 ]
@@ -110,6 +111,20 @@ def _check(items: Sequence[SeqItem], budget: int) -> None:
     for item in items:
         if len(item.positions) and int(np.min(item.positions)) < 1:
             raise ValueError("a trained position must be >= 1 (position 0 has no logits before it)")
+
+
+def seq_items(samples: Sequence[Any]) -> list[SeqItem]:
+    """One :class:`SeqItem` per merged sample (``tokens``, ``weights``): trained
+    positions are those with weight > 0 (position 0 cannot be trained: nothing
+    predicts it); target ids run consecutively over the samples."""
+    items, tid = [], 0
+    for s in samples:
+        tokens = np.asarray(s.tokens).astype(np.int64)
+        pos = np.nonzero(np.asarray(s.weights) > 0)[0]
+        pos = pos[pos >= 1]
+        items.append(SeqItem(tokens, pos, np.arange(tid, tid + len(pos))))
+        tid += len(pos)
+    return items
 
 
 def padded_batches(items: Sequence[SeqItem], budget: int) -> list[MicroBatch]:
@@ -332,10 +347,11 @@ def micro_batches(items: Sequence[SeqItem], budget: int, *, mode: BatchMode) -> 
 
 
 def forward_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, *, entropy: bool = False
+    model: torch.nn.Module, mb: MicroBatch, *, entropy: bool = False, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probability of each target ``[K]`` (float32), and its entropy ``[K]``
-    when asked. Runs under whatever autocast context the caller set."""
+    """Log-probability of each target ``[K]`` (float32), and the entropy of the
+    predicted distribution ``[K]`` when asked (detached unless ``entropy_grad``).
+    Runs under whatever autocast context the caller set."""
     out = model(
         input_ids=mb.input_ids,
         position_ids=mb.position_ids,
@@ -343,8 +359,13 @@ def forward_logprobs(
         logits_to_keep=mb.keep,
         use_cache=False,
     )
-    logits = out.logits.reshape(-1, out.logits.shape[-1])[mb.gather].float()  # [K, V]
-    logz = torch.logsumexp(logits, dim=-1)  # [K]
-    logp = logits.gather(1, mb.target_tokens[:, None]).squeeze(1) - logz  # [K]
-    ent = entropy_from_logits(logits) if entropy else None
+    # Normalise each kept row once, then pick (row, token) pairs: a target
+    # shares its row with others in a tree, and indexing pairs avoids copying
+    # (and back-propagating through) a [K, V] gather of the logits.
+    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [R, V]
+    logz = torch.logsumexp(logits, dim=-1)  # [R]
+    logp = logits[mb.gather, mb.target_tokens] - logz[mb.gather]  # [K]
+    ent = None
+    if entropy or entropy_grad:
+        ent = entropy_from_logits(logits if entropy_grad else logits.detach())[mb.gather]  # [K]
     return logp, ent

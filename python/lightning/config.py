@@ -40,7 +40,9 @@ class ModelSection(_Section):
         assert self.path is not None
         path = Path(self.path)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"[model] path {path} has no config.json; give a model directory")
+            raise FileNotFoundError(
+                f"[model] path {path} has no config.json; give a model directory"
+            )
         return path
 
 

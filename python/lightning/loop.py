@@ -72,15 +72,37 @@ class EmbeddedEngine:
     """`lightning serve` in a child process: its own interpreter, its own threads,
     so generation and training never fight over one GIL."""
 
-    def __init__(self, model_dir: Path, *, host: str, port: int, max_batch: int, dtype: str,
-                 threads: int | None, log_path: Path) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        host: str,
+        port: int,
+        max_batch: int,
+        dtype: str,
+        threads: int | None,
+        log_path: Path,
+    ) -> None:
         self.host = host
         self.port = port or _free_port(host)
-        argv = [sys.executable, "-m", "lightning.cli", "serve", str(model_dir), "--host", host,
-                "--port", str(self.port), "--max-batch", str(max_batch), "--dtype", dtype]
+        argv = [
+            sys.executable,
+            "-m",
+            "lightning.cli",
+            "serve",
+            str(model_dir),
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--max-batch",
+            str(max_batch),
+            "--dtype",
+            dtype,
+        ]
         if threads:
             argv += ["--threads", str(threads)]
-        self.log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.log_file = open(log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT)
 
     @property
@@ -103,11 +125,16 @@ class EmbeddedEngine:
                 if r.status_code == 200:
                     return dict(r.json())
             time.sleep(0.5)
-        raise TimeoutError(f"embedded engine not ready after {timeout_s:g}s; see {self.log_file.name}")
+        raise TimeoutError(
+            f"embedded engine not ready after {timeout_s:g}s; see {self.log_file.name}"
+        )
 
     def load_weights(self, path: Path, version: int) -> None:
-        r = httpx.post(self.root + "/admin/load_weights",
-                       json={"path": str(path), "version": version}, timeout=600.0)
+        r = httpx.post(
+            self.root + "/admin/load_weights",
+            json={"path": str(path), "version": version},
+            timeout=600.0,
+        )
         if r.status_code != 200:
             raise RuntimeError(f"engine refused weights from {path}: {r.status_code} {r.text}")
 
@@ -127,11 +154,15 @@ def push_weights_external(urls: Sequence[str], kind: str, path: Path, version: i
     for url in urls:
         root = url.rstrip("/").removesuffix("/v1")
         if kind == "embedded":
-            r = httpx.post(root + "/admin/load_weights",
-                           json={"path": str(path), "version": version}, timeout=600.0)
+            r = httpx.post(
+                root + "/admin/load_weights",
+                json={"path": str(path), "version": version},
+                timeout=600.0,
+            )
         elif kind == "sglang":
-            r = httpx.post(root + "/update_weights_from_disk",
-                           json={"model_path": str(path)}, timeout=600.0)
+            r = httpx.post(
+                root + "/update_weights_from_disk", json={"model_path": str(path)}, timeout=600.0
+            )
         else:
             return
         if r.status_code != 200:
@@ -196,8 +227,12 @@ class Run:
         self.model_dir = cfg.model.resolve()
         self.tokenizer = Tokenizer.from_dir(str(self.model_dir))
         trainer_cfg = TrainerConfig.model_validate(
-            {"model_path": str(self.model_dir), "estimator": cfg.algorithm.estimator,
-             "seed": cfg.seed, **cfg.trainer}
+            {
+                "model_path": str(self.model_dir),
+                "estimator": cfg.algorithm.estimator,
+                "seed": cfg.seed,
+                **cfg.trainer,
+            }
         )
         self.trainer = Trainer(trainer_cfg, log_dir=str(self.out))
         start_weights: Path | None = None
@@ -208,9 +243,13 @@ class Run:
 
         if cfg.engine.kind == "embedded":
             engine = EmbeddedEngine(
-                start_weights or self.model_dir, host=cfg.engine.host, port=cfg.engine.port,
-                max_batch=cfg.engine.max_batch, dtype=cfg.engine.dtype,
-                threads=cfg.engine.threads, log_path=self.out / "engine.log",
+                start_weights or self.model_dir,
+                host=cfg.engine.host,
+                port=cfg.engine.port,
+                max_batch=cfg.engine.max_batch,
+                dtype=cfg.engine.dtype,
+                threads=cfg.engine.threads,
+                log_path=self.out / "engine.log",
             )
             self._stack.callback(engine.stop)
             self._say(f"starting embedded engine on {engine.url} (log: {self.out / 'engine.log'})")
@@ -224,7 +263,10 @@ class Run:
         self.admin_key = cfg.gateway.admin_key or secrets.token_urlsafe(24)
         db = cfg.gateway.db or str(self.out / "lightning.db")
         gw_config = GatewayConfig(
-            listen=cfg.gateway.listen, upstreams=upstreams, db=db, admin_key=self.admin_key,
+            listen=cfg.gateway.listen,
+            upstreams=upstreams,
+            db=db,
+            admin_key=self.admin_key,
             weight_version=int(self.state["weight_version"]),
         )
         self.gateway = Gateway(gw_config).start()
@@ -238,9 +280,14 @@ class Run:
             assert cfg.harness.callable is not None
             harness = load_callable(cfg.harness.callable)
         self.runner = Runner(
-            self.client, harness, reward_source=cfg.reward.source,
-            reward_fn=cfg.reward.function, concurrency=cfg.harness.concurrency,
-            timeout_s=cfg.harness.timeout_s, env=cfg.harness.env, cwd=cfg.harness.cwd,
+            self.client,
+            harness,
+            reward_source=cfg.reward.source,
+            reward_fn=cfg.reward.function,
+            concurrency=cfg.harness.concurrency,
+            timeout_s=cfg.harness.timeout_s,
+            env=cfg.harness.env,
+            cwd=cfg.harness.cwd,
         )
 
     def _say(self, text: str) -> None:
@@ -262,7 +309,9 @@ class Run:
     def _rollouts(self, step: int) -> list[RolloutResult]:
         cfg = self.config
         rng = random.Random(cfg.seed * 1_000_003 + step)
-        chosen = rng.sample(self.train_tasks, k=min(cfg.algorithm.tasks_per_step, len(self.train_tasks)))
+        chosen = rng.sample(
+            self.train_tasks, k=min(cfg.algorithm.tasks_per_step, len(self.train_tasks))
+        )
         jobs = []
         for i, task in enumerate(chosen):
             group = f"step{step}-task{i}-{task.get('id', i)}"
@@ -283,8 +332,9 @@ class Run:
                 self.engine.load_weights(path, version)
                 upstreams = [self.engine.url]
             else:
-                push_weights_external(self.config.engine.urls, self.config.engine.weight_sync,
-                                      path, version)
+                push_weights_external(
+                    self.config.engine.urls, self.config.engine.weight_sync, path, version
+                )
                 upstreams = list(self.config.engine.urls)
             self.client.set_upstreams([{"url": u, "weight_version": version} for u in upstreams])
             # Only the newest weights are needed from now on.
@@ -294,8 +344,9 @@ class Run:
         finally:
             self.client.resume()
 
-    def _write_traces(self, step: int, results: Sequence[RolloutResult],
-                      merged: Any, rewards: dict[str, float]) -> None:
+    def _write_traces(
+        self, step: int, results: Sequence[RolloutResult], merged: Any, rewards: dict[str, float]
+    ) -> None:
         n = self.config.traces_per_step
         if n <= 0:
             return
@@ -310,11 +361,20 @@ class Run:
             for rid in list(by_rollout)[:n]:
                 sample = by_rollout[rid][0]
                 pieces = [self.tokenizer.decode([int(t)]) for t in sample.tokens]
-                f.write(json.dumps({
-                    "step": step, "rollout_id": rid, "reward": rewards.get(rid),
-                    "pieces": pieces, "weights": [float(w) for w in sample.weights],
-                    "divergences": divs.get(rid, []), "task": tasks.get(rid),
-                }) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "rollout_id": rid,
+                            "reward": rewards.get(rid),
+                            "pieces": pieces,
+                            "weights": [float(w) for w in sample.weights],
+                            "divergences": divs.get(rid, []),
+                            "task": tasks.get(rid),
+                        }
+                    )
+                    + "\n"
+                )
 
     def step(self, step: int) -> dict[str, Any]:
         from lightning import merge_calls
@@ -322,12 +382,18 @@ class Run:
         t0 = time.monotonic()
         results = self._rollouts(step)
         status = Counter(r.status for r in results)
-        usable = [r for r in results if r.status == "succeeded" or not self.config.algorithm.drop_failed_rollouts]
+        usable = [
+            r
+            for r in results
+            if r.status == "succeeded" or not self.config.algorithm.drop_failed_rollouts
+        ]
         rewards = {r.rollout_id: (r.reward if r.reward is not None else 0.0) for r in usable}
         groups = {r.rollout_id: str(r.group) for r in usable}
         calls = []
         for r in usable:
-            calls.extend(c for c in self.client.trace(r.rollout_id) if getattr(c, "trainable", True))
+            calls.extend(
+                c for c in self.client.trace(r.rollout_id) if getattr(c, "trainable", True)
+            )
         merged = merge_calls(calls, tokenizer=self.tokenizer)
         t_rollout = time.monotonic() - t0
         metrics: dict[str, Any] = dict(self.trainer.step(merged.samples, rewards, groups))
@@ -335,17 +401,21 @@ class Run:
         self._sync_weights(version)
         lengths = [len(c.completion_ids) for c in calls]
         per_rollout = Counter(s.rollout_id for s in merged.samples)
-        metrics.update({
-            "step": step,
-            "rollouts": len(results),
-            "rollout_status": dict(status),
-            "response_len_mean": float(sum(lengths) / len(lengths)) if lengths else 0.0,
-            "samples_per_rollout": (sum(per_rollout.values()) / len(per_rollout)) if per_rollout else 0.0,
-            "divergences": dict(Counter(d.kind for d in merged.divergences)),
-            "rollout_time_s": t_rollout,
-            "step_time_s": time.monotonic() - t0,
-            "weight_version": version,
-        })
+        metrics.update(
+            {
+                "step": step,
+                "rollouts": len(results),
+                "rollout_status": dict(status),
+                "response_len_mean": float(sum(lengths) / len(lengths)) if lengths else 0.0,
+                "samples_per_rollout": (sum(per_rollout.values()) / len(per_rollout))
+                if per_rollout
+                else 0.0,
+                "divergences": dict(Counter(d.kind for d in merged.divergences)),
+                "rollout_time_s": t_rollout,
+                "step_time_s": time.monotonic() - t0,
+                "weight_version": version,
+            }
+        )
         self._write_traces(step, results, merged, rewards)
         return metrics
 
@@ -399,11 +469,20 @@ def _progress(total: int, start: int, *, quiet: bool) -> Iterator[Any]:
     if quiet or total == 0:
         yield lambda metrics: None
         return
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     columns = [
-        TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"),
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
         TimeRemainingColumn(),
     ]
     with Progress(*columns, transient=False) as progress:
@@ -414,8 +493,10 @@ def _progress(total: int, start: int, *, quiet: bool) -> Iterator[Any]:
             nonlocal last_eval
             if "eval_reward" in m:
                 last_eval = f"{m['eval_reward']:.3f}"
-            info = (f"reward {m.get('reward_mean', float('nan')):.3f}  eval {last_eval}  "
-                    f"{m.get('tokens_per_s', 0.0):.0f} tok/s")
+            info = (
+                f"reward {m.get('reward_mean', float('nan')):.3f}  eval {last_eval}  "
+                f"{m.get('tokens_per_s', 0.0):.0f} tok/s"
+            )
             progress.update(task, advance=1, info=info)
 
         yield tick

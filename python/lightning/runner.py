@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import json
 import logging
@@ -392,4 +391,3 @@ def main_env_task() -> Any:
     """For harness authors: the current task (``LIGHTNING_TASK``) or None outside lightning."""
     raw = os.environ.get("LIGHTNING_TASK")
     return None if raw is None else json.loads(raw)
-

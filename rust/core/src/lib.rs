@@ -1,10 +1,16 @@
 //! lightning-core: the pure heart of lightning.
 //!
-//! Trace types (`trace`), radix-trie sample merging (`trie`). No I/O, no Python:
-//! everything here is a function from values to values, so it can be tested and
-//! fuzzed in isolation.
+//! Trace types (`trace`), radix-trie sample merging (`trie`), tokenizers
+//! (`tokenizer`), chat templates (`template`), token-exact chat encoding and
+//! splicing (`retokenize`) and drift classification (`drift`). No I/O, no
+//! Python: everything here is a function from values (file contents, not
+//! paths) to values, so it can be tested and fuzzed in isolation.
 
+pub mod drift;
 pub mod error;
+pub mod retokenize;
+pub mod template;
+pub mod tokenizer;
 pub mod trace;
 pub mod trie;
 

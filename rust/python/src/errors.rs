@@ -51,28 +51,44 @@ pub fn invalid_call(py: Python<'_>, message: String) -> PyErr {
     }
 }
 
-/// Map lightning-core's error enum onto the Python tree.
+/// Map lightning-core's error enum onto the Python tree (the one place that does).
 pub fn core_error(py: Python<'_>, err: lightning_core::CoreError) -> PyErr {
     use lightning_core::CoreError;
     match err {
         CoreError::InvalidCall { .. } | CoreError::InvalidOption(_) => {
             invalid_call(py, err.to_string())
         }
+        CoreError::Template(_) | CoreError::NoTemplate => TemplateError::new_err(err.to_string()),
+        CoreError::TokenizerLoad { .. } | CoreError::Tokenize(_) | CoreError::InvalidInput(_) => {
+            TokenizerError::new_err(err.to_string())
+        }
     }
 }
 
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("LightningError", m.py().get_type::<LightningError>())?;
-    m.add("InvalidCallError", invalid_call_type(m.py())?.bind(m.py()))?;
 create_exception!(
     _core,
     GatewayError,
     LightningError,
     "The gateway could not start or run (bad config, port in use, store failure)."
 );
+create_exception!(
+    _core,
+    TemplateError,
+    LightningError,
+    "A chat template failed to compile or raised (the template's own message)."
+);
+create_exception!(
+    _core,
+    TokenizerError,
+    LightningError,
+    "A tokenizer could not be loaded (bad JSON names the path) or failed to encode/decode."
+);
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LightningError", m.py().get_type::<LightningError>())?;
+    m.add("InvalidCallError", invalid_call_type(m.py())?.bind(m.py()))?;
     m.add("GatewayError", m.py().get_type::<GatewayError>())?;
+    m.add("TemplateError", m.py().get_type::<TemplateError>())?;
+    m.add("TokenizerError", m.py().get_type::<TokenizerError>())?;
     Ok(())
 }

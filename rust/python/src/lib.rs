@@ -8,8 +8,9 @@
 use pyo3::prelude::*;
 
 mod errors;
-mod merge;
 mod gateway;
+mod merge;
+mod tokenizer;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -17,5 +18,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     merge::register(m)?;
     gateway::register(m)?;
+    tokenizer::register(m)?;
     Ok(())
 }

@@ -1,0 +1,345 @@
+//! HF chat templates rendered with minijinja, byte for byte like transformers.
+//!
+//! transformers renders with jinja2's sandbox, `trim_blocks=True`,
+//! `lstrip_blocks=True`, the `loopcontrols` extension, its own `tojson`
+//! (`json.dumps` with `ensure_ascii=False`, no HTML escaping), and the globals
+//! `raise_exception` and `strftime_now`; the special-token strings and any extra
+//! keyword arguments become template variables. We mirror each of those; Python
+//! string/dict methods (`.strip()`, `.split()`, `.items()`, ...) come from
+//! minijinja-contrib's pycompat callback.
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, Error, ErrorKind};
+use serde_json::{Map, Value as Json};
+
+use crate::error::CoreError;
+
+const NAME: &str = "chat";
+
+/// A compiled chat template.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+}
+
+/// What a render needs besides the template.
+#[derive(Debug, Default, Clone)]
+pub struct RenderInput<'a> {
+    pub messages: &'a [Json],
+    pub tools: Option<&'a Json>,
+    pub add_generation_prompt: bool,
+    /// Special-token strings (`bos_token`, `eos_token`, ...) and extra kwargs.
+    pub vars: Map<String, Json>,
+}
+
+fn template_error(e: &Error) -> CoreError {
+    // raise_exception's message is the template author's: pass it on verbatim.
+    if e.kind() == ErrorKind::InvalidOperation {
+        if let Some(d) = e.detail() {
+            if let Some(msg) = d.strip_prefix("raise_exception: ") {
+                return CoreError::Template(msg.to_owned());
+            }
+        }
+    }
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        msg.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    CoreError::Template(msg)
+}
+
+impl ChatTemplate {
+    pub fn new(source: &str) -> Result<Self, CoreError> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| template_error(&e))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, format!("raise_exception: {msg}")))
+        });
+        env.add_function("strftime_now", |fmt: String| -> Result<Value, Error> {
+            Ok(Value::from(strftime_now(&fmt)))
+        });
+        env.add_filter("tojson", tojson);
+        // Python: None and numbers are not iterable (minijinja iterates none as empty).
+        env.add_test("iterable", |v: &Value| {
+            matches!(v.kind(), ValueKind::Seq | ValueKind::Map | ValueKind::String | ValueKind::Iterable)
+        });
+        env.add_template_owned(NAME, source.to_owned()).map_err(|e| template_error(&e))?;
+        Ok(Self { env })
+    }
+
+    /// Render like `apply_chat_template(..., tokenize=False)`.
+    pub fn render(&self, input: &RenderInput<'_>) -> Result<String, CoreError> {
+        let tmpl = self.env.get_template(NAME).map_err(|e| template_error(&e))?;
+        let mut ctx = input.vars.clone();
+        ctx.insert("messages".into(), Json::Array(input.messages.to_vec()));
+        ctx.insert("tools".into(), input.tools.cloned().unwrap_or(Json::Null));
+        ctx.insert("documents".into(), Json::Null);
+        ctx.insert("add_generation_prompt".into(), Json::Bool(input.add_generation_prompt));
+        let ctx = Value::from(minijinja::value::Serde(&ctx));
+        tmpl.render(ctx).map_err(|e| template_error(&e))
+    }
+}
+
+/// Python's `repr(float)`: shortest round-trip digits, exponent form outside
+/// 1e-4 <= |x| < 1e16, always a `.0` or exponent so it reads back as a float.
+fn py_float(x: f64) -> String {
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity".into() } else { "-Infinity".into() };
+    }
+    if x == 0.0 {
+        return if x.is_sign_negative() { "-0.0".into() } else { "0.0".into() };
+    }
+    let sci = format!("{x:e}"); // e.g. "1.5e-5", shortest round-trip digits
+    let (mant, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if !(-4..16).contains(&exp) {
+        let mant = if mant.contains('.') { mant.to_owned() } else { mant.to_owned() };
+        let sign = if exp < 0 { '-' } else { '+' };
+        return format!("{mant}e{sign}{:02}", exp.abs());
+    }
+    let s = format!("{x}");
+    if s.contains('.') {
+        s
+    } else {
+        format!("{s}.0")
+    }
+}
+
+fn json_str(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{08}' => out.push_str("\\b"),
+            '\u{0c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+struct JsonStyle {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    sort_keys: bool,
+}
+
+fn dump(v: &Value, st: &JsonStyle, depth: usize, out: &mut String) -> Result<(), Error> {
+    let newline = |out: &mut String, d: usize| {
+        if let Some(ind) = &st.indent {
+            out.push('\n');
+            for _ in 0..d {
+                out.push_str(ind);
+            }
+        }
+    };
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => {
+            if let Ok(i) = i128::try_from(v.clone()) {
+                if v.as_i64().is_some() || !format!("{v}").contains('.') {
+                    out.push_str(&i.to_string());
+                    return Ok(());
+                }
+            }
+            let f = f64::try_from(v.clone())
+                .map_err(|_| Error::new(ErrorKind::InvalidOperation, "tojson: bad number"))?;
+            out.push_str(&py_float(f));
+        }
+        ValueKind::String => json_str(v.as_str().unwrap_or_default(), out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, it) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&st.item_sep);
+                }
+                newline(out, depth + 1);
+                dump(it, st, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut keys: Vec<Value> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            if st.sort_keys {
+                keys.sort_by(|a, b| a.to_string().cmp(&b.to_string()));
+            }
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&st.item_sep);
+                }
+                newline(out, depth + 1);
+                match k.as_str() {
+                    Some(s) => json_str(s, out),
+                    None => json_str(&k.to_string(), out),
+                }
+                out.push_str(&st.key_sep);
+                dump(&v.get_item(k)?, st, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        _ => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson: object of kind {:?} is not JSON serializable", v.kind()),
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent,
+/// separators=separators, sort_keys=sort_keys)`.
+fn tojson(v: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent = match indent.or(kwargs.get::<Option<Value>>("indent")?) {
+        None => None,
+        Some(i) if i.is_none() => None,
+        Some(i) => match i.as_str() {
+            Some(s) => Some(s.to_owned()),
+            None => Some(" ".repeat(i64::try_from(i).unwrap_or(0).max(0) as usize)),
+        },
+    };
+    let seps: Option<Vec<String>> = kwargs.get("separators")?;
+    let (item_sep, key_sep) = match seps {
+        Some(s) if s.len() == 2 => (s[0].clone(), s[1].clone()),
+        _ if indent.is_some() => (",".into(), ": ".into()),
+        _ => (", ".into(), ": ".into()),
+    };
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let _ = kwargs.get::<Option<bool>>("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    dump(v, &JsonStyle { indent, item_sep, key_sep, sort_keys }, 0, &mut out)?;
+    Ok(Value::from_safe_string(out))
+}
+
+/// `strftime_now(fmt)`: the current UTC time formatted like Python's strftime
+/// (the common directives; transformers uses local time, which is UTC here).
+fn strftime_now(fmt: &str) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    strftime(secs, fmt)
+}
+
+const MONTHS: [&str; 12] = [
+    "January", "February", "March", "April", "May", "June", "July", "August", "September",
+    "October", "November", "December",
+];
+const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+
+/// Format Unix seconds (UTC) with a subset of strftime directives.
+pub fn strftime(secs: i64, fmt: &str) -> String {
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
+    let (hh, mm, ss) = (rem / 3600, rem % 3600 / 60, rem % 60);
+    let mut out = String::new();
+    let mut it = fmt.chars();
+    while let Some(c) = it.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match it.next() {
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y % 100)),
+            Some('b') => out.push_str(&MONTHS[(m - 1) as usize][..3]),
+            Some('B') => out.push_str(MONTHS[(m - 1) as usize]),
+            Some('a') => out.push_str(&DAYS[weekday][..3]),
+            Some('A') => out.push_str(DAYS[weekday]),
+            Some('H') => out.push_str(&format!("{hh:02}")),
+            Some('M') => out.push_str(&format!("{mm:02}")),
+            Some('S') => out.push_str(&format!("{ss:02}")),
+            Some('%') => out.push('%'),
+            Some(o) => {
+                out.push('%');
+                out.push(o);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_known_date() {
+        // 2024-07-26 12:34:56 UTC was a Friday.
+        assert_eq!(strftime(1_721_997_296, "%d %b %Y %H:%M:%S %A"), "26 Jul 2024 12:34:56 Friday");
+    }
+
+    #[test]
+    fn python_float_repr() {
+        assert_eq!(py_float(1.0), "1.0");
+        assert_eq!(py_float(0.1), "0.1");
+        assert_eq!(py_float(1e-5), "1e-05");
+        assert_eq!(py_float(1e16), "1e+16");
+        assert_eq!(py_float(123.25), "123.25");
+    }
+
+    #[test]
+    fn tojson_matches_json_dumps() {
+        let t = ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}").unwrap();
+        let x: Json = serde_json::from_str(r#"{"b": [1, 2.5, "é\n"], "a": null}"#).unwrap();
+        let mut vars = Map::new();
+        vars.insert("x".into(), x);
+        let out = t.render(&RenderInput { vars, ..Default::default() }).unwrap();
+        assert_eq!(
+            out,
+            "{\"b\": [1, 2.5, \"é\\n\"], \"a\": null}|{\n  \"b\": [\n    1,\n    2.5,\n    \"é\\n\"\n  ],\n  \"a\": null\n}"
+        );
+    }
+
+    #[test]
+    fn raise_exception_message_passes_through() {
+        let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}").unwrap();
+        let err = t.render(&RenderInput::default()).unwrap_err();
+        assert_eq!(err.to_string(), "roles must alternate");
+    }
+}
