@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from fake_vllm import FakeEngine
 from lightning import GatewayClient, Store
 

@@ -8,9 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import lightning
 import openai
 import pytest
+
+import lightning
 from fake_vllm import FakeEngine
 from lightning import Gateway, GatewayConfig
 

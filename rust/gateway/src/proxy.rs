@@ -557,6 +557,7 @@ async fn run_call(
         Ok(()) => {
             let mut r = Response::new(full(bytes));
             *r.status_mut() = status;
+            copy_headers(&parts.headers, r.headers_mut());
             r.headers_mut().insert(
                 CONTENT_TYPE,
                 copy_content_type(&parts.headers, "application/json"),
@@ -818,6 +819,7 @@ pub async fn models(st: &Arc<State>) -> Result<Response<Body>, ApiError> {
         .to_bytes();
     let mut r = Response::new(full(bytes));
     *r.status_mut() = parts.status;
+    copy_headers(&parts.headers, r.headers_mut());
     r.headers_mut().insert(
         CONTENT_TYPE,
         copy_content_type(&parts.headers, "application/json"),
