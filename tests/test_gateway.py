@@ -94,6 +94,11 @@ def test_chat_non_streaming_recorded_exactly(client: GatewayClient, engine: Fake
     assert rec.group is None  # records() leaves group to trace(); Store fills it
     info = client.get_rollout(r.id)
     assert info["status"] == "running" and info["n_calls"] == 1 and info["group"] == "g1"
+    (call,) = client.trace(r.id)
+    assert isinstance(call, lightning.Call) and call.group == "g1" and call.rollout_id == r.id
+    np.testing.assert_array_equal(call.prompt_ids, rec.prompt_ids)
+    np.testing.assert_array_equal(call.logprobs, rec.logprobs)
+    assert call.finish_reason == rec.finish_reason and call.weight_version == 3
 
 
 def test_harness_sees_engine_answer_unchanged(client: GatewayClient, engine: FakeEngine) -> None:
@@ -332,6 +337,7 @@ def test_client_disconnect_records_aborted(
     assert len(recs) == 1
     rec = recs[0]
     assert rec.status == "aborted" and not rec.delivered
+    assert client.trace(r.id) == []  # the harness never saw it whole: not trained on
     assert rec.completion_ids is not None and 0 < len(rec.completion_ids) < 40
     assert client.state()["in_flight"] == 0
 
@@ -402,6 +408,11 @@ def test_store_file_and_healthz(
         assert recs[0].group == "grp"
         assert s.rewards() == {r.id: 2.5}
         assert s.rollout_ids(group="grp") == [r.id]
+        # Straight into lightning.Call (and so into merge_calls), no HTTP.
+        (call,) = s.trace(r.id)
+        assert isinstance(call, lightning.Call) and call.group == "grp" and call.weight_version == 3
+        np.testing.assert_array_equal(call.completion_ids, recs[0].completion_ids)
+        assert lightning.merge_calls([call]).samples[0].rollout_id == r.id
     h = client.healthz()
     assert h["status"] == "ok" and h["weight_version"] == 3
     m = client.metrics()
@@ -424,3 +435,9 @@ def test_config_toml_and_bad_config(tmp_path: Path) -> None:
     }
     with pytest.raises(lightning.GatewayError, match="http://"):
         Gateway(GatewayConfig.model_validate(bad)).start()
+
+
+def test_config_plain_url_upstreams() -> None:
+    cfg = GatewayConfig(upstreams=["http://127.0.0.1:9/v1"], weight_version=4)  # type: ignore[list-item]
+    assert cfg.upstreams[0].url == "http://127.0.0.1:9/v1" and cfg.upstreams[0].weight_version == 4
+    assert "weight_version" not in json.loads(cfg.to_json())

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("lightning.data:main", "clean tasks: normalize, dedupe, filter, split, decontaminate"),
     "report": ("lightning.report:main", "write RUN_DIR/report.html (plots and traces, offline)"),
     "show": ("lightning.report:show_main", "print one rollout's merged trace, coloured"),
+    "gateway": ("lightning.gateway:main", "run the recording gateway (same as lightning-gateway)"),
 }
 
 

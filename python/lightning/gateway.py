@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lightning import _core
 
@@ -61,13 +61,30 @@ class GatewayConfig(BaseModel):
         default=2, ge=1, description="tokio worker threads (not sent to Rust config)"
     )
 
+    weight_version: int = Field(
+        default=0, ge=0, description="Weight version of upstreams given as plain URL strings"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_urls(cls, data: object) -> object:
+        # `upstreams=["http://...", ...]` is shorthand for {"url": ..., "weight_version": weight_version}.
+        if isinstance(data, dict) and isinstance(data.get("upstreams"), list):
+            version = data.get("weight_version", 0)
+            data = dict(data)
+            data["upstreams"] = [
+                {"url": u, "weight_version": version} if isinstance(u, str) else u
+                for u in data["upstreams"]
+            ]
+        return data
+
     @classmethod
     def from_toml(cls, path: str | Path) -> GatewayConfig:
         with open(path, "rb") as f:
             return cls.model_validate(tomllib.load(f))
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(exclude={"threads"}))
+        return json.dumps(self.model_dump(exclude={"threads", "weight_version"}))
 
 
 class GatewayHandle:

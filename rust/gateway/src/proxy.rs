@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::auth;
 use crate::capture::{self, Capture, Kind, StreamCapture};
+use crate::config::Engine;
 use crate::error::ApiError;
 use crate::server::{full, Body, Mode, RolloutInfo, State};
 use crate::sse;
@@ -131,6 +132,13 @@ pub fn rewrite_request(
     Ok((req, want_ids))
 }
 
+/// The request without `return_token_ids`, for engines that know no such field.
+fn plain_body(request: &str) -> Option<String> {
+    let mut v: Map<String, Value> = serde_json::from_str(request).ok()?;
+    v.remove("return_token_ids")?;
+    Some(Value::Object(v).to_string())
+}
+
 enum Sent {
     Answer {
         resp: Response<Incoming>,
@@ -143,7 +151,15 @@ enum Sent {
     },
 }
 
-async fn send_with_retries(st: &Arc<State>, key: &str, path: &str, body: Bytes) -> Sent {
+/// `body` goes to engines that return ids; `plain` (the same request without
+/// `return_token_ids`, which strict OpenAI servers reject) to `engine = "openai"`.
+async fn send_with_retries(
+    st: &Arc<State>,
+    key: &str,
+    path: &str,
+    body: Bytes,
+    plain: Bytes,
+) -> Sent {
     let cands = st.pool.candidates(key);
     if cands.is_empty() {
         return Sent::Failed {
@@ -171,7 +187,12 @@ async fn send_with_retries(st: &Arc<State>, key: &str, path: &str, body: Bytes) 
         if let Some(k) = &st.cfg.upstream_api_key {
             builder = builder.header(AUTHORIZATION, format!("Bearer {k}"));
         }
-        let req = match builder.body(Full::new(body.clone())) {
+        let payload = if u.engine == Engine::Openai {
+            plain.clone()
+        } else {
+            body.clone()
+        };
+        let req = match builder.body(Full::new(payload)) {
             Ok(r) => r,
             Err(e) => {
                 return Sent::Failed {
@@ -339,6 +360,26 @@ async fn commit(
     Ok(())
 }
 
+/// Copies the engine's response headers, except hop-by-hop ones (RFC 9110
+/// §7.6.1) and the length, which belong to each connection.
+fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    const HOP: [&str; 8] = [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "content-length",
+    ];
+    for (k, v) in from {
+        if !HOP.contains(&k.as_str()) {
+            to.append(k.clone(), v.clone());
+        }
+    }
+}
+
 fn copy_content_type(from: &HeaderMap, default: &'static str) -> HeaderValue {
     from.get(CONTENT_TYPE)
         .cloned()
@@ -399,8 +440,16 @@ async fn run_call(
         Kind::Completion => "/completions",
     };
     let body = Bytes::from(meta.request.clone());
+    // Only pay for the second body when an id-less engine is configured.
+    let plain = if st.pool.all().iter().any(|u| u.engine == Engine::Openai) {
+        plain_body(&meta.request)
+            .map(Bytes::from)
+            .unwrap_or_else(|| body.clone())
+    } else {
+        body.clone()
+    };
     let sent = tokio::select! {
-        s = send_with_retries(&st, &meta.rollout.id, path, body) => s,
+        s = send_with_retries(&st, &meta.rollout.id, path, body, plain) => s,
         _ = reply.closed() => {
             let records = build_records(&meta, None, false, CallStatus::Aborted, false, None, 0, ms(meta.started));
             let _ = commit(&st, records, &meta.rollout).await;
@@ -508,6 +557,7 @@ async fn run_call(
         Ok(()) => {
             let mut r = Response::new(full(bytes));
             *r.status_mut() = status;
+            copy_headers(&parts.headers, r.headers_mut());
             r.headers_mut().insert(
                 CONTENT_TYPE,
                 copy_content_type(&parts.headers, "application/json"),
@@ -565,6 +615,7 @@ async fn stream_call(
     let (parts, mut body) = resp.into_parts();
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     let mut r = Response::new(ChannelBody { rx }.boxed());
+    copy_headers(&parts.headers, r.headers_mut());
     r.headers_mut().insert(
         CONTENT_TYPE,
         copy_content_type(&parts.headers, "text/event-stream"),
@@ -768,6 +819,7 @@ pub async fn models(st: &Arc<State>) -> Result<Response<Body>, ApiError> {
         .to_bytes();
     let mut r = Response::new(full(bytes));
     *r.status_mut() = parts.status;
+    copy_headers(&parts.headers, r.headers_mut());
     r.headers_mut().insert(
         CONTENT_TYPE,
         copy_content_type(&parts.headers, "application/json"),

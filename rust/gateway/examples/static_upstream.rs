@@ -1,0 +1,103 @@
+//! A static fake engine for the load benchmark: answers every POST with the same
+//! precomputed vLLM-shaped body (1,000 prompt ids, 200 completion ids, 200
+//! logprobs), as JSON or as an SSE stream when the request has `"stream":true`.
+//! It does no work per request, so its own capacity is far above the gateway's.
+//!
+//! `cargo run --release -p lightning-gateway --example static_upstream -- PORT`
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+const PROMPT: usize = 1000;
+const COMPLETION: usize = 200;
+
+fn bodies() -> (Bytes, Bytes) {
+    let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| 1000 + i * 7 % 30000).collect();
+    let ids: Vec<u32> = (0..COMPLETION as u32)
+        .map(|i| 500 + i * 13 % 30000)
+        .collect();
+    let lp = |i: usize| -((i % 17) as f64) / 8.0;
+    let content: String = (0..COMPLETION).map(|_| "x").collect();
+    let whole = json!({
+        "id": "chatcmpl-static", "object": "chat.completion", "created": 0, "model": "static",
+        "prompt_token_ids": prompt,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": content, "tool_calls": []},
+            "logprobs": {"content": (0..COMPLETION).map(|i| json!({"token": "x", "logprob": lp(i), "bytes": [120], "top_logprobs": []})).collect::<Vec<_>>()},
+            "finish_reason": "length", "stop_reason": null, "token_ids": ids,
+        }],
+        "usage": {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION, "total_tokens": PROMPT + COMPLETION},
+    });
+    let mut sse = String::new();
+    let first = json!({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "static",
+        "prompt_token_ids": prompt,
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null, "token_ids": []}]});
+    sse.push_str(&format!("data: {first}\n\n"));
+    for (i, id) in ids.iter().enumerate() {
+        let c = json!({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "static",
+            "choices": [{"index": 0, "delta": {"content": "x"},
+                "logprobs": {"content": [{"token": "x", "logprob": lp(i), "bytes": [120], "top_logprobs": []}]},
+                "finish_reason": if i + 1 == COMPLETION { json!("length") } else { json!(null) }, "token_ids": [id]}]});
+        sse.push_str(&format!("data: {c}\n\n"));
+    }
+    let usage = json!({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "static", "choices": [],
+        "usage": {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION, "total_tokens": PROMPT + COMPLETION}});
+    sse.push_str(&format!("data: {usage}\n\ndata: [DONE]\n\n"));
+    (Bytes::from(whole.to_string()), Bytes::from(sse))
+}
+
+async fn answer(
+    req: Request<Incoming>,
+    b: Arc<(Bytes, Bytes)>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
+    let stream = body.windows(13).any(|w| w == b"\"stream\":true");
+    let (data, ct) = if stream {
+        (b.1.clone(), "text/event-stream")
+    } else {
+        (b.0.clone(), "application/json")
+    };
+    let mut r = Response::new(Full::new(data));
+    r.headers_mut()
+        .insert("content-type", hyper::header::HeaderValue::from_static(ct));
+    Ok(r)
+}
+
+fn main() -> std::io::Result<()> {
+    let port: u16 = std::env::args()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(18000);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let b = Arc::new(bodies());
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+        println!("READY {}", listener.local_addr()?.port());
+        loop {
+            let (s, _) = listener.accept().await?;
+            let _ = s.set_nodelay(true);
+            let b = b.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |r| answer(r, b.clone()));
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    })
+}
