@@ -13,28 +13,58 @@ from __future__ import annotations
 
 from lightning import _core
 from lightning._core import (
+    Call,
+    Divergence,
     Drift,
+    GatewayError,
+    InvalidCallError,
     LightningError,
+    MergeResult,
+    MergeStats,
     MessageSpan,
+    PackedTree,
+    Sample,
     SplicedSpan,
     SpliceResult,
     TemplateError,
     Tokenizer,
     TokenizerError,
     classify_drift,
+    merge_calls,
 )
+from lightning.client import CallRecord, GatewayClient, GatewayRequestError, Rollout
+from lightning.gateway import Gateway, GatewayConfig, GatewayHandle, UpstreamConfig
+from lightning.store import Store
 
 __version__: str = _core.__version__
 
 __all__ = [
+    "Call",
+    "CallRecord",
+    "Divergence",
     "Drift",
+    "Gateway",
+    "GatewayClient",
+    "GatewayConfig",
+    "GatewayError",
+    "GatewayHandle",
+    "GatewayRequestError",
+    "InvalidCallError",
     "LightningError",
+    "MergeResult",
+    "MergeStats",
     "MessageSpan",
+    "PackedTree",
+    "Rollout",
+    "Sample",
     "SpliceResult",
     "SplicedSpan",
+    "Store",
     "TemplateError",
     "Tokenizer",
     "TokenizerError",
-    "classify_drift",
+    "UpstreamConfig",
     "__version__",
+    "classify_drift",
+    "merge_calls",
 ]

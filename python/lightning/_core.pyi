@@ -1,17 +1,239 @@
 """Type stubs for the private native module. Use the names re-exported by `lightning`."""
 
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, final
+
+import numpy as np
+import numpy.typing as npt
+
 __version__: str
 
 class LightningError(Exception):
     """Root of all lightning errors."""
 
-# --- tokenizer ---
-import os
-from collections.abc import Mapping, Sequence
-from typing import Any, final
+class InvalidCallError(LightningError, ValueError):
+    """A call's data cannot be merged (bad ids, lengths that disagree, ...). A ValueError."""
 
-import numpy as np
-import numpy.typing as npt
+# --- merge (trace types and the radix-trie merge) ---
+
+_Ids = npt.ArrayLike | Sequence[int]
+
+@final
+class Call:
+    """One model call of a rollout: exact prompt ids, completion ids and rollout logprobs.
+
+    Ids accept lists or numpy integer arrays and are stored as uint32 numpy arrays
+    (a C-contiguous uint32 array is kept as is, without copying, like ``np.asarray``);
+    logprobs are stored as float32. Raises ``InvalidCallError`` (a ``ValueError``) for
+    ids that are not integers or are outside the uint32 range.
+    """
+
+    def __new__(
+        cls,
+        rollout_id: str,
+        prompt_ids: _Ids,
+        completion_ids: _Ids,
+        logprobs: npt.ArrayLike | Sequence[float] | None = None,
+        finish_reason: str | None = None,
+        weight_version: int = 0,
+        group: str | None = None,
+    ) -> Call: ...
+    @property
+    def rollout_id(self) -> str:
+        """The rollout this call belongs to."""
+    @property
+    def prompt_ids(self) -> npt.NDArray[np.uint32]:
+        """Prompt token ids (uint32)."""
+    @property
+    def completion_ids(self) -> npt.NDArray[np.uint32]:
+        """Completion token ids (uint32)."""
+    @property
+    def logprobs(self) -> npt.NDArray[np.float32] | None:
+        """Rollout logprob per completion token (float32), or None."""
+    @property
+    def finish_reason(self) -> str | None:
+        """Why generation stopped ("stop", "length", ...), if known."""
+    @property
+    def weight_version(self) -> int:
+        """Version of the policy weights that served the call."""
+    @property
+    def group(self) -> str | None:
+        """The GRPO group (rollouts of one task), or None."""
+
+@final
+class Sample:
+    """One training sequence: a root-to-leaf path of a rollout's trie.
+
+    ``weights`` is the number of calls that generated each token in the one sample
+    where it is trained (0 for context); ``logprobs`` is the rollout logprob wherever
+    some call generated the token (NaN otherwise); ``call_index`` is the first
+    generating call's index in the ``merge_calls`` input where the weight is > 0,
+    else -1.
+    """
+
+    @property
+    def rollout_id(self) -> str:
+        """The rollout this sample comes from."""
+    @property
+    def group(self) -> str | None:
+        """The rollout's GRPO group, or None."""
+    @property
+    def tokens(self) -> npt.NDArray[np.uint32]:
+        """Token ids (uint32)."""
+    @property
+    def weights(self) -> npt.NDArray[np.float32]:
+        """Loss weight per token (float32): number of generating calls, 0 for context."""
+    @property
+    def logprobs(self) -> npt.NDArray[np.float32]:
+        """Rollout logprob per token (float32, NaN where unknown)."""
+    @property
+    def call_index(self) -> npt.NDArray[np.int32]:
+        """Generating call per token (int32 index into the input, -1 for context)."""
+    @property
+    def truncated(self) -> int:
+        """Generated tokens (summed weights) this sample lost to ``max_tokens``."""
+    def __len__(self) -> int: ...
+
+@final
+class Divergence:
+    """A point where a call's prompt departs from a path an earlier call of the same rollout produced.
+
+    ``position`` is the first differing token's depth, ``left_call_index`` the latest
+    earlier call whose path continued there. ``kind`` is "unclassified" without a
+    tokenizer, else "retokenization", "template" or "other".
+    """
+
+    @property
+    def rollout_id(self) -> str: ...
+    @property
+    def call_index(self) -> int: ...
+    @property
+    def position(self) -> int: ...
+    @property
+    def left_call_index(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+
+@final
+class MergeStats:
+    """Counts describing one merge.
+
+    ``generated_tokens`` sums completion lengths; ``sample_tokens`` sums sample
+    lengths; ``truncated_tokens`` counts generated tokens (per generating call) cut by
+    ``max_tokens``; ``dropped_samples`` counts samples that truncation left with
+    nothing to train; ``duplicates`` counts calls whose full sequence repeats an
+    earlier call's in the same rollout.
+    """
+
+    @property
+    def calls(self) -> int: ...
+    @property
+    def rollouts(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def generated_tokens(self) -> int: ...
+    @property
+    def sample_tokens(self) -> int: ...
+    @property
+    def truncated_tokens(self) -> int: ...
+    @property
+    def dropped_samples(self) -> int: ...
+    @property
+    def duplicates(self) -> int: ...
+    def as_dict(self) -> dict[str, int]:
+        """The counts as a plain dict."""
+
+@final
+class PackedTree:
+    """Every trie node (one per token) in DFS order, for one forward pass with an ancestor mask.
+
+    ``parent`` is -1 at roots; ``depth`` is the position id; ``weights`` counts
+    generating calls; ``gen_offsets``/``gen_call`` list the generating calls per token
+    (CSR); ``tree_offsets``/``tree_keys`` delimit the trees.
+    """
+
+    @property
+    def tokens(self) -> npt.NDArray[np.uint32]:
+        """Token ids in DFS order (uint32)."""
+    @property
+    def parent(self) -> npt.NDArray[np.int64]:
+        """Index of each token's parent (int64, -1 at a root)."""
+    @property
+    def depth(self) -> npt.NDArray[np.int64]:
+        """Position id of each token (int64)."""
+    @property
+    def weights(self) -> npt.NDArray[np.float32]:
+        """Number of calls that generated each token (float32, 0 for context)."""
+    @property
+    def logprobs(self) -> npt.NDArray[np.float32]:
+        """Rollout logprob of each token (float32, NaN where unknown)."""
+    @property
+    def gen_offsets(self) -> npt.NDArray[np.int64]:
+        """CSR offsets into ``gen_call`` (int64, length len(tokens) + 1)."""
+    @property
+    def gen_call(self) -> npt.NDArray[np.int32]:
+        """Generating call indices (int32), in input order per token."""
+    @property
+    def tree_offsets(self) -> npt.NDArray[np.int64]:
+        """Start of each tree (int64, length len(tree_keys) + 1)."""
+    @property
+    def tree_keys(self) -> list[str]:
+        """Rollout id (or group name, when packed across rollouts) of each tree."""
+    def __len__(self) -> int: ...
+
+@final
+class MergeResult:
+    """The result of ``merge_calls``: samples, divergences, stats, and the packed tree on demand."""
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Training samples; rollouts in order of first appearance, each in DFS order of its trie."""
+    @property
+    def divergences(self) -> list[Divergence]:
+        """Where a later call's prompt left an earlier call's path."""
+    @property
+    def stats(self) -> MergeStats:
+        """Counts describing the merge."""
+    def packed(self, across_rollouts: bool = False) -> PackedTree:
+        """The packed-tree form of the same calls (same ``max_tokens``).
+
+        One tree per rollout; with ``across_rollouts=True`` one tree per ``group``
+        (calls whose group is None stay in their rollout's tree), so a group's shared
+        prompt appears once and ``gen_call`` says which call generated each token.
+        """
+
+def merge_calls(
+    calls: Iterable[Call], max_tokens: int | None = None, *, tokenizer: Any = None
+) -> MergeResult:
+    """Merge calls into training samples with a radix trie per rollout.
+
+    Calls are grouped by ``rollout_id``, input order kept within a rollout; the GIL
+    is released while merging. ``max_tokens`` cuts samples and reports what it cut.
+    ``tokenizer`` is reserved for divergence classification (without one every kind
+    is "unclassified"). Raises ``InvalidCallError`` (a ``ValueError``) naming the call
+    index for an empty completion, logprobs whose length differs from the
+    completion's, or calls of one rollout that disagree on ``group``.
+    """
+
+# --- gateway ---
+
+class GatewayError(LightningError):
+    """The gateway could not start or run (bad config, port in use, store failure)."""
+
+class GatewayHandle:
+    @property
+    def url(self) -> str: ...
+    @property
+    def running(self) -> bool: ...
+    def stop(self) -> None: ...
+
+def gateway_start(config_json: str, threads: int = 2) -> GatewayHandle: ...
+def gateway_serve(config_json: str, threads: int = 2) -> None: ...
+def gateway_main(argv: list[str]) -> int: ...
+
+# --- tokenizer ---
 
 _Ids = npt.NDArray[np.uint32]
 _IdsLike = npt.ArrayLike
@@ -97,7 +319,9 @@ class Tokenizer:
     def id_to_token(self, id: int) -> str | None: ...
     def is_special(self, id: int) -> bool: ...
     def encode(self, text: str, add_special_tokens: bool = False) -> _Ids: ...
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[_Ids]: ...
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[_Ids]: ...
     def decode(self, ids: _IdsLike, skip_special_tokens: bool = False) -> str: ...
     def render_chat(
         self,

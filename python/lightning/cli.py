@@ -11,7 +11,14 @@ import sys
 
 # name -> ("module:function", one-line help). The function takes argv (list[str])
 # and returns an exit code.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("lightning.loop:train_main", "run RL training from a TOML config (see examples/)"),
+    "demo": ("lightning.demo:main", "the offline CPU demo: an arithmetic agent improves by RL"),
+    "serve": ("lightning.engine.server:serve", "run the embedded OpenAI-compatible engine"),
+    "data": ("lightning.data:main", "clean tasks: normalize, dedupe, filter, split, decontaminate"),
+    "report": ("lightning.report:main", "write RUN_DIR/report.html (plots and traces, offline)"),
+    "show": ("lightning.report:show_main", "print one rollout's merged trace, coloured"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

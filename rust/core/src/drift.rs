@@ -144,9 +144,15 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
     let id_note = format!(
         "token {p}: previous id {} vs next id {}",
         prev[p],
-        next.get(p).map_or_else(|| "<end>".to_owned(), u32::to_string)
+        next.get(p)
+            .map_or_else(|| "<end>".to_owned(), u32::to_string)
     );
-    let verdict = |kind: DriftKind, detail: String| Drift { kind, position: p, text_offset: c, detail };
+    let verdict = |kind: DriftKind, detail: String| Drift {
+        kind,
+        position: p,
+        text_offset: c,
+        detail,
+    };
 
     if a.is_empty() {
         return Ok(verdict(
@@ -175,7 +181,9 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
             strip_think(ta)
         } else {
             // The opening tag was in the prompt: everything up to `</think>` is reasoning.
-            ta.split_once("</think>").map(|(_, r)| r.to_owned()).unwrap_or_default()
+            ta.split_once("</think>")
+                .map(|(_, r)| r.to_owned())
+                .unwrap_or_default()
         };
         let (x, y) = (squeeze(&stripped), squeeze(tb));
         let next_has_reasoning = tb.contains("</think>");
@@ -261,5 +269,8 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
             ),
         ));
     }
-    Ok(verdict(DriftKind::Other, format!("texts differ at byte {c} ({id_note})")))
+    Ok(verdict(
+        DriftKind::Other,
+        format!("texts differ at byte {c} ({id_note})"),
+    ))
 }

@@ -9,6 +9,9 @@ pub enum CoreError {
     /// A call's data is inconsistent (e.g. logprobs length differs from completion length).
     #[error("call {index}: {message}")]
     InvalidCall { index: usize, message: String },
+    /// An option passed to a merge is out of range.
+    #[error("{0}")]
+    InvalidOption(String),
     /// `tokenizer.json` (or `tokenizer_config.json`) could not be parsed.
     #[error("cannot load tokenizer from {what}: {message}")]
     TokenizerLoad { what: String, message: String },

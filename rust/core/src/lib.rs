@@ -11,5 +11,11 @@ pub mod error;
 pub mod retokenize;
 pub mod template;
 pub mod tokenizer;
+pub mod trace;
+pub mod trie;
 
 pub use error::CoreError;
+pub use trace::{
+    Call, CallView, Divergence, DivergenceKind, MergeStats, Merged, PackedTree, Sample,
+};
+pub use trie::{merge, pack, Trie};

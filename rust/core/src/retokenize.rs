@@ -136,8 +136,11 @@ impl Tokenizer {
         protect_content: bool,
     ) -> Result<(String, Vec<u32>), CoreError> {
         let text = self.render_chat(chat)?;
-        let protected =
-            if protect_content { self.content_ranges(chat.messages, &text) } else { Vec::new() };
+        let protected = if protect_content {
+            self.content_ranges(chat.messages, &text)
+        } else {
+            Vec::new()
+        };
         let ids = self.encode_segments(&text, &protected, true)?;
         Ok((text, ids))
     }
@@ -259,8 +262,11 @@ impl Tokenizer {
                 None => unmatched.push(g),
             }
         }
-        let protected =
-            if protect_content { self.content_ranges(chat.messages, &text) } else { Vec::new() };
+        let protected = if protect_content {
+            self.content_ranges(chat.messages, &text)
+        } else {
+            Vec::new()
+        };
         // Content ranges that overlap a spliced region are the generation itself.
         let protected_outside = |a: usize, b: usize| -> Vec<(usize, usize)> {
             protected
@@ -273,7 +279,11 @@ impl Tokenizer {
         let mut spliced = Vec::new();
         let mut cursor = 0;
         for (a, b, g, ids) in regions {
-            out.extend(self.encode_segments(&text[cursor..a], &protected_outside(cursor, a), true)?);
+            out.extend(self.encode_segments(
+                &text[cursor..a],
+                &protected_outside(cursor, a),
+                true,
+            )?);
             let token_start = out.len();
             out.extend_from_slice(&ids);
             // Plain tokenization of the same prefix, for the drift report.
@@ -296,6 +306,11 @@ impl Tokenizer {
             &protected_outside(cursor, text.len()),
             true,
         )?);
-        Ok(SpliceResult { ids: out, text, spliced, unmatched })
+        Ok(SpliceResult {
+            ids: out,
+            text,
+            spliced,
+            unmatched,
+        })
     }
 }

@@ -95,7 +95,12 @@ struct Splitter {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Piece {
     Text(usize, usize),
-    Added { id: u32, start: usize, end: usize, special: bool },
+    Added {
+        id: u32,
+        start: usize,
+        end: usize,
+        special: bool,
+    },
 }
 
 /// The tokenizer: HF tokenizer + config + optional chat template + segment cache.
@@ -113,7 +118,10 @@ pub struct Tokenizer {
 }
 
 fn load_err(what: &str, e: impl std::fmt::Display) -> CoreError {
-    CoreError::TokenizerLoad { what: what.to_owned(), message: e.to_string() }
+    CoreError::TokenizerLoad {
+        what: what.to_owned(),
+        message: e.to_string(),
+    }
 }
 
 impl Tokenizer {
@@ -127,7 +135,8 @@ impl Tokenizer {
     ) -> Result<Self, CoreError> {
         let mut doc: Json = serde_json::from_slice(tokenizer_json)
             .map_err(|e| load_err(what, format!("invalid JSON: {e}")))?;
-        let inner = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| load_err(what, e))?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| load_err(what, e))?;
         let mut config = config.unwrap_or_default();
         if chat_template.is_some() {
             config.chat_template = chat_template;
@@ -143,9 +152,10 @@ impl Tokenizer {
                 if flag("normalized") {
                     continue;
                 }
-                let (Some(content), Some(id)) =
-                    (t.get("content").and_then(Json::as_str), t.get("id").and_then(Json::as_u64))
-                else {
+                let (Some(content), Some(id)) = (
+                    t.get("content").and_then(Json::as_str),
+                    t.get("id").and_then(Json::as_u64),
+                ) else {
                     continue;
                 };
                 if flag("lstrip") || flag("rstrip") || flag("single_word") {
@@ -154,7 +164,10 @@ impl Tokenizer {
                 cut.push((content.to_owned(), id as u32, flag("special")));
             }
         }
-        let pre = doc.get("pre_tokenizer").map(Json::to_string).unwrap_or_default();
+        let pre = doc
+            .get("pre_tokenizer")
+            .map(Json::to_string)
+            .unwrap_or_default();
         let first_only = pre.contains("Metaspace") && pre.contains("\"first\"");
         let splitter = if cut_is_clean && !first_only {
             let ac = AhoCorasickBuilder::new()
@@ -175,13 +188,21 @@ impl Tokenizer {
             added.retain(|t| t.get("normalized").and_then(Json::as_bool).unwrap_or(false));
         }
         let plain_bytes = serde_json::to_vec(&doc).map_err(|e| load_err(what, e))?;
-        let plain = tokenizers::Tokenizer::from_bytes(&plain_bytes).map_err(|e| load_err(what, e))?;
+        let plain =
+            tokenizers::Tokenizer::from_bytes(&plain_bytes).map_err(|e| load_err(what, e))?;
 
         let template = match &config.chat_template {
             Some(src) => Some(ChatTemplate::new(src)?),
             None => None,
         };
-        Ok(Self { inner, plain, splitter, config, template, cache: Mutex::new(HashMap::new()) })
+        Ok(Self {
+            inner,
+            plain,
+            splitter,
+            config,
+            template,
+            cache: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn config(&self) -> &TokenizerConfig {
@@ -211,7 +232,10 @@ impl Tokenizer {
 
     /// Whether `id` is an added token marked special (a control token).
     pub fn is_special(&self, id: u32) -> bool {
-        self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
+        self.inner
+            .get_added_tokens_decoder()
+            .get(&id)
+            .is_some_and(|t| t.special)
     }
 
     /// Plain HF encoding (what `tokenizer(text, add_special_tokens=...)` gives).
@@ -227,11 +251,16 @@ impl Tokenizer {
         texts: &[&str],
         add_special_tokens: bool,
     ) -> Result<Vec<Vec<u32>>, CoreError> {
-        texts.iter().map(|t| self.encode(t, add_special_tokens)).collect()
+        texts
+            .iter()
+            .map(|t| self.encode(t, add_special_tokens))
+            .collect()
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, CoreError> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| CoreError::Tokenize(e.to_string()))
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| CoreError::Tokenize(e.to_string()))
     }
 
     /// Byte offsets of each token in `text` (for spans), from a whole-text encode.
@@ -257,7 +286,12 @@ impl Tokenizer {
                     out.push(Piece::Text(at, s));
                 }
                 let k = m.pattern().as_usize();
-                out.push(Piece::Added { id: sp.ids[k], start: s, end: e, special: sp.special[k] });
+                out.push(Piece::Added {
+                    id: sp.ids[k],
+                    start: s,
+                    end: e,
+                    special: sp.special[k],
+                });
                 at = e;
             }
         }
@@ -312,7 +346,9 @@ impl Tokenizer {
         for p in self.pieces(text, protected) {
             match p {
                 Piece::Added { id, .. } => out.push(id),
-                Piece::Text(a, b) => out.extend_from_slice(&self.encode_segment(&text[a..b], use_cache)?),
+                Piece::Text(a, b) => {
+                    out.extend_from_slice(&self.encode_segment(&text[a..b], use_cache)?)
+                }
             }
         }
         Ok(out)

@@ -8,12 +8,16 @@
 use pyo3::prelude::*;
 
 mod errors;
+mod gateway;
+mod merge;
 mod tokenizer;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
+    merge::register(m)?;
+    gateway::register(m)?;
     tokenizer::register(m)?;
     Ok(())
 }

@@ -17,13 +17,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::{Map, Number, Value as Json};
 
-use crate::errors::{TemplateError, TokenizerError};
-
 fn to_py(err: CoreError) -> PyErr {
-    match err {
-        CoreError::Template(_) | CoreError::NoTemplate => TemplateError::new_err(err.to_string()),
-        other => TokenizerError::new_err(other.to_string()),
-    }
+    Python::attach(|py| crate::errors::core_error(py, err))
 }
 
 /// Convert plain Python data (dict/list/tuple/str/int/float/bool/None, numpy
@@ -62,10 +57,18 @@ fn to_json(obj: &Bound<'_, PyAny>) -> PyResult<Json> {
         return Ok(Json::Object(m));
     }
     if let Ok(l) = obj.cast::<PyList>() {
-        return l.iter().map(|x| to_json(&x)).collect::<PyResult<Vec<_>>>().map(Json::Array);
+        return l
+            .iter()
+            .map(|x| to_json(&x))
+            .collect::<PyResult<Vec<_>>>()
+            .map(Json::Array);
     }
     if let Ok(t) = obj.cast::<PyTuple>() {
-        return t.iter().map(|x| to_json(&x)).collect::<PyResult<Vec<_>>>().map(Json::Array);
+        return t
+            .iter()
+            .map(|x| to_json(&x))
+            .collect::<PyResult<Vec<_>>>()
+            .map(Json::Array);
     }
     if obj.hasattr("tolist")? {
         return to_json(&obj.call_method0("tolist")?);
@@ -82,7 +85,9 @@ fn to_json(obj: &Bound<'_, PyAny>) -> PyResult<Json> {
 fn messages_json(messages: &Bound<'_, PyAny>) -> PyResult<Vec<Json>> {
     match to_json(messages)? {
         Json::Array(v) => Ok(v),
-        _ => Err(PyTypeError::new_err("messages must be a list of dicts with 'role' and 'content'")),
+        _ => Err(PyTypeError::new_err(
+            "messages must be a list of dicts with 'role' and 'content'",
+        )),
     }
 }
 
@@ -110,15 +115,17 @@ pub fn ids_arg(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<u32>> {
     obj.extract::<Vec<u32>>().map_err(|_| {
         PyTypeError::new_err(format!(
             "{field} must be a 1-D array or list of token ids in [0, 2**32), got {}",
-            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
         ))
     })
 }
 
 fn read(path: &Path) -> PyResult<Vec<u8>> {
-    std::fs::read(path).map_err(|e| {
-        PyFileNotFoundError::new_err(format!("cannot read {}: {e}", path.display()))
-    })
+    std::fs::read(path)
+        .map_err(|e| PyFileNotFoundError::new_err(format!("cannot read {}: {e}", path.display())))
 }
 
 /// Where one message sits in the rendered text (bytes) and in the ids.
@@ -209,7 +216,10 @@ pub struct PyDrift {
 #[pymethods]
 impl PyDrift {
     fn __repr__(&self) -> String {
-        format!("Drift(kind={:?}, position={}, detail={:?})", self.kind, self.position, self.detail)
+        format!(
+            "Drift(kind={:?}, position={}, detail={:?})",
+            self.kind, self.position, self.detail
+        )
     }
 }
 
@@ -233,7 +243,12 @@ fn chat<'a>(
     add_generation_prompt: bool,
     kwargs: Map<String, Json>,
 ) -> ChatInput<'a> {
-    ChatInput { messages, tools, add_generation_prompt, kwargs }
+    ChatInput {
+        messages,
+        tools,
+        add_generation_prompt,
+        kwargs,
+    }
 }
 
 #[pymethods]
@@ -243,8 +258,9 @@ impl PyTokenizer {
     #[pyo3(signature = (path, chat_template=None))]
     fn from_file(path: PathBuf, chat_template: Option<String>) -> PyResult<Self> {
         let bytes = read(&path)?;
-        let inner = CoreTokenizer::from_parts(&bytes, None, chat_template, &path.display().to_string())
-            .map_err(to_py)?;
+        let inner =
+            CoreTokenizer::from_parts(&bytes, None, chat_template, &path.display().to_string())
+                .map_err(to_py)?;
         Ok(Self { inner })
     }
 
@@ -259,8 +275,11 @@ impl PyTokenizer {
         let cfg_path = path.join("tokenizer_config.json");
         let config = if cfg_path.exists() {
             Some(
-                TokenizerConfig::from_json_bytes(&read(&cfg_path)?, &cfg_path.display().to_string())
-                    .map_err(to_py)?,
+                TokenizerConfig::from_json_bytes(
+                    &read(&cfg_path)?,
+                    &cfg_path.display().to_string(),
+                )
+                .map_err(to_py)?,
             )
         } else {
             None
@@ -324,7 +343,9 @@ impl PyTokenizer {
         text: &str,
         add_special_tokens: bool,
     ) -> PyResult<Bound<'py, PyArray1<u32>>> {
-        let ids = py.detach(|| self.inner.encode(text, add_special_tokens)).map_err(to_py)?;
+        let ids = py
+            .detach(|| self.inner.encode(text, add_special_tokens))
+            .map_err(to_py)?;
         Ok(PyArray1::from_vec(py, ids))
     }
 
@@ -336,14 +357,22 @@ impl PyTokenizer {
         add_special_tokens: bool,
     ) -> PyResult<Vec<Bound<'py, PyArray1<u32>>>> {
         let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-        let out = py.detach(|| self.inner.encode_batch(&refs, add_special_tokens)).map_err(to_py)?;
+        let out = py
+            .detach(|| self.inner.encode_batch(&refs, add_special_tokens))
+            .map_err(to_py)?;
         Ok(out.into_iter().map(|v| PyArray1::from_vec(py, v)).collect())
     }
 
     #[pyo3(signature = (ids, skip_special_tokens=false))]
-    fn decode(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, skip_special_tokens: bool) -> PyResult<String> {
+    fn decode(
+        &self,
+        py: Python<'_>,
+        ids: &Bound<'_, PyAny>,
+        skip_special_tokens: bool,
+    ) -> PyResult<String> {
         let ids = ids_arg(ids, "ids")?;
-        py.detach(|| self.inner.decode(&ids, skip_special_tokens)).map_err(to_py)
+        py.detach(|| self.inner.decode(&ids, skip_special_tokens))
+            .map_err(to_py)
     }
 
     /// Render like `apply_chat_template(messages, tokenize=False, ...)`.
@@ -380,8 +409,9 @@ impl PyTokenizer {
         let tools = tools.map(to_json).transpose()?;
         let kw = kwargs_json(kwargs)?;
         let input = chat(&msgs, tools.as_ref(), add_generation_prompt, kw);
-        let (_, ids) =
-            py.detach(|| self.inner.encode_chat(&input, protect_content)).map_err(to_py)?;
+        let (_, ids) = py
+            .detach(|| self.inner.encode_chat(&input, protect_content))
+            .map_err(to_py)?;
         Ok(PyArray1::from_vec(py, ids))
     }
 
@@ -435,14 +465,21 @@ impl PyTokenizer {
         for (i, g) in generations.try_iter()?.enumerate() {
             let g = g?;
             let ids = if g.hasattr("completion_ids")? {
-                ids_arg(&g.getattr("completion_ids")?, &format!("generations[{i}].completion_ids"))?
+                ids_arg(
+                    &g.getattr("completion_ids")?,
+                    &format!("generations[{i}].completion_ids"),
+                )?
             } else {
                 ids_arg(&g, &format!("generations[{i}]"))?
             };
-            gens.push(Generation { completion_ids: ids });
+            gens.push(Generation {
+                completion_ids: ids,
+            });
         }
         let input = chat(&msgs, tools.as_ref(), add_generation_prompt, kw);
-        let r = py.detach(|| self.inner.splice(&input, &gens, protect_content)).map_err(to_py)?;
+        let r = py
+            .detach(|| self.inner.splice(&input, &gens, protect_content))
+            .map_err(to_py)?;
         Ok(PySpliceResult {
             ids: r.ids,
             text: r.text,
@@ -490,7 +527,9 @@ pub fn classify_drift(
 ) -> PyResult<PyDrift> {
     let prev = ids_arg(prev_ids, "prev_ids")?;
     let next = ids_arg(next_ids, "next_ids")?;
-    let d = py.detach(|| core_classify(&prev, &next, &tokenizer.inner)).map_err(to_py)?;
+    let d = py
+        .detach(|| core_classify(&prev, &next, &tokenizer.inner))
+        .map_err(to_py)?;
     Ok(PyDrift {
         kind: d.kind.as_str().to_owned(),
         position: d.position,

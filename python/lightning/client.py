@@ -1,0 +1,303 @@
+"""HTTP client for the gateway's rollout and admin API (httpx).
+
+client = GatewayClient("http://127.0.0.1:8080", admin_key)
+rollout = client.create_rollout({"prompt": "..."}, group="task-7")
+env = rollout.openai_env()   # OPENAI_BASE_URL / OPENAI_API_KEY for the harness
+...                          # the harness runs
+client.reward(rollout.id, 1.0)
+calls = client.trace(rollout.id)   # list[lightning.Call], what the harness saw
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+import numpy as np
+
+from lightning._core import LightningError
+
+RolloutStatus = Literal["queued", "running", "succeeded", "failed", "timed_out"]
+
+
+class GatewayRequestError(LightningError):
+    """The gateway answered with an error; ``status``, ``code`` and the message it sent."""
+
+    def __init__(self, status: int, code: str | None, message: str) -> None:
+        super().__init__(f"gateway answered {status} ({code}): {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A created rollout: point the harness at ``base_url`` with ``token`` as its API key."""
+
+    id: str
+    token: str
+    base_url: str
+    group: str | None = None
+    mode: str = "train"
+
+    def openai_env(self) -> dict[str, str]:
+        """Environment variables the ``openai`` SDK reads."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.token}
+
+
+@dataclass
+class CallRecord:
+    """Everything the store holds about one recorded completion (one choice)."""
+
+    rollout_id: str
+    seq: int
+    request_id: str
+    choice_index: int
+    kind: str
+    prompt_ids: np.ndarray | None  # (P,) uint32
+    completion_ids: np.ndarray | None  # (C,) uint32
+    logprobs: np.ndarray | None  # (C,) float32, NaN unknown
+    finish_reason: str | None
+    status: str
+    flags: list[str] = field(default_factory=list)
+    delivered: bool = True
+    retry_count: int = 0
+    weight_version: int = 0
+    upstream: str = ""
+    http_status: int = 0
+    latency_ms: float = 0.0
+    text: str | None = None
+    usage: dict[str, Any] | None = None
+    group: str | None = None
+
+    @property
+    def trainable(self) -> bool:
+        """The harness saw it whole and the engine gave exact ids."""
+        return (
+            self.status == "ok"
+            and self.delivered
+            and self.prompt_ids is not None
+            and self.completion_ids is not None
+        )
+
+    def to_call(self) -> Any:
+        """As a ``lightning.Call`` (ids uint32, logprobs float32)."""
+        return make_call(
+            rollout_id=self.rollout_id,
+            prompt_ids=self.prompt_ids if self.prompt_ids is not None else np.zeros(0, np.uint32),
+            completion_ids=(
+                self.completion_ids if self.completion_ids is not None else np.zeros(0, np.uint32)
+            ),
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            weight_version=self.weight_version,
+            group=self.group,
+        )
+
+
+def make_call(**kw: Any) -> Any:
+    """Builds ``lightning.Call`` (from the native module)."""
+    import lightning
+
+    call_cls = getattr(lightning, "Call", None)
+    if call_cls is None:  # pragma: no cover - only before the merge module exists
+        raise LightningError("lightning.Call is not available in this build")
+    return call_cls(**kw)
+
+
+def decode_columnar(buf: bytes, group: str | None = None) -> list[CallRecord]:
+    """Decodes ``GET /rollouts/{id}/trace?format=columnar`` (see rust/gateway/src/columnar.rs)."""
+    if buf[:4] != b"LTRC":
+        raise LightningError("not a lightning columnar trace (bad magic)")
+    version, hlen = struct.unpack_from("<II", buf, 4)
+    if version != 1:
+        raise LightningError(
+            f"columnar trace version {version} is not supported; upgrade lightning"
+        )
+    header = json.loads(buf[12 : 12 + hlen])
+    metas = header["calls"]
+    off = 12 + hlen
+    np_total = sum(m["prompt_len"] for m in metas)
+    nc_total = sum(m["completion_len"] for m in metas)
+    prompts = np.frombuffer(buf, dtype="<u4", count=np_total, offset=off)
+    off += 4 * np_total
+    comps = np.frombuffer(buf, dtype="<u4", count=nc_total, offset=off)
+    off += 4 * nc_total
+    lps = np.frombuffer(buf, dtype="<f4", count=nc_total, offset=off)
+    out = []
+    p0 = c0 = 0
+    for m in metas:
+        p1, c1 = p0 + m["prompt_len"], c0 + m["completion_len"]
+        out.append(
+            CallRecord(
+                rollout_id=header["rollout_id"],
+                seq=m["seq"],
+                request_id=m["request_id"],
+                choice_index=m["choice_index"],
+                kind=m["kind"],
+                prompt_ids=prompts[p0:p1].astype(np.uint32) if m["has_prompt_ids"] else None,
+                completion_ids=comps[c0:c1].astype(np.uint32) if m["has_completion_ids"] else None,
+                logprobs=lps[c0:c1].astype(np.float32) if m["has_logprobs"] else None,
+                finish_reason=m["finish_reason"],
+                status=m["status"],
+                flags=list(m["flags"]),
+                delivered=m["delivered"],
+                retry_count=m["retry_count"],
+                weight_version=m["weight_version"],
+                upstream=m["upstream"],
+                http_status=m["http_status"],
+                latency_ms=m["latency_ms"],
+                text=m["text"],
+                usage=m["usage"],
+                group=group,
+            )
+        )
+        p0, c0 = p1, c1
+    return out
+
+
+class GatewayClient:
+    """Rollout and admin API of a running gateway."""
+
+    def __init__(
+        self, base_url: str, admin_key: str | None = None, *, timeout: float = 60.0
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.admin_key = admin_key
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(
+        self, method: str, path: str, *, token: str | None = None, **kw: Any
+    ) -> httpx.Response:
+        key = token or self.admin_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        r = self._http.request(method, path, headers=headers, **kw)
+        if r.status_code >= 400:
+            try:
+                err = r.json().get("error", {})
+                code, message = err.get("code"), err.get("message", r.text)
+            except ValueError:
+                code, message = None, r.text
+            raise GatewayRequestError(r.status_code, code, message)
+        return r
+
+    # --- rollouts -----------------------------------------------------------
+
+    def create_rollout(
+        self,
+        task: Any = None,
+        group: str | None = None,
+        mode: Literal["train", "eval"] = "train",
+        rollout_id: str | None = None,
+    ) -> Rollout:
+        """Creates a rollout (idempotent when ``rollout_id`` is given: same id, same token)."""
+        body: dict[str, Any] = {"task": task, "group": group, "mode": mode}
+        if rollout_id is not None:
+            body["rollout_id"] = rollout_id
+        d = self._request("POST", "/rollouts", json=body).json()
+        return Rollout(
+            id=d["rollout_id"],
+            token=d["token"],
+            base_url=d["base_url"],
+            group=d["group"],
+            mode=d["mode"],
+        )
+
+    def get_rollout(self, rollout_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/rollouts/{rollout_id}").json()
+
+    def list_rollouts(
+        self, status: RolloutStatus | None = None, group: str | None = None
+    ) -> list[dict[str, Any]]:
+        params = {k: v for k, v in (("status", status), ("group", group)) if v is not None}
+        return self._request("GET", "/rollouts", params=params).json()["rollouts"]
+
+    def set_status(self, rollout_id: str, status: RolloutStatus) -> None:
+        self._request("POST", f"/rollouts/{rollout_id}/status", json={"status": status})
+
+    def reward(
+        self, rollout_id: str, value: float, source: str | None = None, token: str | None = None
+    ) -> int:
+        """Records a reward (durable when this returns); returns its event seq."""
+        body = {"value": float(value), "source": source}
+        return self._request(
+            "POST", f"/rollouts/{rollout_id}/reward", token=token, json=body
+        ).json()["seq"]
+
+    def event(self, rollout_id: str, type: str, data: Any = None, token: str | None = None) -> int:
+        body = {"type": type, "data": data}
+        return self._request(
+            "POST", f"/rollouts/{rollout_id}/events", token=token, json=body
+        ).json()["seq"]
+
+    def events(self, rollout_id: str, token: str | None = None) -> list[dict[str, Any]]:
+        return self._request("GET", f"/rollouts/{rollout_id}/events", token=token).json()["events"]
+
+    def records(self, rollout_id: str, token: str | None = None) -> list[CallRecord]:
+        """Every recorded completion of a rollout, including failed, aborted and flagged ones."""
+        r = self._request(
+            "GET", f"/rollouts/{rollout_id}/trace", token=token, params={"format": "columnar"}
+        )
+        group = None
+        return decode_columnar(r.content, group)
+
+    def trace_json(self, rollout_id: str, token: str | None = None) -> dict[str, Any]:
+        return self._request("GET", f"/rollouts/{rollout_id}/trace", token=token).json()
+
+    def trace(self, rollout_id: str, token: str | None = None) -> list[Any]:
+        """The calls the harness actually saw, with exact ids, as ``lightning.Call``.
+
+        Left out: calls whose answer never reached the harness whole (aborted,
+        upstream errors) and calls the engine gave no ids for (see ``records``
+        for those, with their ``status`` and ``flags``).
+        """
+        info = self.get_rollout(rollout_id) if self.admin_key or token else {}
+        group = info.get("group")
+        recs = self.records(rollout_id, token=token)
+        out = []
+        for rec in recs:
+            rec.group = group
+            if rec.trainable:
+                out.append(rec.to_call())
+        return out
+
+    # --- admin --------------------------------------------------------------
+
+    def pause(self, *, drain: bool = True, timeout_s: float = 60.0) -> dict[str, Any]:
+        """New calls get 503; with ``drain`` waits until in-flight calls finished."""
+        return self._request(
+            "POST", "/admin/pause", json={"drain": drain, "timeout_s": timeout_s}
+        ).json()
+
+    def resume(self) -> dict[str, Any]:
+        return self._request("POST", "/admin/resume").json()
+
+    def state(self) -> dict[str, Any]:
+        return self._request("GET", "/admin/state").json()
+
+    def upstreams(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/admin/upstreams").json()["upstreams"]
+
+    def set_upstreams(self, upstreams: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Replaces the upstream set: ``[{"url": ..., "weight_version": N}, ...]``."""
+        return self._request("POST", "/admin/upstreams", json={"upstreams": upstreams}).json()[
+            "upstreams"
+        ]
+
+    def healthz(self) -> dict[str, Any]:
+        return self._request("GET", "/healthz").json()
+
+    def metrics(self) -> str:
+        return self._request("GET", "/metrics").text

@@ -1,0 +1,178 @@
+"""The run configuration of `lightning train`: one pydantic model, TOML in.
+
+Every section is validated when the file is loaded, so a typo or an impossible
+value fails before any model is loaded. Relative paths are resolved against the
+directory of the TOML file, so a config works from any working directory.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    """The policy. Either a local Hugging Face directory or a built-in offline model."""
+
+    path: str | None = None
+    builtin: Literal["smollm2-135m-instruct", "tiny"] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.path is None) == (self.builtin is None):
+            raise ValueError("[model] needs exactly one of `path` or `builtin`")
+        return self
+
+    def resolve(self) -> Path:
+        from lightning import models
+
+        if self.builtin == "smollm2-135m-instruct":
+            return models.smollm2_dir()
+        if self.builtin == "tiny":
+            return models.tiny_model_dir()
+        assert self.path is not None
+        path = Path(self.path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"[model] path {path} has no config.json; give a model directory"
+            )
+        return path
+
+
+class EngineSection(_Section):
+    """Where generation happens.
+
+    ``embedded``: lightning starts ``lightning serve`` on the policy and syncs weights
+    into it after each step. ``external``: the OpenAI base URLs of running engines
+    (vLLM, SGLang, lightning), with ``weight_sync`` saying how new weights reach them.
+    """
+
+    kind: Literal["embedded", "external"] = "embedded"
+    urls: list[str] = Field(default_factory=list)
+    weight_sync: Literal["embedded", "sglang", "none"] = "embedded"
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_batch: int = 16
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    threads: int | None = None
+    startup_timeout_s: float = 600.0
+
+    @model_validator(mode="after")
+    def _urls(self) -> EngineSection:
+        if self.kind == "external" and not self.urls:
+            raise ValueError("[engine] kind = 'external' needs `urls` (OpenAI base URLs, …/v1)")
+        return self
+
+
+class GatewaySection(_Section):
+    listen: str = "127.0.0.1:0"
+    admin_key: str | None = None
+    db: str | None = None  # default: RUN_DIR/lightning.db
+
+
+class HarnessSection(_Section):
+    """The unmodified harness: a command run once per rollout, or a Python callable."""
+
+    command: list[str] | None = None
+    callable: str | None = None  # "module:function", async def run(task, client)
+    timeout_s: float = 120.0
+    concurrency: int = 8
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+
+    @model_validator(mode="after")
+    def _one_harness(self) -> HarnessSection:
+        if (self.command is None) == (self.callable is None):
+            raise ValueError("[harness] needs exactly one of `command` or `callable`")
+        if self.concurrency < 1:
+            raise ValueError("[harness] concurrency must be >= 1")
+        return self
+
+
+class TasksSection(_Section):
+    train: str
+    eval: str | None = None
+    eval_limit: int | None = None
+
+
+class RewardSection(_Section):
+    source: Literal["harness", "stdout", "function"] = "stdout"
+    function: str | None = None  # "module:function(task, trace) -> float"
+
+    @model_validator(mode="after")
+    def _fn(self) -> RewardSection:
+        if self.source == "function" and not self.function:
+            raise ValueError("[reward] source = 'function' needs `function = 'module:function'`")
+        return self
+
+
+class AlgorithmSection(_Section):
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    group_size: int = Field(8, ge=1, description="rollouts per task (one GRPO group)")
+    tasks_per_step: int = Field(2, ge=1)
+    train_temperature: float = Field(1.0, ge=0.0)
+    eval_temperature: float = Field(0.0, ge=0.0)
+    drop_failed_rollouts: bool = True
+
+
+class RunConfig(_Section):
+    model: ModelSection
+    engine: EngineSection = Field(default_factory=EngineSection)
+    gateway: GatewaySection = Field(default_factory=GatewaySection)
+    harness: HarnessSection
+    tasks: TasksSection
+    reward: RewardSection = Field(default_factory=RewardSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    # Validated by lightning.trainer.TrainerConfig when the run starts (that module
+    # imports torch, which loading a config should not).
+    trainer: dict[str, Any] = Field(default_factory=dict)
+    steps: int = Field(10, ge=0)
+    eval_every: int = Field(0, ge=0, description="0 = only before and after training")
+    checkpoint_every: int = Field(0, ge=0)
+    traces_per_step: int = Field(2, ge=0)
+    output_dir: str = "runs/latest"
+    seed: int = 0
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+        for dotted, value in (overrides or {}).items():
+            node = raw
+            *parents, leaf = dotted.split(".")
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = value
+        config = cls.model_validate(raw)
+        return config.resolved_against(path.parent)
+
+    def resolved_against(self, base: Path) -> RunConfig:
+        """Make relative file paths relative to `base` (the config file's directory)."""
+
+        def fix(p: str | None) -> str | None:
+            if p is None or Path(p).is_absolute():
+                return p
+            return str((base / p).resolve())
+
+        data = self.model_copy(deep=True)
+        data.tasks.train = fix(data.tasks.train) or data.tasks.train
+        data.tasks.eval = fix(data.tasks.eval)
+        if data.model.path is not None:
+            data.model.path = fix(data.model.path)
+        if data.harness.cwd is not None:
+            data.harness.cwd = fix(data.harness.cwd)
+        else:
+            data.harness.cwd = str(base.resolve())
+        return data

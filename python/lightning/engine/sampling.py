@@ -1,0 +1,132 @@
+"""Sampling parameters and the per-row sampler.
+
+Which logprob is reported (vLLM's convention, made explicit here):
+
+vLLM's V1 sampler defaults to ``logprobs_mode="raw_logprobs"``: the returned
+logprob of a sampled token (and the top-k alternatives) is ``log_softmax`` of
+the *raw* model logits, before temperature, top-k and top-p
+(vllm/v1/sample/sampler.py, ``Sampler.__init__(logprobs_mode="raw_logprobs")``;
+``ModelConfig.logprobs_mode`` has the same default). We do the same by default,
+so a trainer's recomputation ``log_softmax(model(prompt + completion).logits)``
+matches the rollout logprob exactly at every temperature; at temperature 1 with
+top-p/top-k off that is also the distribution actually sampled from.
+``logprobs_mode="processed_logprobs"`` (vLLM's alternative) instead reports the
+log-probability under the distribution actually sampled from (after temperature
+and top-k/top-p filtering); greedy rows report raw logprobs in both modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
+# Below this temperature a request is greedy (vLLM uses the same epsilon).
+GREEDY_EPS = 1e-5
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one sequence samples. Validated on construction (ValueError names the field)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    seed: int | None = None
+    # None: no logprobs. k >= 0: the sampled token's logprob plus the k most likely.
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (vLLM's order); removed tokens get -inf.
+
+    logits: [V] float32 -> [V] float32
+    """
+    scaled = logits / params.temperature
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Mass strictly before each token; the most likely token is always kept.
+        before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+@dataclass
+class Choice:
+    """One sampled token with what the response reports about it."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None
+
+
+def sample_row(
+    logits: torch.Tensor,
+    raw_logprobs: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    mode: LogprobsMode,
+) -> Choice:
+    """Pick the next token of one sequence.
+
+    logits: [V] float32 raw model logits; raw_logprobs: [V] = log_softmax(logits).
+    """
+    if params.greedy:
+        token = int(torch.argmax(logits))
+        reported = raw_logprobs
+    else:
+        processed = filtered_logits(logits, params)
+        probs = torch.softmax(processed, dim=-1)
+        # Inverse-CDF draw: one uniform per token from the sequence's own generator
+        # (so seeds reproduce whatever the batch), ~100x cheaper than multinomial on
+        # a 49k vocabulary. Clamped so float rounding in the cumsum never runs off
+        # the end or lands on a zero-probability token.
+        cdf = torch.cumsum(probs, dim=-1)
+        u = torch.rand((1,), generator=generator, dtype=cdf.dtype) * cdf[-1]
+        token = int(torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1))
+        if probs[token] <= 0:
+            token = int(torch.argmax(probs))
+        reported = raw_logprobs if mode == "raw_logprobs" else torch.log_softmax(processed, -1)
+    top: list[tuple[int, float]] | None = None
+    if params.logprobs:
+        values, ids = torch.topk(reported, params.logprobs)
+        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return Choice(token=token, logprob=float(reported[token]), top=top)

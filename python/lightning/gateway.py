@@ -1,0 +1,140 @@
+"""The recording gateway, started from Python or as the ``lightning-gateway`` command.
+
+The server is Rust (hyper + tokio + SQLite); this module only validates the
+configuration (a pydantic model, TOML in) and hands it over. While it runs the
+GIL is released, so a trainer in the same process keeps running.
+
+    from lightning import Gateway, GatewayConfig
+    gw = Gateway(GatewayConfig(upstreams=[{"url": "http://127.0.0.1:8000/v1"}], listen="127.0.0.1:0"))
+    handle = gw.start()          # background thread; handle.url, handle.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lightning import _core
+
+
+class UpstreamConfig(BaseModel):
+    """One inference engine behind the gateway."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="Base URL with the API prefix, e.g. http://127.0.0.1:8000/v1")
+    weight_version: int = Field(default=0, ge=0, description="Weight version this engine serves")
+    engine: Literal["vllm", "sglang", "openai"] = "vllm"
+
+
+class GatewayConfig(BaseModel):
+    """Gateway settings; field meanings match ``rust/gateway/src/config.rs``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str = "127.0.0.1:8080"
+    upstreams: list[UpstreamConfig] = Field(default_factory=list)
+    db: str = "lightning.db"
+    admin_key: str | None = Field(
+        default=None, description="Admin key; None generates a random one on start()"
+    )
+    public_url: str | None = None
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    max_retries: int = Field(default=2, ge=0)
+    retry_base_ms: int = Field(default=50, ge=1)
+    mark_down_after: int = Field(default=3, ge=1)
+    down_for_s: float = Field(default=5.0, ge=0)
+    upstream_api_key: str | None = None
+    train_temperature: float | None = None
+    eval_temperature: float | None = None
+    eval_capture: bool = True
+    sync: Literal["full", "normal"] = "full"
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    threads: int = Field(
+        default=2, ge=1, description="tokio worker threads (not sent to Rust config)"
+    )
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> GatewayConfig:
+        with open(path, "rb") as f:
+            return cls.model_validate(tomllib.load(f))
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(exclude={"threads"}))
+
+
+class GatewayHandle:
+    """A running gateway: ``.url``, ``.admin_key``, ``.stop()``; a context manager."""
+
+    def __init__(self, inner: _core.GatewayHandle, admin_key: str) -> None:
+        self._inner = inner
+        self.admin_key = admin_key
+
+    @property
+    def url(self) -> str:
+        return self._inner.url
+
+    @property
+    def running(self) -> bool:
+        return self._inner.running
+
+    def stop(self) -> None:
+        """Drain in-flight calls, flush the store, join the server thread."""
+        self._inner.stop()
+
+    def client(self):
+        from lightning.client import GatewayClient
+
+        return GatewayClient(self.url, self.admin_key)
+
+    def __enter__(self) -> GatewayHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"GatewayHandle(url={self.url!r}, running={self.running})"
+
+
+class Gateway:
+    """The gateway server. ``start()`` runs it on a background thread; ``serve()``
+    blocks until SIGINT/SIGTERM."""
+
+    def __init__(self, config: GatewayConfig | None = None, **overrides: object) -> None:
+        cfg = config or GatewayConfig()
+        if overrides:
+            cfg = cfg.model_copy(update=overrides)
+            cfg = GatewayConfig.model_validate(cfg.model_dump())
+        if cfg.admin_key is None:
+            cfg = cfg.model_copy(update={"admin_key": secrets.token_urlsafe(24)})
+        self.config = cfg
+
+    @property
+    def admin_key(self) -> str:
+        assert self.config.admin_key is not None
+        return self.config.admin_key
+
+    def start(self) -> GatewayHandle:
+        inner = _core.gateway_start(self.config.to_json(), self.config.threads)
+        return GatewayHandle(inner, self.admin_key)
+
+    def serve(self) -> None:
+        _core.gateway_serve(self.config.to_json(), self.config.threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``lightning-gateway`` console command: same flags as the Rust binary."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return int(_core.gateway_main(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

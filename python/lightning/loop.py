@@ -1,0 +1,528 @@
+"""The closed loop behind `lightning train`.
+
+One step::
+
+    sample tasks → n rollouts per task (one GRPO group each) → run the harness
+    → wait for complete groups → fetch traces from the gateway → merge (radix trie,
+    drift classified) → advantages → trainer step → pause gateway, drain,
+    push weights, bump weight version, resume
+
+Periodic evaluation runs held-out tasks at the eval temperature through the very
+same harness and gateway (rollouts in mode ``eval``, never trained on).
+
+Everything a run produces lands in its output directory: ``lightning.db`` (the
+gateway's store: every call and reward), ``metrics.jsonl`` (one object per step),
+``traces.jsonl`` (a few decoded traces per step for the report), ``checkpoints/``,
+``state.json`` (for ``--resume``) and ``report.html``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lightning.config import RunConfig
+from lightning.runner import RolloutResult, Runner, load_callable
+
+log = logging.getLogger("lightning.loop")
+
+
+def read_tasks(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Tasks from a JSONL file (one JSON object per line)."""
+    out: list[dict[str, Any]] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                task = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON: {e}") from None
+            if not isinstance(task, dict):
+                raise ValueError(f"{path}:{n}: a task must be a JSON object")
+            out.append(task)
+    if not out:
+        raise ValueError(f"{path}: no tasks")
+    return out
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedEngine:
+    """`lightning serve` in a child process: its own interpreter, its own threads,
+    so generation and training never fight over one GIL."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        host: str,
+        port: int,
+        max_batch: int,
+        dtype: str,
+        threads: int | None,
+        log_path: Path,
+    ) -> None:
+        self.host = host
+        self.port = port or _free_port(host)
+        argv = [
+            sys.executable,
+            "-m",
+            "lightning.cli",
+            "serve",
+            str(model_dir),
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--max-batch",
+            str(max_batch),
+            "--dtype",
+            dtype,
+        ]
+        if threads:
+            argv += ["--threads", str(threads)]
+        self.log_file = open(log_path, "ab")
+        self.proc = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT)
+
+    @property
+    def root(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.root + "/v1"
+
+    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"embedded engine exited with {self.proc.returncode}; see {self.log_file.name}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(self.root + "/health", timeout=2.0)
+                if r.status_code == 200:
+                    return dict(r.json())
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"embedded engine not ready after {timeout_s:g}s; see {self.log_file.name}"
+        )
+
+    def load_weights(self, path: Path, version: int) -> None:
+        r = httpx.post(
+            self.root + "/admin/load_weights",
+            json={"path": str(path), "version": version},
+            timeout=600.0,
+        )
+        if r.status_code != 200:
+            raise RuntimeError(f"engine refused weights from {path}: {r.status_code} {r.text}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+
+
+def push_weights_external(urls: Sequence[str], kind: str, path: Path, version: int) -> None:
+    """Weight sync for engines lightning did not start (DESIGN.md §7)."""
+    for url in urls:
+        root = url.rstrip("/").removesuffix("/v1")
+        if kind == "embedded":
+            r = httpx.post(
+                root + "/admin/load_weights",
+                json={"path": str(path), "version": version},
+                timeout=600.0,
+            )
+        elif kind == "sglang":
+            r = httpx.post(
+                root + "/update_weights_from_disk", json={"model_path": str(path)}, timeout=600.0
+            )
+        else:
+            return
+        if r.status_code != 200:
+            raise RuntimeError(f"{root} refused weights from {path}: {r.status_code} {r.text}")
+
+
+@dataclass
+class StepRecord:
+    step: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _eval_reward(results: Sequence[RolloutResult]) -> float:
+    rewards = [r.reward if r.reward is not None else 0.0 for r in results]
+    return float(sum(rewards) / len(rewards)) if rewards else float("nan")
+
+
+class Run:
+    """One training run. Use as a context manager so servers always stop."""
+
+    def __init__(self, config: RunConfig, *, resume: bool = False, quiet: bool = False) -> None:
+        self.config = config
+        self.out = Path(config.output_dir)
+        self.quiet = quiet
+        if self.out.exists() and not resume and any(self.out.iterdir()):
+            raise FileExistsError(
+                f"output dir {self.out} is not empty; pass --resume to continue that run "
+                "or choose another output_dir"
+            )
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.resume = resume
+        self.state_path = self.out / "state.json"
+        self.state: dict[str, Any] = {"step": 0, "weight_version": 0}
+        if resume and self.state_path.exists():
+            self.state = json.loads(self.state_path.read_text())
+        self._stack = contextlib.ExitStack()
+
+    # -- setup ----------------------------------------------------------------
+
+    def __enter__(self) -> Run:
+        try:
+            self._setup()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _setup(self) -> None:
+        from lightning import Gateway, GatewayClient, GatewayConfig, Tokenizer
+        from lightning.trainer import Trainer, TrainerConfig
+
+        cfg = self.config
+        (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
+        self.train_tasks = read_tasks(cfg.tasks.train)
+        self.eval_tasks = read_tasks(cfg.tasks.eval) if cfg.tasks.eval else []
+        if cfg.tasks.eval_limit is not None:
+            self.eval_tasks = self.eval_tasks[: cfg.tasks.eval_limit]
+
+        self.model_dir = cfg.model.resolve()
+        self.tokenizer = Tokenizer.from_dir(str(self.model_dir))
+        trainer_cfg = TrainerConfig.model_validate(
+            {
+                "model_path": str(self.model_dir),
+                "estimator": cfg.algorithm.estimator,
+                "seed": cfg.seed,
+                **cfg.trainer,
+            }
+        )
+        self.trainer = Trainer(trainer_cfg, log_dir=str(self.out))
+        start_weights: Path | None = None
+        if self.resume and self.state["step"] > 0:
+            ckpt = self.out / "checkpoints" / "latest"
+            self.trainer.load_checkpoint(str(ckpt))
+            start_weights = ckpt
+
+        if cfg.engine.kind == "embedded":
+            engine = EmbeddedEngine(
+                start_weights or self.model_dir,
+                host=cfg.engine.host,
+                port=cfg.engine.port,
+                max_batch=cfg.engine.max_batch,
+                dtype=cfg.engine.dtype,
+                threads=cfg.engine.threads,
+                log_path=self.out / "engine.log",
+            )
+            self._stack.callback(engine.stop)
+            self._say(f"starting embedded engine on {engine.url} (log: {self.out / 'engine.log'})")
+            engine.wait_ready(cfg.engine.startup_timeout_s)
+            self.engine: EmbeddedEngine | None = engine
+            upstreams = [engine.url]
+        else:
+            self.engine = None
+            upstreams = list(cfg.engine.urls)
+
+        self.admin_key = cfg.gateway.admin_key or secrets.token_urlsafe(24)
+        db = cfg.gateway.db or str(self.out / "lightning.db")
+        gw_config = GatewayConfig(
+            listen=cfg.gateway.listen,
+            upstreams=upstreams,
+            db=db,
+            admin_key=self.admin_key,
+            weight_version=int(self.state["weight_version"]),
+        )
+        self.gateway = Gateway(gw_config).start()
+        self._stack.callback(self.gateway.stop)
+        self.client = GatewayClient(self.gateway.url, self.admin_key)
+
+        harness: Any
+        if cfg.harness.command is not None:
+            harness = [sys.executable if a == "{python}" else a for a in cfg.harness.command]
+        else:
+            assert cfg.harness.callable is not None
+            harness = load_callable(cfg.harness.callable)
+        self.runner = Runner(
+            self.client,
+            harness,
+            reward_source=cfg.reward.source,
+            reward_fn=cfg.reward.function,
+            concurrency=cfg.harness.concurrency,
+            timeout_s=cfg.harness.timeout_s,
+            env=cfg.harness.env,
+            cwd=cfg.harness.cwd,
+        )
+
+    def _say(self, text: str) -> None:
+        if not self.quiet:
+            print(f"[lightning] {text}", flush=True)
+
+    # -- the loop ---------------------------------------------------------------
+
+    def evaluate(self, label: str) -> float:
+        if not self.eval_tasks:
+            return float("nan")
+        temp = self.config.algorithm.eval_temperature
+        jobs = [({**t, "temperature": temp}, None) for t in self.eval_tasks]
+        results = self.runner.run(jobs, mode="eval")
+        reward = _eval_reward(results)
+        self._say(f"eval ({label}): mean reward {reward:.3f} over {len(results)} held-out tasks")
+        return reward
+
+    def _rollouts(self, step: int) -> list[RolloutResult]:
+        cfg = self.config
+        rng = random.Random(cfg.seed * 1_000_003 + step)
+        chosen = rng.sample(
+            self.train_tasks, k=min(cfg.algorithm.tasks_per_step, len(self.train_tasks))
+        )
+        jobs = []
+        for i, task in enumerate(chosen):
+            group = f"step{step}-task{i}-{task.get('id', i)}"
+            for _ in range(cfg.algorithm.group_size):
+                jobs.append(({**task, "temperature": cfg.algorithm.train_temperature}, group))
+        return self.runner.run(jobs, mode="train")
+
+    def _sync_weights(self, version: int) -> None:
+        """Pause the gateway, drain in-flight calls, push weights, resume (DESIGN.md §7)."""
+        self.client.pause()
+        try:
+            deadline = time.monotonic() + 120
+            while self.client.state().get("in_flight", 0) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            path = self.out / "weights" / f"v{version}"
+            self.trainer.export_weights(str(path))
+            if self.engine is not None:
+                self.engine.load_weights(path, version)
+                upstreams = [self.engine.url]
+            else:
+                push_weights_external(
+                    self.config.engine.urls, self.config.engine.weight_sync, path, version
+                )
+                upstreams = list(self.config.engine.urls)
+            self.client.set_upstreams([{"url": u, "weight_version": version} for u in upstreams])
+            # Only the newest weights are needed from now on.
+            for old in (self.out / "weights").glob("v*"):
+                if old != path:
+                    shutil.rmtree(old, ignore_errors=True)
+        finally:
+            self.client.resume()
+
+    def _write_traces(
+        self, step: int, results: Sequence[RolloutResult], merged: Any, rewards: dict[str, float]
+    ) -> None:
+        n = self.config.traces_per_step
+        if n <= 0:
+            return
+        by_rollout: dict[str, list[Any]] = {}
+        for sample in merged.samples:
+            by_rollout.setdefault(sample.rollout_id, []).append(sample)
+        divs: dict[str, list[dict[str, Any]]] = {}
+        for d in merged.divergences:
+            divs.setdefault(d.rollout_id, []).append({"position": int(d.position), "kind": d.kind})
+        tasks = {r.rollout_id: r.task for r in results}
+        with open(self.out / "traces.jsonl", "a") as f:
+            for rid in list(by_rollout)[:n]:
+                sample = by_rollout[rid][0]
+                pieces = [self.tokenizer.decode([int(t)]) for t in sample.tokens]
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "rollout_id": rid,
+                            "reward": rewards.get(rid),
+                            "pieces": pieces,
+                            "weights": [float(w) for w in sample.weights],
+                            "divergences": divs.get(rid, []),
+                            "task": tasks.get(rid),
+                        }
+                    )
+                    + "\n"
+                )
+
+    def step(self, step: int) -> dict[str, Any]:
+        from lightning import merge_calls
+
+        t0 = time.monotonic()
+        results = self._rollouts(step)
+        status = Counter(r.status for r in results)
+        usable = [
+            r
+            for r in results
+            if r.status == "succeeded" or not self.config.algorithm.drop_failed_rollouts
+        ]
+        rewards = {r.rollout_id: (r.reward if r.reward is not None else 0.0) for r in usable}
+        groups = {r.rollout_id: str(r.group) for r in usable}
+        calls = []
+        for r in usable:
+            calls.extend(
+                c for c in self.client.trace(r.rollout_id) if getattr(c, "trainable", True)
+            )
+        merged = merge_calls(calls, tokenizer=self.tokenizer)
+        t_rollout = time.monotonic() - t0
+        metrics: dict[str, Any] = dict(self.trainer.step(merged.samples, rewards, groups))
+        version = step + 1
+        self._sync_weights(version)
+        lengths = [len(c.completion_ids) for c in calls]
+        per_rollout = Counter(s.rollout_id for s in merged.samples)
+        metrics.update(
+            {
+                "step": step,
+                "rollouts": len(results),
+                "rollout_status": dict(status),
+                "response_len_mean": float(sum(lengths) / len(lengths)) if lengths else 0.0,
+                "samples_per_rollout": (sum(per_rollout.values()) / len(per_rollout))
+                if per_rollout
+                else 0.0,
+                "divergences": dict(Counter(d.kind for d in merged.divergences)),
+                "rollout_time_s": t_rollout,
+                "step_time_s": time.monotonic() - t0,
+                "weight_version": version,
+            }
+        )
+        self._write_traces(step, results, merged, rewards)
+        return metrics
+
+    def _append_metrics(self, metrics: dict[str, Any]) -> None:
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics, default=float) + "\n")
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        start = int(self.state["step"])
+        summary: dict[str, Any] = {"output_dir": str(self.out)}
+        if start == 0:
+            summary["eval_before"] = self.evaluate("before training")
+            self._append_metrics({"step": -1, "eval_reward": summary["eval_before"]})
+        else:
+            self._say(f"resuming at step {start}")
+        with _progress(cfg.steps, start, quiet=self.quiet) as tick:
+            for step in range(start, cfg.steps):
+                metrics = self.step(step)
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                    metrics["eval_reward"] = self.evaluate(f"after step {step + 1}")
+                self._append_metrics(metrics)
+                self.state = {"step": step + 1, "weight_version": step + 1}
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                    self._checkpoint()
+                self.state_path.write_text(json.dumps(self.state))
+                tick(metrics)
+        summary["eval_after"] = self.evaluate("after training")
+        self._append_metrics({"step": cfg.steps, "eval_reward": summary["eval_after"]})
+        self._checkpoint()
+        self.state_path.write_text(json.dumps(self.state))
+        try:
+            from lightning.report import write_report
+
+            summary["report"] = str(write_report(self.out).html_path)
+        except Exception as e:  # the run's data is safe on disk; a report can be redone
+            log.warning("report failed: %s (rerun `lightning report %s`)", e, self.out)
+        return summary
+
+    def _checkpoint(self) -> None:
+        tmp = self.out / "checkpoints" / "latest.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.trainer.save_checkpoint(str(tmp))
+        final = self.out / "checkpoints" / "latest"
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+
+
+@contextlib.contextmanager
+def _progress(total: int, start: int, *, quiet: bool) -> Iterator[Any]:
+    if quiet or total == 0:
+        yield lambda metrics: None
+        return
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = [
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task("train", total=total, completed=start, info="")
+        last_eval = "-"
+
+        def tick(m: dict[str, Any]) -> None:
+            nonlocal last_eval
+            if "eval_reward" in m:
+                last_eval = f"{m['eval_reward']:.3f}"
+            info = (
+                f"reward {m.get('reward_mean', float('nan')):.3f}  eval {last_eval}  "
+                f"{m.get('tokens_per_s', 0.0):.0f} tok/s"
+            )
+            progress.update(task, advance=1, info=info)
+
+        yield tick
+
+
+def train(config: RunConfig, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
+    with Run(config, resume=resume, quiet=quiet) as run:
+        return run.run()
+
+
+def train_main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="lightning train", description=__doc__.split("\n")[0])
+    p.add_argument("config", help="run configuration (TOML)")
+    p.add_argument("--resume", action="store_true", help="continue the run in its output_dir")
+    p.add_argument("--output-dir", help="override output_dir")
+    p.add_argument("--steps", type=int, help="override steps")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    if args.output_dir:
+        overrides["output_dir"] = args.output_dir
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    config = RunConfig.load(args.config, overrides)
+    summary = train(config, resume=args.resume, quiet=args.quiet)
+    print(json.dumps(summary, indent=2))
+    return 0

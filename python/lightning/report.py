@@ -1,0 +1,639 @@
+"""Run report: ``lightning report RUN_DIR`` and ``lightning show``.
+
+Inputs (written by the training loop):
+
+- ``RUN_DIR/metrics.jsonl``: one JSON object per step (keys in the brief's
+  contract: ``reward_mean``, ``eval_reward``, ``approx_kl``, ``clip_frac``,
+  ``response_len_mean``, ``gap_abs_logprob``, ``gap_kl``, ``samples_per_rollout``,
+  ``divergences`` = {kind: count}, ...).
+- ``RUN_DIR/traces.jsonl``: one object per rendered trace: ``{"step",
+  "rollout_id", "reward", "pieces": [decoded text per token], "weights": [float per
+  token, 0 = context], "divergences": [{"position", "kind"}], "task": {...}}``.
+
+Output: ``RUN_DIR/report.html``, one self-contained file (PNGs inlined as base64
+data URIs, inline CSS, no scripts, nothing fetched from the network) and the same
+PNGs in ``RUN_DIR/report/``. A plot whose keys never appear is skipped and the page
+says so. Both inputs are read tolerantly: a half-written last line (the run is
+still going) is ignored.
+
+Plots use matplotlib's Agg canvas through ``matplotlib.figure.Figure`` (no pyplot
+global state); matplotlib is imported only when a report is written, so this
+module imports fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime as _dt
+import html
+import io
+import json
+import math
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# ----------------------------------------------------------------- reading
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Objects from a JSONL file; a missing file is empty and undecodable lines
+    (a run still writing its last line) are skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                rows.append(obj)
+    return rows
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) for the rows where ``key`` is a finite number."""
+    xs, ys = [], []
+    for i, row in enumerate(rows):
+        y = _num(row.get(key))
+        if y is None:
+            continue
+        x = _num(row.get("step"))
+        xs.append(x if x is not None else float(i))
+        ys.append(y)
+    return xs, ys
+
+
+# ----------------------------------------------------------------- plots
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    name: str  # file stem
+    title: str
+    keys: tuple[str, ...]  # any one present makes the plot
+    ylabel: str
+    draw: Callable[[Any, Sequence[Mapping[str, Any]]], None]
+
+
+def _ema(ys: Sequence[float], alpha: float) -> list[float]:
+    out, acc = [], ys[0]
+    for y in ys:
+        acc = alpha * y + (1 - alpha) * acc
+        out.append(acc)
+    return out
+
+
+def _draw_reward(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    xs, ys = series(rows, "reward_mean")
+    if xs:
+        sx, sd = series(rows, "reward_std")
+        std = dict(zip(sx, sd, strict=True))
+        if len(std) == len(xs):
+            lo = [y - std[x] for x, y in zip(xs, ys, strict=True)]
+            hi = [y + std[x] for x, y in zip(xs, ys, strict=True)]
+            ax.fill_between(xs, lo, hi, color="#4c78a8", alpha=0.15, linewidth=0, label="± std")
+        ax.plot(xs, ys, color="#4c78a8", alpha=0.45 if len(xs) >= 10 else 1.0, label="train")
+        if len(xs) >= 10:
+            ax.plot(xs, _ema(ys, 0.2), color="#4c78a8", linewidth=2, label="train (EMA)")
+    ex, ey = series(rows, "eval_reward")
+    if ex:
+        ax.plot(ex, ey, color="#e45756", marker="o", linewidth=2, label="eval (held out)")
+    ax.legend(loc="best", fontsize=8)
+
+
+def _lines(*keys_labels: tuple[str, str]) -> Callable[[Any, Sequence[Mapping[str, Any]]], None]:
+    def draw(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+        drawn = 0
+        for key, label in keys_labels:
+            xs, ys = series(rows, key)
+            if xs:
+                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
+                drawn += 1
+        if drawn > 1:
+            ax.legend(loc="best", fontsize=8)
+
+    return draw
+
+
+def _divergence_counts(rows: Sequence[Mapping[str, Any]]) -> tuple[list[float], dict[str, list]]:
+    steps: list[float] = []
+    per_kind: dict[str, dict[float, float]] = {}
+    for i, row in enumerate(rows):
+        div = row.get("divergences")
+        if not isinstance(div, Mapping):
+            continue
+        x = _num(row.get("step"))
+        x = x if x is not None else float(i)
+        steps.append(x)
+        for kind, count in div.items():
+            c = _num(count)
+            if c is not None:
+                per_kind.setdefault(str(kind), {})[x] = c
+    return steps, {k: [v.get(x, 0.0) for x in steps] for k, v in sorted(per_kind.items())}
+
+
+def _draw_divergences(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    steps, kinds = _divergence_counts(rows)
+    bottom = [0.0] * len(steps)
+    for kind, counts in kinds.items():
+        ax.bar(steps, counts, bottom=bottom, label=kind, width=0.8)
+        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+    if not kinds or not any(bottom):
+        ax.text(
+            0.5,
+            0.5,
+            "no divergences recorded",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            color="#666",
+        )
+    if kinds:
+        # Headroom so the legend (top) never hides the tallest bars.
+        ax.set_ylim(0, max(1.0, *bottom) * 1.35)
+        ax.legend(loc="upper left", fontsize=8, ncols=min(4, len(kinds)))
+
+
+# fmt: off
+PLOTS: tuple[PlotSpec, ...] = (
+    PlotSpec("reward", "Reward per step", ("reward_mean", "eval_reward"), "reward", _draw_reward),
+    PlotSpec("approx_kl", "Approx. KL (policy vs. rollout)", ("approx_kl",), "KL",
+             _lines(("approx_kl", "approx KL"))),
+    PlotSpec("clip_frac", "Clip fraction", ("clip_frac",), "fraction",
+             _lines(("clip_frac", "clip fraction"))),
+    PlotSpec("response_len", "Response length", ("response_len_mean",), "tokens",
+             _lines(("response_len_mean", "mean response tokens"))),
+    PlotSpec("logprob_gap", "Train–serve logprob gap", ("gap_abs_logprob", "gap_kl"), "nats",
+             _lines(("gap_abs_logprob", "mean |Δ logprob|"), ("gap_kl", "KL estimate"))),
+    PlotSpec("samples_per_rollout", "Samples per rollout (merge)", ("samples_per_rollout",),
+             "samples", _lines(("samples_per_rollout", "samples / rollout"))),
+    PlotSpec("divergences", "Divergences by kind", ("divergences",), "count", _draw_divergences),
+    PlotSpec("entropy", "Entropy", ("entropy",), "nats", _lines(("entropy", "entropy"))),
+    PlotSpec("grad_norm", "Gradient norm", ("grad_norm",), "norm",
+             _lines(("grad_norm", "grad norm"))),
+    PlotSpec("throughput", "Training throughput", ("tokens_per_s",), "tokens/s",
+             _lines(("tokens_per_s", "tokens/s"))),
+)
+# fmt: on
+
+
+def _has_key(rows: Sequence[Mapping[str, Any]], key: str) -> bool:
+    if key == "divergences":
+        return any(isinstance(r.get(key), Mapping) for r in rows)
+    return any(_num(r.get(key)) is not None for r in rows)
+
+
+def render_plot(spec: PlotSpec, rows: Sequence[Mapping[str, Any]]) -> bytes:
+    """One plot as PNG bytes."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 3.2), dpi=110, layout="constrained")
+    ax = fig.add_subplot()
+    spec.draw(ax, rows)
+    ax.set_title(spec.title, fontsize=11)
+    ax.set_xlabel("step")
+    ax.set_ylabel(spec.ylabel)
+    ax.grid(True, alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------- traces
+
+
+def _check_trace(pieces: Sequence[str], weights: Sequence[float]) -> None:
+    if len(pieces) != len(weights):
+        raise ValueError(
+            f"trace has {len(pieces)} pieces but {len(weights)} weights; they must be per token"
+        )
+
+
+def _marks(divergences: Iterable[Mapping[str, Any]]) -> dict[int, list[str]]:
+    marks: dict[int, list[str]] = {}
+    for d in divergences:
+        pos = d.get("position")
+        if isinstance(pos, int) and not isinstance(pos, bool):
+            marks.setdefault(pos, []).append(str(d.get("kind", "unclassified")))
+    return marks
+
+
+def _runs(
+    pieces: Sequence[str], weights: Sequence[float], marks: Mapping[int, list[str]]
+) -> Iterable[tuple[str, Any]]:
+    """Yield ("mark", kinds) at divergence positions and ("text", (generated,
+    text, weight)) for maximal runs of tokens with the same weight."""
+    run: list[str] = []
+    run_w: float | None = None
+    for i, (piece, w) in enumerate(zip(pieces, weights, strict=True)):
+        w = float(w)
+        if i in marks or (run_w is not None and w != run_w):
+            if run:
+                yield "text", (run_w is not None and run_w > 0, "".join(run), run_w)
+            run, run_w = [], None
+        if i in marks:
+            yield "mark", marks[i]
+        run.append(piece)
+        run_w = w
+    if run:
+        yield "text", (run_w is not None and run_w > 0, "".join(run), run_w)
+    tail = [k for pos, kinds in sorted(marks.items()) if pos >= len(pieces) for k in kinds]
+    if tail:
+        yield "mark", tail
+
+
+ANSI_RESET = "\x1b[0m"
+ANSI_GENERATED = "\x1b[1;32m"  # bold green: trained tokens
+ANSI_CONTEXT = "\x1b[2m"  # dim: prompt, tool output, template
+ANSI_DIVERGENCE = "\x1b[1;37;41m"  # white on red: a later call left this path here
+
+
+def render_trace_terminal(
+    pieces: Sequence[str],
+    weights: Sequence[float],
+    divergences: Iterable[Mapping[str, Any]] = (),
+    *,
+    color: bool = True,
+) -> str:
+    """A merged trace for the terminal: generated tokens (weight > 0) bold green,
+    context dim, and a ``[↪ kind]`` marker before each divergence position.
+
+    With ``color=False`` generated runs are wrapped in ``«…»`` instead."""
+    _check_trace(pieces, weights)
+    out: list[str] = []
+    for what, value in _runs(pieces, weights, _marks(divergences)):
+        if what == "mark":
+            label = f"[↪ {', '.join(value)}]"
+            out.append(f"{ANSI_DIVERGENCE}{label}{ANSI_RESET}" if color else label)
+            continue
+        generated, text, _ = value
+        if color:
+            style = ANSI_GENERATED if generated else ANSI_CONTEXT
+            # Re-open the style after each newline so pagers that reset per line keep it.
+            text = text.replace("\n", f"{ANSI_RESET}\n{style}")
+            out.append(f"{style}{text}{ANSI_RESET}")
+        else:
+            out.append(f"«{text}»" if generated else text)
+    return "".join(out)
+
+
+def render_trace_html(
+    pieces: Sequence[str], weights: Sequence[float], divergences: Iterable[Mapping[str, Any]] = ()
+) -> str:
+    """The trace body as HTML (every piece escaped)."""
+    _check_trace(pieces, weights)
+    out: list[str] = []
+    for what, value in _runs(pieces, weights, _marks(divergences)):
+        if what == "mark":
+            kinds = html.escape(", ".join(value))
+            out.append(f'<span class="div" title="divergence: {kinds}">↪ {kinds}</span>')
+            continue
+        generated, text, w = value
+        if generated:
+            title = f"generated (weight {w:g})"
+            out.append(f'<span class="gen" title="{title}">{html.escape(text)}</span>')
+        else:
+            out.append(f'<span class="ctx">{html.escape(text)}</span>')
+    return "".join(out)
+
+
+def decode_pieces(ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[str]:
+    """Per-token text whose concatenation is ``decode(ids)``, for traces.
+
+    A token that ends inside a multi-byte character gets ``""`` and the character
+    goes to the token that completes it. Each token is decoded together with a few
+    tokens before it, so tokenizers that drop a leading space on a lone token
+    (SentencePiece) still get their spaces right; cost is O(n), not O(n²)."""
+    ids = [int(i) for i in ids]
+    pieces: list[str] = []
+    base = 0  # window start
+    committed = ""  # text of ids[base:i] already handed out
+    for i in range(len(ids)):
+        text = decode(ids[base : i + 1])
+        if text.endswith("\ufffd"):
+            pieces.append("")  # incomplete character: wait for the next token
+            continue
+        pieces.append(text[len(committed) :] if text.startswith(committed) else text)
+        committed = text
+        if i + 1 - base > 8:
+            new_base = i + 1 - 4
+            window = decode(ids[new_base : i + 1])
+            if not window.startswith("\ufffd"):
+                base, committed = new_base, window
+    return pieces
+
+
+def pick_traces(traces: Sequence[Mapping[str, Any]], limit: int) -> list[Mapping[str, Any]]:
+    """A few informative traces: ones with divergences, then the best and worst
+    of the last step, then the first step's, then the rest by step (latest first)."""
+    if limit <= 0 or not traces:
+        return []
+
+    def step(t: Mapping[str, Any]) -> float:
+        return _num(t.get("step")) or 0.0
+
+    def reward(t: Mapping[str, Any]) -> float:
+        r = _num(t.get("reward"))
+        return r if r is not None else -math.inf
+
+    last = max(step(t) for t in traces)
+    first = min(step(t) for t in traces)
+    at_last = sorted((t for t in traces if step(t) == last), key=reward)
+    ordered = [
+        *[t for t in traces if t.get("divergences")][:2],
+        *at_last[-1:],
+        *at_last[:1],
+        *[t for t in traces if step(t) == first][:1],
+        *sorted(traces, key=step, reverse=True),
+    ]
+    chosen: list[Mapping[str, Any]] = []
+    seen: set[int] = set()
+    for t in ordered:
+        if id(t) not in seen:
+            seen.add(id(t))
+            chosen.append(t)
+        if len(chosen) == limit:
+            break
+    return sorted(chosen, key=step)
+
+
+# ----------------------------------------------------------------- page
+
+CSS = """
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0;
+       color: #1d2330; background: #f5f6f8; }
+main { max-width: 1240px; margin: 0 auto; padding: 24px 28px 48px; }
+h1 { font-size: 24px; margin: 0 0 4px; }
+h2 { font-size: 18px; margin: 32px 0 12px; border-bottom: 1px solid #d9dce3; padding-bottom: 4px; }
+.sub { color: #5b6475; margin: 0 0 18px; }
+.cards { display: flex; flex-wrap: wrap; gap: 12px; }
+.card { background: #fff; border: 1px solid #dfe2e8; border-radius: 8px; padding: 10px 14px;
+        min-width: 150px; }
+.card .k { color: #5b6475; font-size: 12px; text-transform: uppercase; letter-spacing: .04em; }
+.card .v { font-size: 20px; font-weight: 600; }
+.plots { display: grid; grid-template-columns: repeat(auto-fill, minmax(540px, 1fr)); gap: 16px; }
+figure { margin: 0; background: #fff; border: 1px solid #dfe2e8; border-radius: 8px; padding: 8px; }
+figure img { width: 100%; height: auto; display: block; }
+.note { color: #5b6475; }
+.skipped li code, td code { background: #eceef2; padding: 0 4px; border-radius: 3px; }
+table { border-collapse: collapse; background: #fff; font-size: 13px; }
+td, th { border: 1px solid #dfe2e8; padding: 3px 8px; text-align: right; }
+th { background: #eceef2; }
+td:first-child, th:first-child { text-align: left; }
+.trace { background: #fff; border: 1px solid #dfe2e8; border-radius: 8px; margin: 0 0 16px;
+         padding: 10px 14px; }
+.trace .meta { color: #5b6475; font-size: 13px; margin-bottom: 6px; }
+.trace .meta b { color: #1d2330; }
+.tokens { font: 13px/1.55 ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace;
+          white-space: pre-wrap; word-break: break-word; background: #fafbfc;
+          border-radius: 6px; padding: 8px 10px; max-height: 420px; overflow: auto; }
+.ctx { color: #7a8190; }
+.gen { background: #d4f5dc; color: #0b4a1e; border-radius: 2px; }
+.div { background: #d62839; color: #fff; font-weight: 600; border-radius: 3px; padding: 0 4px;
+       margin: 0 2px; font-size: 11px; }
+.legend span { margin-right: 14px; }
+"""
+
+
+def _fmt(value: Any) -> str:
+    v = _num(value)
+    if v is None:
+        return "–"
+    if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+        return f"{v:.3g}"
+    return f"{v:.4g}"
+
+
+def _summary_cards(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    cards = [("steps", str(len(rows)))]
+    _, rewards = series(rows, "reward_mean")
+    if rewards:
+        cards.append(("train reward first → last", f"{_fmt(rewards[0])} → {_fmt(rewards[-1])}"))
+    _, evals = series(rows, "eval_reward")
+    if evals:
+        cards.append(("eval reward first → last", f"{_fmt(evals[0])} → {_fmt(evals[-1])}"))
+        cards.append(("best eval reward", _fmt(max(evals))))
+    _, times = series(rows, "step_time_s")
+    if times:
+        cards.append(("wall time", f"{sum(times) / 60:.1f} min"))
+    _, tps = series(rows, "tokens_per_s")
+    if tps:
+        cards.append(("mean tokens/s", _fmt(sum(tps) / len(tps))))
+    return cards
+
+
+def _last_values_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    if not rows:
+        return ""
+    keys: list[str] = []
+    for row in rows:
+        for k, v in row.items():
+            if k not in keys and k != "step" and _num(v) is not None:
+                keys.append(k)
+    body = []
+    for k in keys:
+        _, ys = series(rows, k)
+        if not ys:
+            continue
+        cells = "".join(f"<td>{_fmt(v)}</td>" for v in (ys[0], ys[-1], min(ys), max(ys)))
+        body.append(f"<tr><td><code>{html.escape(k)}</code></td>{cells}</tr>")
+    head = "<tr><th>metric</th><th>first</th><th>last</th><th>min</th><th>max</th></tr>"
+    return f"<table>{head}{''.join(body)}</table>"
+
+
+def _trace_block(t: Mapping[str, Any]) -> str:
+    pieces = [str(p) for p in t.get("pieces") or []]
+    weights = [float(w) for w in t.get("weights") or []]
+    divergences = [d for d in t.get("divergences") or [] if isinstance(d, Mapping)]
+    try:
+        body = render_trace_html(pieces, weights, divergences)
+    except ValueError as e:
+        body = f'<span class="div">unreadable trace: {html.escape(str(e))}</span>'
+    task = t.get("task")
+    prompt = task.get("prompt") if isinstance(task, Mapping) else None
+    answer = task.get("answer") if isinstance(task, Mapping) else None
+    n_gen = sum(1 for w in weights if w > 0)
+    meta = [
+        f"step <b>{html.escape(str(t.get('step', '?')))}</b>",
+        f"rollout <code>{html.escape(str(t.get('rollout_id', '?')))}</code>",
+        f"reward <b>{_fmt(t.get('reward'))}</b>",
+        f"{len(pieces)} tokens, {n_gen} generated",
+        f"{len(divergences)} divergence{'s' if len(divergences) != 1 else ''}",
+    ]
+    task_line = ""
+    if prompt is not None:
+        task_line = f"<div class='meta'>task: {html.escape(str(prompt))}"
+        if answer is not None:
+            task_line += f" — expected <b>{html.escape(str(answer))}</b>"
+        task_line += "</div>"
+    return (
+        f"<div class='trace'><div class='meta'>{' · '.join(meta)}</div>{task_line}"
+        f"<div class='tokens'>{body}</div></div>"
+    )
+
+
+@dataclass
+class ReportResult:
+    html_path: Path
+    png_paths: list[Path]
+    skipped: list[str]  # plot titles with no data
+
+
+def write_report(run_dir: str | Path, *, max_traces: int = 6) -> ReportResult:
+    """Write ``RUN_DIR/report.html`` and ``RUN_DIR/report/*.png``."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist; pass a run's output dir")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    traces = read_jsonl(run_dir / "traces.jsonl")
+    png_dir = run_dir / "report"
+    png_dir.mkdir(exist_ok=True)
+
+    figures, skipped, pngs = [], [], []
+    for spec in PLOTS:
+        if not any(_has_key(rows, k) for k in spec.keys):
+            keys = " / ".join(f"<code>{k}</code>" for k in spec.keys)
+            skipped.append(f"<li>{html.escape(spec.title)}: {keys} never appears</li>")
+            continue
+        png = render_plot(spec, rows)
+        path = png_dir / f"{spec.name}.png"
+        path.write_bytes(png)
+        pngs.append(path)
+        uri = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+        alt = html.escape(spec.title)
+        figures.append(f'<figure><img src="{uri}" alt="{alt}"></figure>')
+
+    cards = "".join(
+        f"<div class='card'><div class='k'>{html.escape(k)}</div>"
+        f"<div class='v'>{html.escape(v)}</div></div>"
+        for k, v in _summary_cards(rows)
+    )
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+        f"<title>lightning report — {html.escape(run_dir.resolve().name)}</title>",
+        f"<style>{CSS}</style></head><body><main>",
+        "<h1>lightning run report</h1>",
+        f"<p class='sub'>{html.escape(str(run_dir.resolve()))} · generated "
+        f"{_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}</p>",
+        f"<div class='cards'>{cards}</div>",
+        "<h2>Training curves</h2>",
+    ]
+    if not rows:
+        parts.append("<p class='note'>No <code>metrics.jsonl</code> rows in this run yet.</p>")
+    parts.append(f"<div class='plots'>{''.join(figures)}</div>")
+    if skipped:
+        parts.append(
+            "<p class='note'>Not plotted (no data in <code>metrics.jsonl</code>):</p>"
+            f"<ul class='note skipped'>{''.join(skipped)}</ul>"
+        )
+    if rows:
+        parts += ["<h2>Metrics summary</h2>", _last_values_table(rows)]
+    parts.append("<h2>Traces</h2>")
+    chosen = pick_traces(traces, max_traces)
+    if chosen:
+        parts.append(
+            "<p class='legend note'><span class='gen'>generated (trained)</span>"
+            "<span class='ctx'>context (prompt, tool output, template)</span>"
+            "<span class='div'>↪ kind</span> a later call left this path here "
+            f"— showing {len(chosen)} of {len(traces)} recorded traces</p>"
+        )
+        parts += [_trace_block(t) for t in chosen]
+    else:
+        parts.append("<p class='note'>No traces recorded (<code>traces.jsonl</code>).</p>")
+    parts.append("</main></body></html>\n")
+
+    html_path = run_dir / "report.html"
+    html_path.write_text("".join(parts), encoding="utf-8")
+    return ReportResult(html_path=html_path, png_paths=pngs, skipped=skipped)
+
+
+# ----------------------------------------------------------------- CLI
+
+
+def main(argv: list[str]) -> int:
+    """``lightning report RUN_DIR``."""
+    p = argparse.ArgumentParser(prog="lightning report", description="Write RUN_DIR/report.html.")
+    p.add_argument("run_dir")
+    p.add_argument("--traces", type=int, default=6, help="how many traces to render (default 6)")
+    args = p.parse_args(argv)
+    try:
+        result = write_report(args.run_dir, max_traces=args.traces)
+    except FileNotFoundError as e:
+        print(f"lightning report: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {result.html_path} ({len(result.png_paths)} plots)")
+    return 0
+
+
+def trace_records_from_store(db: str, rollout_id: str) -> list[dict[str, Any]]:
+    """Hook for ``lightning show --db``: fetch the rollout's calls from the gateway
+    store, merge them and decode pieces (see :func:`decode_pieces`). The store and
+    merge bindings land with the gateway and merge branches; until then this says so."""
+    raise NotImplementedError(
+        f"reading rollout {rollout_id!r} from the store {db!r} needs lightning.Store and "
+        "lightning.merge_calls (gateway/merge branches); use --run RUN_DIR to show a "
+        "trace from RUN_DIR/traces.jsonl"
+    )
+
+
+def show_main(argv: list[str]) -> int:
+    """``lightning show ROLLOUT_ID (--db PATH | --run RUN_DIR)``: one rollout's
+    merged trace in the terminal, generated tokens coloured."""
+    p = argparse.ArgumentParser(
+        prog="lightning show", description="Print one rollout's merged trace, coloured."
+    )
+    p.add_argument("rollout_id")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--db", help="gateway store (SQLite file)")
+    src.add_argument("--run", help="run directory with traces.jsonl")
+    p.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="ANSI colours (auto: when stdout is a terminal); never: generated text in «…»",
+    )
+    args = p.parse_args(argv)
+    if args.db:
+        try:
+            records = trace_records_from_store(args.db, args.rollout_id)
+        except NotImplementedError as e:
+            print(f"lightning show: {e}", file=sys.stderr)
+            return 2
+    else:
+        records = [
+            t
+            for t in read_jsonl(Path(args.run) / "traces.jsonl")
+            if str(t.get("rollout_id")) == args.rollout_id
+        ]
+    if not records:
+        print(f"lightning show: no trace for rollout {args.rollout_id!r}", file=sys.stderr)
+        return 1
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    for i, t in enumerate(records):
+        divs = t.get("divergences") or []
+        print(
+            f"— rollout {t.get('rollout_id')} · step {t.get('step', '?')} · sample {i} · "
+            f"reward {_fmt(t.get('reward'))} · {len(divs)} divergences"
+        )
+        print(
+            render_trace_terminal(t.get("pieces") or [], t.get("weights") or [], divs, color=color)
+        )
+    return 0

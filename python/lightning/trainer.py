@@ -1,0 +1,669 @@
+"""The policy trainer: advantages → split-invariant PPO-family loss → optimizer step.
+
+One :meth:`Trainer.step` is one batch of rollouts: it computes rollout
+advantages (:mod:`lightning.advantages`), broadcasts them onto every trained
+token of every merged sample, and runs ``ppo_epochs × mini_batches`` optimizer
+steps whose loss is normalised over the whole optimizer step
+(:class:`lightning.losses.Normalizer`), so the gradient is the same however the
+data is split into micro-batches (by the token budget) or data-parallel ranks.
+
+Data parallel: start the same script with ``torchrun``; when
+``torch.distributed`` is initialised the model is wrapped in DDP. Every rank
+calls ``step`` with the *whole* batch (advantages need whole groups); each rank
+trains a contiguous, token-balanced shard of the samples.
+
+Choices where the issue is silent:
+
+1. Old log-probabilities are only recomputed (an extra no-grad forward pass)
+   when the policy can move before a token is trained: ``ppo_epochs > 1`` or
+   ``mini_batches > 1``. Strictly on-policy steps reuse the detached log-probs of
+   the training forward pass (ratio exactly 1), or the engine's rollout
+   log-probs with ``old_logprobs = "rollout"`` (NaN ones fall back to the
+   trainer's own).
+2. Train-serve gap metrics use the trainer's log-probs before any update of
+   the step (the recompute pass when there is one, else the first forward of each
+   mini-batch) against ``Sample.logprobs``; NaN (unknown) tokens are skipped.
+   ``gap_kl`` is the k3 estimate of KL(π_rollout ‖ π_trainer) on those tokens.
+3. Metrics: ``reward_*`` / ``adv_*`` are over rollouts (population std); token
+   metrics (``clip_frac``, ``approx_kl``, ``entropy``) are weight-averaged over all
+   trained tokens of all epochs; ``loss`` and ``grad_norm`` (before clipping) are
+   averaged over optimizer steps; ``tokens`` counts sample tokens and
+   ``tokens_per_s`` is tokens / step wall time. ``forward_tokens`` (extra) counts
+   positions actually run through the model per pass (shared tree prefixes once).
+4. A sample whose rollout has no reward raises ``ValueError`` unless
+   ``missing_reward`` is set; a rollout without a group uses ``Sample.group``,
+   then its own id (a group of one: zero advantage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+
+from lightning.advantages import Estimator, estimate, zero_advantage_groups
+from lightning.batching import (
+    BatchMode,
+    MicroBatch,
+    SeqItem,
+    forward_logprobs,
+    micro_batches,
+    seq_items,
+)
+from lightning.losses import (
+    AggregationMode,
+    KLEstimator,
+    Normalizer,
+    RatioLevel,
+    kl_penalty,
+    policy_loss,
+)
+
+__all__ = ["LoraSettings", "Trainer", "TrainerConfig"]
+
+METRIC_KEYS = (
+    "step",
+    "reward_mean",
+    "reward_std",
+    "adv_mean",
+    "adv_std",
+    "zero_adv_group_frac",
+    "loss",
+    "clip_frac",
+    "approx_kl",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "samples",
+    "tokens",
+    "gap_abs_logprob",
+    "gap_kl",
+)
+
+
+class LoraSettings(BaseModel):
+    """LoRA adapter (``peft``) on the attention projections by default."""
+
+    model_config = ConfigDict(extra="forbid")
+    r: int = Field(16, gt=0)
+    alpha: float = 32.0
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class TrainerConfig(BaseModel):
+    """Everything :class:`Trainer` needs; load from TOML with :meth:`from_toml`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # model and numerics
+    model: str = Field(
+        description="local Hugging Face model directory",
+        validation_alias=AliasChoices("model", "model_path"),
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # "auto": bf16 autocast on CUDA, none (fp32) on CPU.
+    autocast: Literal["auto", "none", "bfloat16", "float16"] = "auto"
+    gradient_checkpointing: bool = False
+    lora: LoraSettings | None = None
+
+    # optimizer
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, gt=0, description="optimizer steps, for decay")
+    max_grad_norm: float | None = 1.0
+
+    # advantages
+    estimator: Estimator = "grpo"
+    adv_eps: float = 1e-6
+    filter_zero_adv_groups: bool = False
+    missing_reward: float | None = None
+
+    # loss
+    aggregation: AggregationMode = "token-mean"
+    max_len: int | None = Field(None, gt=0, description="L of seq-mean-token-sum-norm")
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+    ratio_level: RatioLevel = "token"
+    tis_cap: float | None = Field(None, gt=0)
+    tis_level: RatioLevel = "token"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: KLEstimator = "k3"
+    ref_model: str | None = Field(None, description="reference model dir (default: `model`)")
+    entropy_coef: float = 0.0
+
+    # schedule of one step
+    ppo_epochs: int = Field(1, gt=0)
+    mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch")
+    old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
+
+    # batching
+    batching: BatchMode = "packed"
+    micro_batch_tokens: int = Field(4096, gt=0)
+
+    log_dir: str | None = None
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerConfig:
+        if self.aggregation == "seq-mean-token-sum-norm" and self.max_len is None:
+            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_len (Dr. GRPO's L)")
+        if self.lr_schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps")
+        return self
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> TrainerConfig:
+        """Read a TOML file: top-level keys, or a ``[trainer]`` table."""
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        return cls.model_validate(data.get("trainer", data))
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _split_by_tokens(items: Sequence[SeqItem], parts: int) -> list[list[SeqItem]]:
+    """Contiguous split into ``parts`` with near-equal token counts (groups
+    stay together as far as possible, which the tree mode likes)."""
+    sizes = np.cumsum([len(i.tokens) for i in items])
+    total = int(sizes[-1]) if len(items) else 0
+    out: list[list[SeqItem]] = [[] for _ in range(parts)]
+    for item, end in zip(items, sizes, strict=True):
+        k = min(parts - 1, int((end - len(item.tokens) / 2) * parts // max(total, 1)))
+        out[k].append(item)
+    return out
+
+
+class Trainer:
+    """A Hugging Face causal LM trained with the PPO family on merged samples."""
+
+    def __init__(
+        self, config: TrainerConfig | Mapping[str, Any], *, log_dir: str | None = None
+    ) -> None:
+        """Load the model from ``config.model``; ``log_dir`` overrides ``config.log_dir``."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg = TrainerConfig.model_validate(config)
+        if log_dir is not None:
+            cfg = cfg.model_copy(update={"log_dir": log_dir})
+        self.config = cfg
+        torch.manual_seed(cfg.seed)
+        cuda = torch.cuda.is_available()
+        if cfg.device == "cuda" and not cuda:
+            raise ValueError(
+                "device 'cuda' requested but CUDA is not available; use 'cpu' or 'auto'"
+            )
+        self.rank, self.world = _world()
+        if cfg.device == "cpu" or not cuda:
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        auto = "bfloat16" if self.device.type == "cuda" else "none"
+        amp = cfg.autocast if cfg.autocast != "auto" else auto
+        self._amp_dtype = None if amp == "none" else getattr(torch, amp)
+
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model, dtype=getattr(torch, cfg.param_dtype), attn_implementation="sdpa"
+        ).to(self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        model.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            # Non-reentrant checkpointing works with DDP, LoRA and no_sync.
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        if cfg.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=cfg.lora.r,
+                    lora_alpha=cfg.lora.alpha,
+                    lora_dropout=cfg.lora.dropout,
+                    target_modules=cfg.lora.target_modules,
+                    task_type="CAUSAL_LM",
+                ),
+            )
+            if cfg.gradient_checkpointing:
+                model.enable_input_require_grads()
+        model.train()
+        self.model: torch.nn.Module = model
+        self.ddp: torch.nn.Module | None = None
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(model, device_ids=ids)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.ref_model: torch.nn.Module | None = None
+        if cfg.kl_coef > 0 and (cfg.lora is None or cfg.ref_model is not None):
+            ref = AutoModelForCausalLM.from_pretrained(
+                cfg.ref_model or cfg.model,
+                dtype=getattr(torch, cfg.param_dtype),
+                attn_implementation="sdpa",
+            )
+            self.ref_model = ref.to(self.device).eval().requires_grad_(False)
+        self.step_count = 0
+        self._log_file: Any = None
+        self._tb: Any = None
+        if cfg.log_dir is not None and self.rank == 0:
+            Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+            self._log_file = open(Path(cfg.log_dir) / "trainer_metrics.jsonl", "a")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(cfg.log_dir)
+
+    # ----------------------------------------------------------------- helpers
+    def _lr_factor(self, k: int) -> float:
+        cfg = self.config
+        if cfg.warmup_steps and k < cfg.warmup_steps:
+            return (k + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant" or cfg.total_steps is None:
+            return 1.0
+        span = max(1, cfg.total_steps - cfg.warmup_steps)
+        frac = min(1.0, (k - cfg.warmup_steps) / span)
+        if cfg.lr_schedule == "linear":
+            return 1.0 - frac
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self._amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._amp_dtype)
+
+    def _logprobs(self, model: torch.nn.Module, mbs: Sequence[MicroBatch], n: int) -> torch.Tensor:
+        out = torch.full((n,), float("nan"), device=self.device)
+        with torch.no_grad(), self._autocast():
+            for mb in mbs:
+                lp, _ = forward_logprobs(model, mb.to(self.device))
+                out[mb.target_ids.to(self.device)] = lp
+        return out
+
+    def _ref_logprobs(self, mbs: Sequence[MicroBatch], n: int) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, mbs, n)
+        with self.model.disable_adapter():  # type: ignore[operator]
+            return self._logprobs(self.model, mbs, n)
+
+    # -------------------------------------------------------------------- step
+    def step(
+        self,
+        samples: Sequence[Any],
+        rewards: Mapping[str, float],
+        groups: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """Train on one batch of merged samples; returns the step's metrics.
+
+        ``samples``: objects with ``rollout_id, group, tokens, weights, logprobs,
+        call_index`` (``lightning.Sample``); ``rewards`` / ``groups`` map rollout
+        ids to their reward and group key. Every rank passes the whole batch.
+        """
+        cfg = self.config
+        t0 = time.perf_counter()
+        samples = list(samples)
+        # Rollouts in first-appearance order, grouped so that a group's
+        # samples sit next to each other (shared prompts land in one tree).
+        rollout_ids: list[str] = list(dict.fromkeys(s.rollout_id for s in samples))
+        sample_group = {s.rollout_id: s.group for s in samples}
+        group_of = {rid: groups.get(rid, sample_group.get(rid) or rid) for rid in rollout_ids}
+        reward_list = []
+        for rid in rollout_ids:
+            if rid in rewards:
+                reward_list.append(float(rewards[rid]))
+            elif cfg.missing_reward is not None:
+                reward_list.append(cfg.missing_reward)
+            else:
+                raise ValueError(
+                    f"rollout {rid!r} has samples but no reward; pass it in rewards or set "
+                    "missing_reward in the trainer config"
+                )
+        group_keys = [group_of[rid] for rid in rollout_ids]
+        adv = estimate(reward_list, group_keys, estimator=cfg.estimator, eps=cfg.adv_eps)
+        zero = zero_advantage_groups(reward_list, group_keys)
+        n_groups = len(set(group_keys))
+        adv_of = dict(zip(rollout_ids, adv.tolist(), strict=True))
+        if cfg.filter_zero_adv_groups:
+            samples = [s for s in samples if group_of[s.rollout_id] not in zero]
+        group_rank = {g: k for k, g in enumerate(dict.fromkeys(group_keys))}
+        rollout_rank = {rid: k for k, rid in enumerate(rollout_ids)}
+        order = sorted(
+            range(len(samples)),
+            key=lambda i: (
+                group_rank[group_of[samples[i].rollout_id]],
+                rollout_rank[samples[i].rollout_id],
+                i,
+            ),
+        )
+        samples = [samples[i] for i in order]
+
+        # Step-wide per-target tensors, indexed by target id.
+        items = seq_items(samples)
+        weight, advantage, rollout_lp, sample_id, rollout_idx = [], [], [], [], []
+        for k, (s, item) in enumerate(zip(samples, items, strict=True)):
+            pos = item.positions
+            weight.append(np.asarray(s.weights, dtype=np.float32)[pos])
+            advantage.append(np.full(len(pos), adv_of[s.rollout_id], dtype=np.float32))
+            lp = s.logprobs
+            rollout_lp.append(
+                np.full(len(pos), np.nan, np.float32)
+                if lp is None
+                else np.asarray(lp, np.float32)[pos]
+            )
+            sample_id.append(np.full(len(pos), k))
+            rollout_idx.append(np.full(len(pos), rollout_rank[s.rollout_id]))
+        n = sum(len(i.positions) for i in items)
+        cat = lambda xs, dt: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0)).to(dt)  # noqa: E731
+        W = cat(weight, torch.float32)  # [N]
+        A = cat(advantage, torch.float32).to(self.device)  # [N]
+        RL = cat(rollout_lp, torch.float32).to(self.device)  # [N]
+        S = cat(sample_id, torch.long)  # [N]
+        R = cat(rollout_idx, torch.long)  # [N]
+
+        shard = _split_by_tokens(items, self.world)[self.rank] if items else []
+        minis = (
+            _split_by_tokens(shard, cfg.mini_batches)
+            if shard
+            else [[] for _ in range(cfg.mini_batches)]
+        )
+        mini_mbs = [
+            micro_batches(m, cfg.micro_batch_tokens, mode=cfg.batching) if m else [] for m in minis
+        ]
+        all_mbs = [mb for mbs in mini_mbs for mb in mbs]
+        forward_tokens = sum(mb.forward_tokens for mb in all_mbs)
+
+        moves_first = cfg.ppo_epochs > 1 or cfg.mini_batches > 1
+        old = torch.full((n,), float("nan"), device=self.device)
+        pre_update: torch.Tensor | None = None
+        if cfg.old_logprobs == "rollout":
+            old = RL.clone()
+        if cfg.old_logprobs == "recompute" or (moves_first and bool(torch.isnan(old).any())):
+            pre_update = self._logprobs(self.model, all_mbs, n)
+            old = torch.where(torch.isnan(old), pre_update, old)
+        ref = self._ref_logprobs(all_mbs, n) if cfg.kl_coef > 0 else None
+
+        net = self.ddp or self.model
+        sums = torch.zeros(8, dtype=torch.float64)  # see names below
+        first_lp = torch.full((n,), float("nan"), device=self.device)
+        loss_total, grad_norms = 0.0, []
+        for epoch in range(cfg.ppo_epochs):
+            for mbs in mini_mbs:
+                mb_ids = (
+                    torch.cat([mb.target_ids for mb in mbs])
+                    if mbs
+                    else torch.zeros(0, dtype=torch.long)
+                )
+                norm = Normalizer.build(
+                    W[mb_ids], S[mb_ids], R[mb_ids], mode=cfg.aggregation, max_len=cfg.max_len
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for mb in mbs:
+                    with self._no_sync():
+                        step_loss += self._micro_step(
+                            net, mb, epoch, norm, old, A, RL, W, S, R, ref, first_lp, sums
+                        )
+                self._sync_grads()
+                gn = torch.nn.utils.clip_grad_norm_(
+                    self.params, cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+                )
+                grad_norms.append(float(gn))
+                self.optimizer.step()
+                self.scheduler.step()
+                loss_total += step_loss
+
+        # Train-serve gap on pre-update trainer log-probs.
+        trainer_lp = pre_update if pre_update is not None else first_lp
+        mine = torch.cat([mb.target_ids for mb in all_mbs]).to(self.device) if all_mbs else None
+        if mine is not None:
+            t, r = trainer_lp[mine], RL[mine]
+            known = ~torch.isnan(r) & ~torch.isnan(t)
+            d = (r - t)[known].double()  # log(μ/π)
+            sums[4] += d.abs().sum().cpu()
+            sums[5] += (torch.expm1(-d) + d).sum().cpu()  # k3 of KL(μ‖π)
+            sums[6] += float(known.sum())
+        sums[7] = loss_total
+        counts = torch.tensor(
+            [len(shard), sum(len(i.tokens) for i in shard), forward_tokens], dtype=torch.float64
+        )
+        if self.world > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(counts)
+        elapsed = time.perf_counter() - t0
+        self.step_count += 1
+        wsum = float(sums[3])
+        nan = float("nan")
+        r_arr = np.asarray(reward_list, dtype=np.float64)
+        a_arr = adv.double().numpy()
+        metrics: dict[str, Any] = {
+            "step": self.step_count,
+            "reward_mean": float(r_arr.mean()) if len(r_arr) else nan,
+            "reward_std": float(r_arr.std()) if len(r_arr) else nan,
+            "adv_mean": float(a_arr.mean()) if len(a_arr) else nan,
+            "adv_std": float(a_arr.std()) if len(a_arr) else nan,
+            "zero_adv_group_frac": len(zero) / n_groups if n_groups else nan,
+            "loss": float(sums[7]) / max(1, len(grad_norms)),
+            "clip_frac": float(sums[0]) / wsum if wsum else nan,
+            "approx_kl": float(sums[1]) / wsum if wsum else nan,
+            "entropy": float(sums[2]) / wsum if wsum else nan,
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else nan,
+            "lr": float(self.scheduler.get_last_lr()[0]),
+            "tokens_per_s": float(counts[1]) / elapsed if elapsed > 0 else nan,
+            "samples": int(counts[0]),
+            "tokens": int(counts[1]),
+            "gap_abs_logprob": float(sums[4] / sums[6]) if sums[6] > 0 else nan,
+            "gap_kl": float(sums[5] / sums[6]) if sums[6] > 0 else nan,
+            "forward_tokens": int(counts[2]),
+        }
+        self._log(metrics)
+        return metrics
+
+    def _micro_step(
+        self,
+        net: torch.nn.Module,
+        mb: MicroBatch,
+        epoch: int,
+        norm: Normalizer,
+        old: torch.Tensor,
+        A: torch.Tensor,
+        RL: torch.Tensor,
+        W: torch.Tensor,
+        S: torch.Tensor,
+        R: torch.Tensor,
+        ref: torch.Tensor | None,
+        first_lp: torch.Tensor,
+        sums: torch.Tensor,
+    ) -> float:
+        """Forward + backward of one micro-batch; adds its token metrics to ``sums``."""
+        cfg = self.config
+        ids = mb.target_ids
+        dev_ids = ids.to(self.device)
+        with self._autocast():
+            lp, ent = forward_logprobs(
+                net, mb.to(self.device), entropy=True, entropy_grad=cfg.entropy_coef != 0
+            )
+        assert ent is not None
+        if epoch == 0:
+            first_lp[dev_ids] = lp.detach()
+        old_mb = old[dev_ids]
+        old_mb = torch.where(torch.isnan(old_mb), lp.detach(), old_mb)
+        token_loss, m = policy_loss(
+            lp,
+            old_mb,
+            A[dev_ids],
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip=cfg.dual_clip,
+            rollout_logp=RL[dev_ids] if cfg.tis_cap is not None else None,
+            tis_cap=cfg.tis_cap,
+            ratio_level=cfg.ratio_level,
+            tis_level=cfg.tis_level,
+            sample_index=S[ids].to(self.device),
+        )
+        if ref is not None:
+            token_loss = token_loss + cfg.kl_coef * kl_penalty(
+                lp, ref[dev_ids], estimator=cfg.kl_estimator
+            )
+        if cfg.entropy_coef != 0:
+            token_loss = token_loss - cfg.entropy_coef * ent
+        coef = norm.coefficients(W[ids], S[ids], R[ids]).to(self.device)  # [K]
+        loss = (coef.to(token_loss.dtype) * token_loss).sum()
+        # DDP averages gradients over ranks; the normaliser is already global,
+        # so undo the average.
+        (loss * self.world).backward()
+        w = W[ids].to(self.device, torch.float64)
+        sums[:4] += torch.stack(
+            [
+                (w * m["clipped"]).sum(),
+                (w * m["approx_kl"]).sum(),
+                (w * ent.detach()).sum(),
+                w.sum(),
+            ]
+        ).cpu()
+        return float(loss.detach())
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        if self.ddp is None:
+            yield
+        else:
+            with self.ddp.no_sync():  # type: ignore[operator]
+                yield
+
+    def _sync_grads(self) -> None:
+        """One synchronised zero-loss backward through DDP: it all-reduces the
+        gradients accumulated under ``no_sync`` whatever the number of
+        micro-batches each rank ran (ranks may differ)."""
+        if self.ddp is None:
+            return
+        dummy = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        with self._autocast():
+            out = self.ddp(input_ids=dummy, use_cache=False)
+        (out.logits.float().sum() * 0.0).backward()
+
+    def _log(self, metrics: Mapping[str, Any]) -> None:
+        if self._log_file is not None:
+            clean = {
+                k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in metrics.items()
+            }
+            self._log_file.write(json.dumps(clean) + "\n")
+            self._log_file.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
+                    self._tb.add_scalar(f"train/{k}", v, metrics["step"])
+            self._tb.flush()
+
+    # ----------------------------------------------------------- weights & ckpt
+    def export_weights(self, path: str | os.PathLike[str]) -> Path:
+        """Write the current policy as a plain HF model directory (safetensors,
+        config, tokenizer files), loadable by ``AutoModelForCausalLM.from_pretrained``
+        and the engine's ``/admin/load_weights``. LoRA adapters are merged into a
+        copy. The directory appears atomically (written aside, then renamed)."""
+        target = Path(path)
+        if self.rank == 0:
+            model = self.model
+            if self.config.lora is not None:
+                model = copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            build = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+            model.save_pretrained(build, safe_serialization=True)  # type: ignore[operator]
+            self.tokenizer.save_pretrained(build)
+            if target.exists():
+                old = target.with_name(target.name + f".old-{os.getpid()}")
+                target.rename(old)
+                build.rename(target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                build.rename(target)
+        if self.world > 1:
+            dist.barrier()
+        return target
+
+    def save_checkpoint(self, directory: str | os.PathLike[str]) -> Path:
+        """Model (``model/``, merged, as :meth:`export_weights`), the LoRA adapter
+        (``adapter/``) if any, optimizer + scheduler state and the config."""
+        root = Path(directory)
+        self.export_weights(root / "model")
+        if self.rank == 0:
+            if self.config.lora is not None:
+                self.model.save_pretrained(root / "adapter")  # type: ignore[operator]
+            torch.save(
+                {
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "step": self.step_count,
+                },
+                root / "trainer_state.pt",
+            )
+            (root / "trainer_config.json").write_text(self.config.model_dump_json(indent=2))
+        if self.world > 1:
+            dist.barrier()
+        return root
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
+        """Restore what :meth:`save_checkpoint` wrote into this trainer."""
+        from safetensors.torch import load_file
+
+        root = Path(directory)
+        if self.config.lora is not None:
+            from peft import set_peft_model_state_dict
+
+            state = load_file(root / "adapter" / "adapter_model.safetensors")
+            set_peft_model_state_dict(self.model, state)
+        else:
+            state = {}
+            for f in sorted((root / "model").glob("*.safetensors")):
+                state.update(load_file(f))
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+            if set(missing) - tied or unexpected:
+                raise ValueError(
+                    f"checkpoint {root} does not match the model: missing {missing}, "
+                    f"unexpected {unexpected}"
+                )
+        blob = torch.load(root / "trainer_state.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.scheduler.load_state_dict(blob["scheduler"])
+        self.step_count = int(blob["step"])
+
+    def close(self) -> None:
+        """Flush and close the metric logs."""
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

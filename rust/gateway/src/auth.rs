@@ -1,0 +1,113 @@
+//! Rollout tokens and key checks.
+//!
+//! A rollout's token is `lt-` + hex(HMAC-SHA256(db secret, rollout id)): random
+//! to anyone without the per-database secret, yet the same on every `POST
+//! /rollouts` with that id, which is what makes creation idempotent. Only
+//! SHA-256 of the token is stored; it authorizes that rollout and nothing else.
+
+use sha2::{Digest, Sha256};
+
+fn hex(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(HEX[(b >> 4) as usize] as char);
+        s.push(HEX[(b & 15) as usize] as char);
+    }
+    s
+}
+
+pub fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
+    let mut k = [0u8; 64];
+    if key.len() > 64 {
+        k[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        k[..key.len()].copy_from_slice(key);
+    }
+    let mut ipad = [0x36u8; 64];
+    let mut opad = [0x5cu8; 64];
+    for i in 0..64 {
+        ipad[i] ^= k[i];
+        opad[i] ^= k[i];
+    }
+    let inner = Sha256::new()
+        .chain_update(ipad)
+        .chain_update(msg)
+        .finalize();
+    Sha256::new()
+        .chain_update(opad)
+        .chain_update(inner)
+        .finalize()
+        .into()
+}
+
+pub fn rollout_token(secret: &[u8], rollout_id: &str) -> String {
+    format!("lt-{}", hex(&hmac_sha256(secret, rollout_id.as_bytes())))
+}
+
+pub fn token_hash(token: &str) -> String {
+    hex(&Sha256::digest(token.as_bytes()))
+}
+
+/// Equality in time independent of where the inputs differ.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub fn random_hex(n_bytes: usize) -> String {
+    let mut buf = vec![0u8; n_bytes];
+    if getrandom::fill(&mut buf).is_err() {
+        // No OS randomness: fall back to time, which is unique enough for ids (never for tokens).
+        let t = crate::store::now().to_bits().to_le_bytes();
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = t[i % 8] ^ (i as u8);
+        }
+    }
+    hex(&buf)
+}
+
+/// Rollout ids: 1..=128 characters of `[A-Za-z0-9._:-]` (they appear in URLs).
+pub fn valid_rollout_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hmac_matches_rfc4231_case_2() {
+        let mac = hmac_sha256(b"Jefe", b"what do ya want for nothing?");
+        assert_eq!(
+            hex(&mac),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+    }
+
+    #[test]
+    fn tokens_differ_per_rollout() {
+        let a = rollout_token(b"s", "a");
+        assert_eq!(a, rollout_token(b"s", "a"));
+        assert_ne!(a, rollout_token(b"s", "b"));
+        assert_ne!(a, rollout_token(b"t", "a"));
+        assert!(constant_time_eq(
+            token_hash(&a).as_bytes(),
+            token_hash(&a).as_bytes()
+        ));
+    }
+
+    #[test]
+    fn rollout_ids() {
+        assert!(valid_rollout_id("task-1.a:b_c"));
+        assert!(!valid_rollout_id(""));
+        assert!(!valid_rollout_id("a/b"));
+        assert!(!valid_rollout_id(&"x".repeat(129)));
+    }
+}

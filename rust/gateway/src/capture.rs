@@ -1,0 +1,417 @@
+//! Reading exact token ids and logprobs out of engine answers (pure functions
+//! from bytes to values, so every parser can be fuzzed in isolation).
+//!
+//! Wire format sources (vLLM ≥ 0.10.2, `vllm/entrypoints/openai/protocol.py`,
+//! request field `return_token_ids`: "In streaming mode, prompt_token_ids is
+//! included only in the first chunk, and token_ids contains the delta tokens
+//! for each chunk"):
+//! - chat, non-streamed: `ChatCompletionResponse.prompt_token_ids` (top level),
+//!   `ChatCompletionResponseChoice.token_ids`, `.logprobs.content[].logprob`
+//!   (`ChatCompletionLogProbsContent`).
+//! - chat, streamed: `ChatCompletionStreamResponse.prompt_token_ids` (first
+//!   chunk), `ChatCompletionResponseStreamChoice.token_ids` (delta) and
+//!   `.logprobs.content[]` (delta), `.finish_reason`; `usage` on the last chunk
+//!   with `stream_options.include_usage`.
+//! - completions (both): `CompletionResponseChoice.prompt_token_ids` and
+//!   `.token_ids` per choice (stream: `CompletionResponseStreamChoice`, same
+//!   names), logprobs as `CompletionLogProbs.token_logprobs: [float|null]`.
+//!
+//! SGLang: the reader also accepts a per-choice `prompt_token_ids` on chat
+//! choices (seen in SGLang's `ChatCompletionResponseChoice` in forks that add
+//! it) and `output_ids` in place of `token_ids`; its native `/generate`
+//! answer (`output_ids`, `meta_info.output_token_logprobs`) is read by
+//! [`parse_sglang_generate`]. These SGLang shapes were checked against source
+//! excerpts only, not a running SGLang server.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// Whether the request was a chat or a plain completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat",
+            Kind::Completion => "completion",
+        }
+    }
+}
+
+/// What one choice of one answer carried.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChoiceCapture {
+    pub index: i64,
+    /// Per-choice prompt ids (completions; for chat the top-level ones are used).
+    pub prompt_ids: Option<Vec<u32>>,
+    pub completion_ids: Option<Vec<u32>>,
+    /// One entry per completion token; NaN where the engine sent null.
+    pub logprobs: Option<Vec<f32>>,
+    pub finish_reason: Option<String>,
+    /// The choice's text (chat: message content; completions: text).
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Capture {
+    pub prompt_ids: Option<Vec<u32>>,
+    pub choices: Vec<ChoiceCapture>,
+    pub usage: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct WireAnswer {
+    prompt_token_ids: Option<Vec<u32>>,
+    choices: Vec<WireChoice>,
+    usage: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct WireChoice {
+    index: Option<i64>,
+    token_ids: Option<Vec<u32>>,
+    output_ids: Option<Vec<u32>>,
+    prompt_token_ids: Option<Vec<u32>>,
+    finish_reason: Option<String>,
+    logprobs: Option<WireLogprobs>,
+    message: Option<WireMessage>,
+    delta: Option<WireMessage>,
+    text: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct WireMessage {
+    content: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct WireLogprobs {
+    /// Chat: one entry per generated token.
+    content: Option<Vec<WireTokenLogprob>>,
+    /// Completions: one value (or null) per generated token.
+    token_logprobs: Option<Vec<Option<f64>>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct WireTokenLogprob {
+    logprob: Option<f64>,
+}
+
+impl WireLogprobs {
+    fn values(&self) -> Option<Vec<f32>> {
+        if let Some(c) = &self.content {
+            return Some(
+                c.iter()
+                    .map(|t| t.logprob.map(|x| x as f32).unwrap_or(f32::NAN))
+                    .collect(),
+            );
+        }
+        self.token_logprobs.as_ref().map(|v| {
+            v.iter()
+                .map(|x| x.map(|x| x as f32).unwrap_or(f32::NAN))
+                .collect()
+        })
+    }
+}
+
+/// Parses a whole (non-streamed) answer.
+pub fn parse_answer(body: &[u8]) -> Result<Capture, String> {
+    let a: WireAnswer = serde_json::from_slice(body)
+        .map_err(|e| format!("engine answer is not the expected JSON: {e}"))?;
+    let choices = a
+        .choices
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let logprobs = c.logprobs.as_ref().and_then(WireLogprobs::values);
+            let text = c.message.and_then(|m| m.content).or(c.text);
+            ChoiceCapture {
+                index: c.index.unwrap_or(i as i64),
+                prompt_ids: c.prompt_token_ids,
+                completion_ids: c.token_ids.or(c.output_ids),
+                logprobs,
+                finish_reason: c.finish_reason,
+                text,
+            }
+        })
+        .collect();
+    Ok(Capture {
+        prompt_ids: a.prompt_token_ids,
+        choices,
+        usage: a.usage,
+    })
+}
+
+/// Accumulates a streamed answer chunk by chunk.
+#[derive(Debug, Default)]
+pub struct StreamCapture {
+    prompt_ids: Option<Vec<u32>>,
+    choices: BTreeMap<i64, ChoiceCapture>,
+    usage: Option<serde_json::Value>,
+    /// Chunks that did not parse (kept so the call is flagged, never silently wrong).
+    pub bad_chunks: usize,
+    /// An `error` object the engine sent inside the stream.
+    pub engine_error: Option<serde_json::Value>,
+}
+
+impl StreamCapture {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Feeds the data of one SSE event (not `[DONE]`).
+    pub fn feed(&mut self, data: &[u8]) {
+        if data.trim_ascii().is_empty() {
+            return;
+        }
+        let value: serde_json::Value = match serde_json::from_slice(data) {
+            Ok(v) => v,
+            Err(_) => {
+                self.bad_chunks += 1;
+                return;
+            }
+        };
+        if let Some(err) = value.get("error") {
+            self.engine_error = Some(err.clone());
+            return;
+        }
+        let chunk: WireAnswer = match serde_json::from_value(value) {
+            Ok(c) => c,
+            Err(_) => {
+                self.bad_chunks += 1;
+                return;
+            }
+        };
+        if let Some(p) = chunk.prompt_token_ids {
+            self.prompt_ids.get_or_insert_with(Vec::new).extend(p);
+        }
+        if chunk.usage.is_some() {
+            self.usage = chunk.usage;
+        }
+        for (i, c) in chunk.choices.into_iter().enumerate() {
+            let idx = c.index.unwrap_or(i as i64);
+            let slot = self.choices.entry(idx).or_insert_with(|| ChoiceCapture {
+                index: idx,
+                ..Default::default()
+            });
+            if let Some(p) = c.prompt_token_ids {
+                slot.prompt_ids.get_or_insert_with(Vec::new).extend(p);
+            }
+            if let Some(ids) = c.token_ids.or(c.output_ids) {
+                slot.completion_ids.get_or_insert_with(Vec::new).extend(ids);
+            }
+            if let Some(lp) = c.logprobs.as_ref().and_then(WireLogprobs::values) {
+                slot.logprobs.get_or_insert_with(Vec::new).extend(lp);
+            }
+            if let Some(fr) = c.finish_reason {
+                slot.finish_reason = Some(fr);
+            }
+            let piece = c.delta.and_then(|d| d.content).or(c.text);
+            if let Some(t) = piece {
+                slot.text.get_or_insert_with(String::new).push_str(&t);
+            }
+        }
+    }
+
+    /// Every choice seen has a finish_reason (and at least one was seen).
+    pub fn all_finished(&self) -> bool {
+        !self.choices.is_empty() && self.choices.values().all(|c| c.finish_reason.is_some())
+    }
+
+    pub fn finish(self) -> Capture {
+        Capture {
+            prompt_ids: self.prompt_ids,
+            choices: self.choices.into_values().collect(),
+            usage: self.usage,
+        }
+    }
+}
+
+/// SGLang's native `/generate` answer (one object, or a list for batched input):
+/// `output_ids`, `meta_info.output_token_logprobs: [[logprob, id, text?], ...]`,
+/// `meta_info.finish_reason.type`, `meta_info.prompt_tokens`.
+pub fn parse_sglang_generate(body: &[u8], input_ids: Option<Vec<u32>>) -> Result<Capture, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| format!("SGLang answer is not JSON: {e}"))?;
+    let items = match v {
+        serde_json::Value::Array(a) => a,
+        other => vec![other],
+    };
+    let mut choices = Vec::new();
+    for (i, it) in items.iter().enumerate() {
+        let ids = it.get("output_ids").and_then(|x| x.as_array()).map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+                .collect::<Vec<u32>>()
+        });
+        let meta = it.get("meta_info");
+        let logprobs = meta
+            .and_then(|m| m.get("output_token_logprobs"))
+            .and_then(|x| x.as_array())
+            .map(|a| {
+                a.iter()
+                    .map(|e| {
+                        e.get(0)
+                            .and_then(|x| x.as_f64())
+                            .map(|x| x as f32)
+                            .unwrap_or(f32::NAN)
+                    })
+                    .collect::<Vec<f32>>()
+            });
+        let finish = meta
+            .and_then(|m| m.get("finish_reason"))
+            .and_then(|f| f.get("type").or(Some(f)))
+            .and_then(|x| x.as_str())
+            .map(str::to_string);
+        choices.push(ChoiceCapture {
+            index: i as i64,
+            prompt_ids: None,
+            completion_ids: ids,
+            logprobs,
+            finish_reason: finish,
+            text: it.get("text").and_then(|x| x.as_str()).map(str::to_string),
+        });
+    }
+    Ok(Capture {
+        prompt_ids: input_ids,
+        choices,
+        usage: None,
+    })
+}
+
+/// Consistency flags for a capture: what is missing or contradicts itself.
+/// `no_ids`: engine sent no completion ids (text only); `no_prompt_ids`;
+/// `no_logprobs`; `logprobs_count_mismatch`: logprob count != id count;
+/// `ids_usage_mismatch`: total completion ids != `usage.completion_tokens`;
+/// `prompt_usage_mismatch`: prompt ids != `usage.prompt_tokens` (single prompt only).
+pub fn check(kind: Kind, cap: &Capture, want_ids: bool) -> Vec<Vec<String>> {
+    let mut per_choice: Vec<Vec<String>> = Vec::with_capacity(cap.choices.len());
+    let mut total_ids: u64 = 0;
+    let mut all_have_ids = true;
+    for c in &cap.choices {
+        let mut f = Vec::new();
+        match &c.completion_ids {
+            None => {
+                all_have_ids = false;
+                if want_ids {
+                    f.push("no_ids".to_string());
+                }
+            }
+            Some(ids) => {
+                total_ids += ids.len() as u64;
+                match &c.logprobs {
+                    None => {
+                        if want_ids {
+                            f.push("no_logprobs".to_string())
+                        }
+                    }
+                    Some(lp) if lp.len() != ids.len() => {
+                        f.push("logprobs_count_mismatch".to_string())
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        let prompt = match kind {
+            Kind::Chat => cap.prompt_ids.as_ref(),
+            Kind::Completion => c.prompt_ids.as_ref(),
+        };
+        if prompt.is_none() && want_ids {
+            f.push("no_prompt_ids".to_string());
+        }
+        per_choice.push(f);
+    }
+    if let Some(usage) = &cap.usage {
+        if all_have_ids && !cap.choices.is_empty() {
+            if let Some(ct) = usage.get("completion_tokens").and_then(|x| x.as_u64()) {
+                if ct != total_ids {
+                    per_choice
+                        .iter_mut()
+                        .for_each(|f| f.push("ids_usage_mismatch".to_string()));
+                }
+            }
+        }
+        let single_prompt = match kind {
+            Kind::Chat => cap.prompt_ids.as_ref(),
+            Kind::Completion => {
+                let first = cap.choices.first().and_then(|c| c.prompt_ids.as_ref());
+                let same = cap.choices.iter().all(|c| c.prompt_ids.as_ref() == first);
+                if same {
+                    first
+                } else {
+                    None
+                }
+            }
+        };
+        if let (Some(p), Some(pt)) = (
+            single_prompt,
+            usage.get("prompt_tokens").and_then(|x| x.as_u64()),
+        ) {
+            if p.len() as u64 != pt {
+                per_choice
+                    .iter_mut()
+                    .for_each(|f| f.push("prompt_usage_mismatch".to_string()));
+            }
+        }
+    }
+    per_choice
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_answer() {
+        let body = br#"{"id":"x","object":"chat.completion","prompt_token_ids":[1,2,3],
+            "choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"token_ids":[7,8],
+            "logprobs":{"content":[{"token":"h","logprob":-0.5,"bytes":[104],"top_logprobs":[]},
+            {"token":"i","logprob":-1.25,"bytes":[105],"top_logprobs":[]}]},"finish_reason":"stop"}],
+            "usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#;
+        let cap = parse_answer(body).unwrap_or_default();
+        assert_eq!(cap.prompt_ids, Some(vec![1, 2, 3]));
+        assert_eq!(cap.choices[0].completion_ids, Some(vec![7, 8]));
+        assert_eq!(cap.choices[0].logprobs, Some(vec![-0.5, -1.25]));
+        assert_eq!(cap.choices[0].text.as_deref(), Some("hi"));
+        assert_eq!(check(Kind::Chat, &cap, true), vec![Vec::<String>::new()]);
+    }
+
+    #[test]
+    fn stream_accumulates_and_flags_mismatch() {
+        let mut s = StreamCapture::new();
+        s.feed(br#"{"prompt_token_ids":[1,2],"choices":[{"index":0,"delta":{"role":"assistant","content":""},"token_ids":[]}]}"#);
+        s.feed(br#"{"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5],"logprobs":{"content":[{"token":"a","logprob":-0.1}]}}]}"#);
+        s.feed(br#"{"choices":[{"index":0,"delta":{"content":"b"},"token_ids":[6],"logprobs":{"content":[{"token":"b","logprob":-0.2}]},"finish_reason":"stop"}],"usage":{"prompt_tokens":2,"completion_tokens":3}}"#);
+        let cap = s.finish();
+        assert_eq!(cap.choices[0].completion_ids, Some(vec![5, 6]));
+        assert_eq!(cap.choices[0].text.as_deref(), Some("ab"));
+        let flags = check(Kind::Chat, &cap, true);
+        assert_eq!(flags[0], vec!["ids_usage_mismatch".to_string()]);
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        for body in [
+            &b""[..],
+            b"{",
+            b"[]",
+            b"{\"choices\":5}",
+            b"{\"choices\":[{\"token_ids\":[-1]}]}",
+        ] {
+            let _ = parse_answer(body);
+            let mut s = StreamCapture::new();
+            s.feed(body);
+            let _ = s.finish();
+            let _ = parse_sglang_generate(body, None);
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! Gateway configuration: TOML file, command line, or JSON from Python (the
+//! same serde model for all three).
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+use crate::error::GatewayError;
+
+/// Which wire dialect an upstream speaks; decides how ids are requested and read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    /// vLLM (and the lightning engine): `return_token_ids`, `prompt_token_ids`, `token_ids`.
+    #[default]
+    Vllm,
+    /// SGLang's OpenAI endpoints (same field names as vLLM where it returns ids).
+    Sglang,
+    /// Any other OpenAI-compatible server: no ids; calls are recorded with text and flagged.
+    Openai,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    /// Base URL including the API prefix, e.g. `http://127.0.0.1:8000/v1`.
+    pub url: String,
+    /// Weight version the engine behind this URL serves; recorded on every call.
+    #[serde(default)]
+    pub weight_version: u64,
+    #[serde(default)]
+    pub engine: Engine,
+}
+
+/// How hard a commit pushes to disk. `full` fsyncs the WAL on every group
+/// commit (survives power loss); `normal` survives a killed process only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncMode {
+    #[default]
+    Full,
+    Normal,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// `host:port` to listen on; port 0 picks a free port.
+    pub listen: String,
+    pub upstreams: Vec<UpstreamConfig>,
+    /// SQLite file of the trace store.
+    pub db: PathBuf,
+    /// Guards rollout creation and `/admin/*`. Required.
+    pub admin_key: Option<String>,
+    /// Base URL handed to harnesses in `POST /rollouts`; defaults to `http://{listen}`.
+    pub public_url: Option<String>,
+    /// Largest accepted request body (413 above).
+    pub max_body_bytes: usize,
+    /// Whole-request timeout for one upstream attempt, seconds.
+    pub upstream_timeout_s: f64,
+    /// Retries of connect errors, 429 and 5xx, only before any byte reached the harness.
+    pub max_retries: u32,
+    /// Base of the jittered exponential backoff, milliseconds.
+    pub retry_base_ms: u64,
+    /// Consecutive failures after which an upstream is marked down.
+    pub mark_down_after: u32,
+    /// How long a marked-down upstream is skipped before it is tried again, seconds.
+    pub down_for_s: f64,
+    /// Bearer key sent to upstreams (never the rollout token).
+    pub upstream_api_key: Option<String>,
+    /// Temperature forced on train-mode calls (None: the harness's own).
+    pub train_temperature: Option<f64>,
+    /// Temperature forced on eval-mode calls (None: the harness's own).
+    pub eval_temperature: Option<f64>,
+    /// Whether eval-mode calls ask the engine for ids and logprobs.
+    pub eval_capture: bool,
+    pub sync: SyncMode,
+    /// Seconds graceful shutdown waits for in-flight calls.
+    pub drain_timeout_s: f64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: "127.0.0.1:8080".into(),
+            upstreams: Vec::new(),
+            db: PathBuf::from("lightning.db"),
+            admin_key: None,
+            public_url: None,
+            max_body_bytes: 32 * 1024 * 1024,
+            upstream_timeout_s: 600.0,
+            max_retries: 2,
+            retry_base_ms: 50,
+            mark_down_after: 3,
+            down_for_s: 5.0,
+            upstream_api_key: None,
+            train_temperature: None,
+            eval_temperature: None,
+            eval_capture: true,
+            sync: SyncMode::Full,
+            drain_timeout_s: 30.0,
+        }
+    }
+}
+
+impl Config {
+    pub fn from_toml(text: &str) -> Result<Self, GatewayError> {
+        toml::from_str(text).map_err(|e| GatewayError::Config(format!("bad TOML: {e}")))
+    }
+
+    pub fn from_json(text: &str) -> Result<Self, GatewayError> {
+        serde_json::from_str(text).map_err(|e| GatewayError::Config(format!("bad JSON: {e}")))
+    }
+
+    /// Checks values a server cannot run with; messages name the field and the fix.
+    pub fn validate(&self) -> Result<(), GatewayError> {
+        match &self.admin_key {
+            None => {
+                return Err(GatewayError::Config(
+                    "admin_key is not set; pass --admin-key, set LIGHTNING_ADMIN_KEY or admin_key in the config"
+                        .into(),
+                ))
+            }
+            Some(k) if k.len() < 8 => {
+                return Err(GatewayError::Config(
+                    "admin_key is shorter than 8 characters; use a longer random key".into(),
+                ))
+            }
+            Some(_) => {}
+        }
+        for u in &self.upstreams {
+            crate::upstream::parse_base_url(&u.url).map_err(GatewayError::Config)?;
+        }
+        if !(self.upstream_timeout_s > 0.0) {
+            return Err(GatewayError::Config(format!(
+                "upstream_timeout_s = {} must be > 0",
+                self.upstream_timeout_s
+            )));
+        }
+        if self.max_body_bytes == 0 {
+            return Err(GatewayError::Config("max_body_bytes must be > 0".into()));
+        }
+        Ok(())
+    }
+}

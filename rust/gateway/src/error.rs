@@ -1,0 +1,104 @@
+//! Errors of the gateway crate, and the OpenAI-shaped error bodies the HTTP
+//! server answers with (`{"error": {"message", "type", "code"}}`).
+
+use std::fmt;
+
+/// Errors raised while configuring, starting or storing; request-level
+/// failures become [`ApiError`] instead.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("invalid gateway configuration: {0}")]
+    Config(String),
+    #[error("cannot listen on {addr}: {source}; pick a free port or another address")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("store error on {path}: {message}")]
+    Store { path: String, message: String },
+    #[error("the store writer has stopped; restart the gateway")]
+    StoreClosed,
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl GatewayError {
+    pub fn store(path: impl fmt::Display, err: impl fmt::Display) -> Self {
+        GatewayError::Store {
+            path: path.to_string(),
+            message: err.to_string(),
+        }
+    }
+}
+
+/// An error the gateway itself answers with. The message says what to do.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+    /// Seconds for a `Retry-After` header (503 while paused).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(
+        status: u16,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        ApiError {
+            status,
+            kind,
+            code,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(400, "invalid_request_error", code, message)
+    }
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(401, "authentication_error", "invalid_api_key", message)
+    }
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(403, "permission_error", "wrong_rollout", message)
+    }
+    pub fn not_found(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(404, "not_found_error", code, message)
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(500, "server_error", "internal_error", message)
+    }
+    pub fn store(err: impl fmt::Display) -> Self {
+        Self::new(
+            500,
+            "server_error",
+            "store_error",
+            format!("the trace store failed: {err}; check the gateway log and disk space"),
+        )
+    }
+
+    /// The JSON body in OpenAI's error shape.
+    pub fn body(&self) -> Vec<u8> {
+        serde_json::json!({
+            "error": {"message": self.message, "type": self.kind, "code": self.code}
+        })
+        .to_string()
+        .into_bytes()
+    }
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}: {}", self.status, self.code, self.message)
+    }
+}
+
+impl From<GatewayError> for ApiError {
+    fn from(e: GatewayError) -> Self {
+        ApiError::store(e)
+    }
+}

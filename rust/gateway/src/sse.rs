@@ -1,0 +1,137 @@
+//! Incremental Server-Sent Events framing (pure: bytes in, events out), so the
+//! proxy can forward each event the moment it is complete and the parser can be
+//! fuzzed on its own.
+
+/// One complete SSE event: its exact bytes (forwarded unchanged) and its data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// The event's bytes including the blank line that ends it.
+    pub raw: Vec<u8>,
+    /// `data:` lines joined with `\n` (empty when the event has none).
+    pub data: Vec<u8>,
+}
+
+impl Event {
+    pub fn is_done(&self) -> bool {
+        self.data.trim_ascii() == b"[DONE]"
+    }
+}
+
+/// Splits a byte stream into events. Events end at a blank line (`\n\n`,
+/// `\r\n\r\n` or `\r\r`, per the WHATWG EventSource grammar).
+#[derive(Debug, Default)]
+pub struct Parser {
+    buf: Vec<u8>,
+    /// Bytes of `buf` already scanned for a boundary.
+    scanned: usize,
+}
+
+/// Largest event accepted (a vLLM chunk is a few KB; 16 MiB leaves room for huge logprobs).
+pub const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
+
+impl Parser {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends bytes and returns every event they complete.
+    pub fn feed(&mut self, bytes: &[u8]) -> Result<Vec<Event>, String> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        loop {
+            match find_boundary(&self.buf, self.scanned.saturating_sub(3)) {
+                Some(end) => {
+                    let raw: Vec<u8> = self.buf.drain(..end).collect();
+                    self.scanned = 0;
+                    let data = extract_data(&raw);
+                    out.push(Event { raw, data });
+                }
+                None => {
+                    self.scanned = self.buf.len();
+                    if self.buf.len() > MAX_EVENT_BYTES {
+                        return Err(format!("an SSE event exceeds {MAX_EVENT_BYTES} bytes"));
+                    }
+                    return Ok(out);
+                }
+            }
+        }
+    }
+
+    /// Bytes of an unfinished event (the stream ended mid-event when non-empty).
+    pub fn remainder(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+/// Index one past the blank line ending the first event at or after `from`.
+fn find_boundary(buf: &[u8], from: usize) -> Option<usize> {
+    let mut i = from;
+    while i + 1 < buf.len() {
+        match (buf[i], buf[i + 1]) {
+            (b'\n', b'\n') => return Some(i + 2),
+            (b'\r', b'\r') if buf.get(i + 2) != Some(&b'\n') => return Some(i + 2),
+            (b'\r', b'\n') => {
+                if buf.get(i + 2) == Some(&b'\r') && buf.get(i + 3) == Some(&b'\n') {
+                    return Some(i + 4);
+                }
+                if buf.get(i + 2) == Some(&b'\n') {
+                    return Some(i + 3);
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+fn extract_data(raw: &[u8]) -> Vec<u8> {
+    let mut data = Vec::new();
+    let mut first = true;
+    for line in raw.split(|b| *b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(rest) = line.strip_prefix(b"data:") {
+            let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+            if !first {
+                data.push(b'\n');
+            }
+            data.extend_from_slice(rest);
+            first = false;
+        }
+    }
+    data
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_events_across_arbitrary_chunks() {
+        let stream = b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\n: comment\n\ndata: [DONE]\n\n";
+        for cut in 1..stream.len() {
+            let mut p = Parser::new();
+            let mut events = p.feed(&stream[..cut]).unwrap_or_default();
+            events.extend(p.feed(&stream[cut..]).unwrap_or_default());
+            assert_eq!(events.len(), 4, "cut at {cut}");
+            assert_eq!(events[0].data, b"{\"a\":1}");
+            assert_eq!(events[1].data, b"{\"b\":2}");
+            assert!(events[2].data.is_empty());
+            assert!(events[3].is_done());
+            let joined: Vec<u8> = events.iter().flat_map(|e| e.raw.clone()).collect();
+            assert_eq!(joined, stream.to_vec());
+        }
+    }
+
+    #[test]
+    fn crlf_and_multiline_data() {
+        let mut p = Parser::new();
+        let ev = p
+            .feed(b"data: x\r\ndata: y\r\n\r\ndata: z\n\n")
+            .unwrap_or_default();
+        assert_eq!(ev.len(), 2);
+        assert_eq!(ev[0].data, b"x\ny");
+        assert_eq!(ev[1].data, b"z");
+        assert!(p.remainder().is_empty());
+    }
+}

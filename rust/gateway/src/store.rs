@@ -1,0 +1,774 @@
+//! The durable trace store: SQLite in WAL mode, one writer thread with group
+//! commit, a few reader connections.
+//!
+//! Durability contract (DESIGN.md §4): every write API returns only after the
+//! transaction holding it has committed, so a caller that acknowledges after
+//! `await`ing a write never acknowledges something that is not on disk. The
+//! writer drains everything queued while the previous commit ran into one
+//! transaction, so under load one fsync covers many calls.
+//!
+//! Token ids are stored as little-endian u32 blobs, logprobs as little-endian
+//! f32 blobs (NaN where the engine gave none).
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::oneshot;
+
+use crate::config::SyncMode;
+use crate::error::GatewayError;
+
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS rollouts (
+    id TEXT PRIMARY KEY,
+    grp TEXT,
+    task TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    status TEXT NOT NULL,
+    token_hash TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rollouts_token ON rollouts(token_hash);
+CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts(grp);
+CREATE INDEX IF NOT EXISTS rollouts_status ON rollouts(status);
+CREATE TABLE IF NOT EXISTS calls (
+    id INTEGER PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    request_id TEXT NOT NULL,
+    choice_index INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    request TEXT NOT NULL,
+    prompt_ids BLOB,
+    completion_ids BLOB,
+    logprobs BLOB,
+    finish_reason TEXT,
+    text TEXT,
+    status TEXT NOT NULL,
+    flags TEXT NOT NULL,
+    delivered INTEGER NOT NULL,
+    retry_count INTEGER NOT NULL,
+    weight_version INTEGER NOT NULL,
+    upstream TEXT NOT NULL,
+    http_status INTEGER NOT NULL,
+    latency_ms REAL NOT NULL,
+    usage TEXT,
+    created REAL NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS calls_rollout_seq ON calls(rollout_id, seq);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    data TEXT NOT NULL,
+    created REAL NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS events_rollout_seq ON events(rollout_id, seq);
+"#;
+
+/// Most writes folded into one transaction.
+const MAX_BATCH: usize = 4096;
+
+pub fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+pub fn ids_to_blob(ids: &[u32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(ids.len() * 4);
+    for id in ids {
+        out.extend_from_slice(&id.to_le_bytes());
+    }
+    out
+}
+
+pub fn blob_to_ids(blob: &[u8]) -> Vec<u32> {
+    blob.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+pub fn f32s_to_blob(xs: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(xs.len() * 4);
+    for x in xs {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+pub fn blob_to_f32s(blob: &[u8]) -> Vec<f32> {
+    blob.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallStatus {
+    Ok,
+    UpstreamError,
+    Aborted,
+}
+
+impl CallStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallStatus::Ok => "ok",
+            CallStatus::UpstreamError => "upstream_error",
+            CallStatus::Aborted => "aborted",
+        }
+    }
+}
+
+/// One recorded completion (one choice of one proxied request).
+#[derive(Debug, Clone)]
+pub struct CallRecord {
+    pub rollout_id: String,
+    pub request_id: String,
+    pub choice_index: i64,
+    /// `chat` or `completion`.
+    pub kind: &'static str,
+    pub request: String,
+    pub prompt_ids: Option<Vec<u32>>,
+    pub completion_ids: Option<Vec<u32>>,
+    pub logprobs: Option<Vec<f32>>,
+    pub finish_reason: Option<String>,
+    pub text: Option<String>,
+    pub status: CallStatus,
+    pub flags: Vec<String>,
+    /// Whether the harness received the whole answer.
+    pub delivered: bool,
+    pub retry_count: u32,
+    pub weight_version: u64,
+    pub upstream: String,
+    pub http_status: u16,
+    pub latency_ms: f64,
+    pub usage: Option<String>,
+    pub created: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct NewRollout {
+    pub id: String,
+    pub group: Option<String>,
+    pub task: String,
+    pub mode: String,
+    pub token_hash: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RolloutRow {
+    pub rollout_id: String,
+    pub group: Option<String>,
+    pub task: serde_json::Value,
+    pub mode: String,
+    pub status: String,
+    #[serde(skip)]
+    pub token_hash: String,
+    pub created: f64,
+    pub updated: f64,
+}
+
+#[derive(Debug)]
+enum Op {
+    CreateRollout(NewRollout),
+    SetStatus {
+        id: String,
+        status: String,
+    },
+    InsertCalls {
+        records: Vec<CallRecord>,
+        mark_running: bool,
+    },
+    InsertEvent {
+        rollout_id: String,
+        kind: String,
+        data: String,
+    },
+    Barrier,
+}
+
+#[derive(Debug)]
+enum OpResult {
+    Rollout { row: RolloutRow, created: bool },
+    Found(bool),
+    Seqs(Vec<i64>),
+    Seq(i64),
+    Unit,
+}
+
+type Reply = oneshot::Sender<Result<OpResult, String>>;
+
+/// Counters the metrics endpoint reads.
+#[derive(Debug, Default)]
+pub struct StoreStats {
+    pub queue_depth: AtomicI64,
+    pub commits: AtomicUsize,
+    pub committed_ops: AtomicUsize,
+    /// Sum of commit durations in microseconds.
+    pub commit_us_total: AtomicUsize,
+    pub commit_us_max: AtomicUsize,
+    /// Commit latency histogram (bucket upper bounds in COMMIT_BUCKETS_MS).
+    pub commit_buckets: [AtomicUsize; 8],
+}
+
+pub const COMMIT_BUCKETS_MS: [f64; 8] = [0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 100.0, f64::INFINITY];
+
+#[derive(Debug)]
+pub struct Store {
+    path: PathBuf,
+    tx: Mutex<Option<mpsc::Sender<(Op, Reply)>>>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    readers: Vec<Mutex<Connection>>,
+    next_reader: AtomicUsize,
+    pub stats: Arc<StoreStats>,
+    secret: Vec<u8>,
+}
+
+fn open_conn(path: &Path, sync: SyncMode) -> Result<Connection, GatewayError> {
+    let conn = Connection::open(path).map_err(|e| GatewayError::store(path.display(), e))?;
+    let sync = match sync {
+        SyncMode::Full => "FULL",
+        SyncMode::Normal => "NORMAL",
+    };
+    conn.execute_batch(&format!(
+        "PRAGMA journal_mode=WAL; PRAGMA synchronous={sync}; PRAGMA busy_timeout=10000; PRAGMA foreign_keys=OFF;"
+    ))
+    .map_err(|e| GatewayError::store(path.display(), e))?;
+    Ok(conn)
+}
+
+impl Store {
+    pub fn open(path: &Path, sync: SyncMode) -> Result<Store, GatewayError> {
+        if let Some(parent) = path.parent() {
+            if !parent.as_os_str().is_empty() && !parent.exists() {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| GatewayError::store(path.display(), e))?;
+            }
+        }
+        let conn = open_conn(path, sync)?;
+        conn.execute_batch(SCHEMA)
+            .map_err(|e| GatewayError::store(path.display(), e))?;
+        let secret =
+            load_or_create_secret(&conn).map_err(|e| GatewayError::store(path.display(), e))?;
+        let mut readers = Vec::new();
+        for _ in 0..2 {
+            readers.push(Mutex::new(open_conn(path, sync)?));
+        }
+        let stats = Arc::new(StoreStats::default());
+        let (tx, rx) = mpsc::channel::<(Op, Reply)>();
+        let wstats = stats.clone();
+        let writer = std::thread::Builder::new()
+            .name("lightning-store-writer".into())
+            .spawn(move || writer_loop(conn, rx, wstats))?;
+        Ok(Store {
+            path: path.to_path_buf(),
+            tx: Mutex::new(Some(tx)),
+            writer: Mutex::new(Some(writer)),
+            readers,
+            next_reader: AtomicUsize::new(0),
+            stats,
+            secret,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The per-database secret that rollout tokens are derived from.
+    pub fn secret(&self) -> &[u8] {
+        &self.secret
+    }
+
+    async fn submit(&self, op: Op) -> Result<OpResult, GatewayError> {
+        let (rtx, rrx) = oneshot::channel();
+        {
+            let guard = self.tx.lock().map_err(|_| GatewayError::StoreClosed)?;
+            let tx = guard.as_ref().ok_or(GatewayError::StoreClosed)?;
+            self.stats.queue_depth.fetch_add(1, Ordering::Relaxed);
+            if tx.send((op, rtx)).is_err() {
+                self.stats.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                return Err(GatewayError::StoreClosed);
+            }
+        }
+        match rrx.await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(msg)) => Err(GatewayError::store(self.path.display(), msg)),
+            Err(_) => Err(GatewayError::StoreClosed),
+        }
+    }
+
+    /// Creates the rollout, or returns the existing one with that id (`created = false`).
+    pub async fn create_rollout(&self, r: NewRollout) -> Result<(RolloutRow, bool), GatewayError> {
+        match self.submit(Op::CreateRollout(r)).await? {
+            OpResult::Rollout { row, created } => Ok((row, created)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    pub async fn set_status(&self, id: &str, status: &str) -> Result<bool, GatewayError> {
+        match self
+            .submit(Op::SetStatus {
+                id: id.to_string(),
+                status: status.to_string(),
+            })
+            .await?
+        {
+            OpResult::Found(f) => Ok(f),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Inserts the calls of one request (one per choice) with consecutive seqs.
+    pub async fn insert_calls(
+        &self,
+        records: Vec<CallRecord>,
+        mark_running: bool,
+    ) -> Result<Vec<i64>, GatewayError> {
+        match self
+            .submit(Op::InsertCalls {
+                records,
+                mark_running,
+            })
+            .await?
+        {
+            OpResult::Seqs(s) => Ok(s),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    pub async fn insert_event(
+        &self,
+        rollout_id: &str,
+        kind: &str,
+        data: String,
+    ) -> Result<i64, GatewayError> {
+        match self
+            .submit(Op::InsertEvent {
+                rollout_id: rollout_id.to_string(),
+                kind: kind.to_string(),
+                data,
+            })
+            .await?
+        {
+            OpResult::Seq(s) => Ok(s),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Waits until everything queued before it has committed.
+    pub async fn barrier(&self) -> Result<(), GatewayError> {
+        self.submit(Op::Barrier).await.map(|_| ())
+    }
+
+    /// Stops the writer after it has committed everything queued.
+    pub fn close(&self) {
+        if let Ok(mut g) = self.tx.lock() {
+            g.take();
+        }
+        let handle = self.writer.lock().ok().and_then(|mut g| g.take());
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+
+    /// Runs `f` on a reader connection (call from a blocking context).
+    pub fn read<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+    ) -> Result<T, GatewayError> {
+        let n = self.readers.len();
+        let start = self.next_reader.fetch_add(1, Ordering::Relaxed);
+        for i in 0..n {
+            if let Ok(conn) = self.readers[(start + i) % n].try_lock() {
+                return f(&conn).map_err(|e| GatewayError::store(self.path.display(), e));
+            }
+        }
+        let conn = self.readers[start % n]
+            .lock()
+            .map_err(|_| GatewayError::store(self.path.display(), "reader lock poisoned"))?;
+        f(&conn).map_err(|e| GatewayError::store(self.path.display(), e))
+    }
+
+    pub fn get_rollout(&self, id: &str) -> Result<Option<RolloutRow>, GatewayError> {
+        self.read(|c| {
+            c.query_row(
+                "SELECT id, grp, task, mode, status, token_hash, created, updated FROM rollouts WHERE id = ?1",
+                params![id],
+                rollout_from_row,
+            )
+            .optional()
+        })
+    }
+
+    pub fn rollout_by_token_hash(&self, hash: &str) -> Result<Option<RolloutRow>, GatewayError> {
+        self.read(|c| {
+            c.query_row(
+                "SELECT id, grp, task, mode, status, token_hash, created, updated FROM rollouts WHERE token_hash = ?1",
+                params![hash],
+                rollout_from_row,
+            )
+            .optional()
+        })
+    }
+
+    pub fn list_rollouts(
+        &self,
+        status: Option<&str>,
+        group: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<RolloutRow>, GatewayError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT id, grp, task, mode, status, token_hash, created, updated FROM rollouts
+                 WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR grp = ?2)
+                 ORDER BY created, id LIMIT ?3",
+            )?;
+            let rows = stmt.query_map(params![status, group, limit], rollout_from_row)?;
+            rows.collect()
+        })
+    }
+
+    /// Number of calls and the latest reward of a rollout.
+    pub fn rollout_summary(&self, id: &str) -> Result<(i64, Option<f64>), GatewayError> {
+        self.read(|c| {
+            let n: i64 = c.query_row("SELECT COUNT(*) FROM calls WHERE rollout_id = ?1", params![id], |r| r.get(0))?;
+            let reward: Option<String> = c
+                .query_row(
+                    "SELECT data FROM events WHERE rollout_id = ?1 AND type = 'reward' ORDER BY seq DESC LIMIT 1",
+                    params![id],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            let value = reward
+                .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+                .and_then(|v| v.get("value").and_then(|x| x.as_f64()));
+            Ok((n, value))
+        })
+    }
+
+    pub fn events(&self, id: &str) -> Result<Vec<serde_json::Value>, GatewayError> {
+        self.read(|c| {
+            let mut stmt =
+                c.prepare_cached("SELECT seq, type, data, created FROM events WHERE rollout_id = ?1 ORDER BY seq")?;
+            let rows = stmt.query_map(params![id], |r| {
+                let data: String = r.get(2)?;
+                Ok(serde_json::json!({
+                    "seq": r.get::<_, i64>(0)?,
+                    "type": r.get::<_, String>(1)?,
+                    "data": serde_json::from_str::<serde_json::Value>(&data).unwrap_or(serde_json::Value::Null),
+                    "created": r.get::<_, f64>(3)?,
+                }))
+            })?;
+            rows.collect()
+        })
+    }
+
+    pub fn trace(&self, id: &str) -> Result<Vec<StoredCall>, GatewayError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT seq, request_id, choice_index, kind, prompt_ids, completion_ids, logprobs,
+                        finish_reason, text, status, flags, delivered, retry_count, weight_version,
+                        upstream, http_status, latency_ms, usage, created
+                 FROM calls WHERE rollout_id = ?1 ORDER BY seq",
+            )?;
+            let rows = stmt.query_map(params![id], |r| {
+                let flags: String = r.get(10)?;
+                Ok(StoredCall {
+                    seq: r.get(0)?,
+                    request_id: r.get(1)?,
+                    choice_index: r.get(2)?,
+                    kind: r.get(3)?,
+                    prompt_ids: r.get::<_, Option<Vec<u8>>>(4)?.map(|b| blob_to_ids(&b)),
+                    completion_ids: r.get::<_, Option<Vec<u8>>>(5)?.map(|b| blob_to_ids(&b)),
+                    logprobs: r.get::<_, Option<Vec<u8>>>(6)?.map(|b| blob_to_f32s(&b)),
+                    finish_reason: r.get(7)?,
+                    text: r.get(8)?,
+                    status: r.get(9)?,
+                    flags: flags
+                        .split(',')
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_string)
+                        .collect(),
+                    delivered: r.get::<_, i64>(11)? != 0,
+                    retry_count: r.get(12)?,
+                    weight_version: r.get(13)?,
+                    upstream: r.get(14)?,
+                    http_status: r.get(15)?,
+                    latency_ms: r.get(16)?,
+                    usage: r
+                        .get::<_, Option<String>>(17)?
+                        .and_then(|s| serde_json::from_str(&s).ok()),
+                    created: r.get(18)?,
+                })
+            })?;
+            rows.collect()
+        })
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// A call as read back from the store.
+#[derive(Debug, Clone, Serialize)]
+pub struct StoredCall {
+    pub seq: i64,
+    pub request_id: String,
+    pub choice_index: i64,
+    pub kind: String,
+    pub prompt_ids: Option<Vec<u32>>,
+    pub completion_ids: Option<Vec<u32>>,
+    pub logprobs: Option<Vec<f32>>,
+    pub finish_reason: Option<String>,
+    pub text: Option<String>,
+    pub status: String,
+    pub flags: Vec<String>,
+    pub delivered: bool,
+    pub retry_count: i64,
+    pub weight_version: i64,
+    pub upstream: String,
+    pub http_status: i64,
+    pub latency_ms: f64,
+    pub usage: Option<serde_json::Value>,
+    pub created: f64,
+}
+
+fn unexpected(r: OpResult) -> GatewayError {
+    GatewayError::Store {
+        path: String::new(),
+        message: format!("internal: unexpected writer result {r:?}"),
+    }
+}
+
+fn rollout_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RolloutRow> {
+    let task: String = r.get(2)?;
+    Ok(RolloutRow {
+        rollout_id: r.get(0)?,
+        group: r.get(1)?,
+        task: serde_json::from_str(&task).unwrap_or(serde_json::Value::Null),
+        mode: r.get(3)?,
+        status: r.get(4)?,
+        token_hash: r.get(5)?,
+        created: r.get(6)?,
+        updated: r.get(7)?,
+    })
+}
+
+fn load_or_create_secret(conn: &Connection) -> rusqlite::Result<Vec<u8>> {
+    let existing: Option<Vec<u8>> = conn
+        .query_row(
+            "SELECT value FROM meta WHERE key = 'token_secret'",
+            [],
+            |r| r.get(0),
+        )
+        .optional()?;
+    if let Some(s) = existing {
+        return Ok(s);
+    }
+    let mut secret = vec![0u8; 32];
+    getrandom::fill(&mut secret)
+        .map_err(|e| rusqlite::Error::InvalidParameterName(format!("no OS randomness: {e}")))?;
+    conn.execute(
+        "INSERT OR IGNORE INTO meta(key, value) VALUES ('token_secret', ?1)",
+        params![secret],
+    )?;
+    conn.query_row(
+        "SELECT value FROM meta WHERE key = 'token_secret'",
+        [],
+        |r| r.get(0),
+    )
+}
+
+/// Next sequence numbers per rollout, cached so the writer does one MAX query per rollout.
+#[derive(Default)]
+struct SeqCache {
+    calls: HashMap<String, i64>,
+    events: HashMap<String, i64>,
+}
+
+fn next_seq(
+    conn: &Connection,
+    cache: &mut HashMap<String, i64>,
+    table: &str,
+    rollout: &str,
+) -> rusqlite::Result<i64> {
+    if let Some(s) = cache.get_mut(rollout) {
+        let v = *s;
+        *s += 1;
+        return Ok(v);
+    }
+    let sql = format!("SELECT COALESCE(MAX(seq) + 1, 0) FROM {table} WHERE rollout_id = ?1");
+    let v: i64 = conn.query_row(&sql, params![rollout], |r| r.get(0))?;
+    cache.insert(rollout.to_string(), v + 1);
+    Ok(v)
+}
+
+fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpResult> {
+    match op {
+        Op::CreateRollout(r) => {
+            let t = now();
+            let n = conn.execute(
+                "INSERT OR IGNORE INTO rollouts(id, grp, task, mode, status, token_hash, created, updated)
+                 VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?6)",
+                params![r.id, r.group, r.task, r.mode, r.token_hash, t],
+            )?;
+            let row = conn.query_row(
+                "SELECT id, grp, task, mode, status, token_hash, created, updated FROM rollouts WHERE id = ?1",
+                params![r.id],
+                rollout_from_row,
+            )?;
+            Ok(OpResult::Rollout {
+                row,
+                created: n == 1,
+            })
+        }
+        Op::SetStatus { id, status } => {
+            let n = conn.execute(
+                "UPDATE rollouts SET status = ?2, updated = ?3 WHERE id = ?1",
+                params![id, status, now()],
+            )?;
+            Ok(OpResult::Found(n == 1))
+        }
+        Op::InsertCalls {
+            records,
+            mark_running,
+        } => {
+            let mut out = Vec::with_capacity(records.len());
+            let mut stmt = conn.prepare_cached(
+                "INSERT INTO calls(rollout_id, seq, request_id, choice_index, kind, request, prompt_ids,
+                    completion_ids, logprobs, finish_reason, text, status, flags, delivered, retry_count,
+                    weight_version, upstream, http_status, latency_ms, usage, created)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21)",
+            )?;
+            for (i, c) in records.iter().enumerate() {
+                let seq = next_seq(conn, &mut seqs.calls, "calls", &c.rollout_id)?;
+                // The full request body is stored once per request, on its first choice.
+                let request = if i == 0 { c.request.as_str() } else { "" };
+                stmt.execute(params![
+                    c.rollout_id,
+                    seq,
+                    c.request_id,
+                    c.choice_index,
+                    c.kind,
+                    request,
+                    c.prompt_ids.as_deref().map(ids_to_blob),
+                    c.completion_ids.as_deref().map(ids_to_blob),
+                    c.logprobs.as_deref().map(f32s_to_blob),
+                    c.finish_reason,
+                    c.text,
+                    c.status.as_str(),
+                    c.flags.join(","),
+                    c.delivered as i64,
+                    c.retry_count as i64,
+                    c.weight_version as i64,
+                    c.upstream,
+                    c.http_status as i64,
+                    c.latency_ms,
+                    c.usage,
+                    c.created,
+                ])?;
+                out.push(seq);
+            }
+            if mark_running {
+                if let Some(first) = records.first() {
+                    conn.execute(
+                        "UPDATE rollouts SET status = 'running', updated = ?2 WHERE id = ?1 AND status = 'queued'",
+                        params![first.rollout_id, now()],
+                    )?;
+                }
+            }
+            Ok(OpResult::Seqs(out))
+        }
+        Op::InsertEvent {
+            rollout_id,
+            kind,
+            data,
+        } => {
+            let seq = next_seq(conn, &mut seqs.events, "events", &rollout_id)?;
+            conn.execute(
+                "INSERT INTO events(rollout_id, seq, type, data, created) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![rollout_id, seq, kind, data, now()],
+            )?;
+            Ok(OpResult::Seq(seq))
+        }
+        Op::Barrier => Ok(OpResult::Unit),
+    }
+}
+
+fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<(Op, Reply)>, stats: Arc<StoreStats>) {
+    let mut seqs = SeqCache::default();
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
+            }
+        }
+        let n = batch.len();
+        let t0 = Instant::now();
+        let mut replies: Vec<(Reply, Result<OpResult, String>)> = Vec::with_capacity(n);
+        let outcome = (|| -> rusqlite::Result<()> {
+            let tx = conn.transaction()?;
+            for (op, reply) in batch.drain(..) {
+                // A savepoint per op: one bad write fails alone, the rest commit.
+                let res = {
+                    tx.execute_batch("SAVEPOINT op")?;
+                    match apply(&tx, &mut seqs, op) {
+                        Ok(r) => {
+                            tx.execute_batch("RELEASE op")?;
+                            Ok(r)
+                        }
+                        Err(e) => {
+                            tx.execute_batch("ROLLBACK TO op; RELEASE op")?;
+                            Err(e.to_string())
+                        }
+                    }
+                };
+                replies.push((reply, res));
+            }
+            tx.commit()
+        })();
+        let us = t0.elapsed().as_micros() as usize;
+        stats.commits.fetch_add(1, Ordering::Relaxed);
+        stats.committed_ops.fetch_add(n, Ordering::Relaxed);
+        stats.commit_us_total.fetch_add(us, Ordering::Relaxed);
+        stats.commit_us_max.fetch_max(us, Ordering::Relaxed);
+        let ms = us as f64 / 1000.0;
+        if let Some(b) = COMMIT_BUCKETS_MS.iter().position(|ub| ms <= *ub) {
+            stats.commit_buckets[b].fetch_add(1, Ordering::Relaxed);
+        }
+        stats.queue_depth.fetch_sub(n as i64, Ordering::Relaxed);
+        match outcome {
+            Ok(()) => {
+                for (reply, res) in replies {
+                    let _ = reply.send(res);
+                }
+            }
+            Err(e) => {
+                // The transaction did not commit: nothing in it is durable, and
+                // the cached seqs may be ahead of the table, so drop them.
+                tracing::error!(error = %e, ops = n, "store commit failed");
+                seqs = SeqCache::default();
+                for (reply, _) in replies {
+                    let _ = reply.send(Err(format!("commit failed: {e}")));
+                }
+            }
+        }
+    }
+    tracing::debug!("store writer stopped");
+}

@@ -1,0 +1,771 @@
+//! Python bindings for trace types and the radix-trie merge (`lightning_core::trie`).
+//!
+//! Token ids live in numpy arrays on both sides: a `Call` keeps C-contiguous
+//! uint32 input as is (no copy) and converts anything else once, with a precise
+//! error; `merge_calls` borrows every buffer read-only, releases the GIL for the
+//! whole merge, and hands the output vectors to numpy without copying.
+
+use lightning_core::{CallView, Merged, PackedTree, Sample};
+use numpy::{
+    dtype, Element, IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
+    PyUntypedArray, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::errors::{core_error, invalid_call};
+
+const U32_RANGE: &str = "outside the uint32 token-id range [0, 4294967295]";
+
+/// Convert a numpy integer array of element type `T` to token ids.
+fn ids_from_typed<T>(arr: &Bound<'_, PyAny>, field: &str) -> Result<Option<Vec<u32>>, String>
+where
+    T: Element + Copy + TryInto<u32> + std::fmt::Display,
+{
+    let Ok(a) = arr.cast::<PyArray1<T>>() else {
+        return Ok(None);
+    };
+    let ro = a
+        .try_readonly()
+        .map_err(|e| format!("{field} cannot be read: {e}"))?;
+    let view = ro.as_array();
+    let mut out = Vec::with_capacity(view.len());
+    for (i, &v) in view.iter().enumerate() {
+        match v.try_into() {
+            Ok(x) => out.push(x),
+            Err(_) => return Err(format!("{field}[{i}] = {v} is {U32_RANGE}")),
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Token ids from any Python sequence of ints (the list path: one extraction
+/// per element, unavoidable for Python ints).
+fn ids_from_sequence(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Vec<u32>, String>> {
+    let describe = |i: usize, item: &Bound<'_, PyAny>| -> String {
+        let shown = item
+            .repr()
+            .map(|r| r.to_string())
+            .unwrap_or_else(|_| "?".into());
+        if item.is_instance_of::<pyo3::types::PyInt>() {
+            format!("{field}[{i}] = {shown} is {U32_RANGE}")
+        } else {
+            let ty = item
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into());
+            format!("{field}[{i}] = {shown} ({ty}) is not an integer; token ids must be integers")
+        }
+    };
+    let mut out = Vec::new();
+    if let Ok(list) = obj.cast::<PyList>() {
+        out.reserve(list.len());
+        for (i, item) in list.iter().enumerate() {
+            match item.extract::<u32>() {
+                Ok(v) => out.push(v),
+                Err(_) => return Ok(Err(describe(i, &item))),
+            }
+        }
+        return Ok(Ok(out));
+    }
+    let iter = match obj.try_iter() {
+        Ok(it) => it,
+        Err(_) => {
+            let ty = obj.get_type().name()?.to_string();
+            return Ok(Err(format!(
+                "{field} must be a list or 1-D numpy array of integers, got {ty}"
+            )));
+        }
+    };
+    for (i, item) in iter.enumerate() {
+        let item = item?;
+        match item.extract::<u32>() {
+            Ok(v) => out.push(v),
+            Err(_) => return Ok(Err(describe(i, &item))),
+        }
+    }
+    Ok(Ok(out))
+}
+
+/// Mark an array we created read-only: `Call` is immutable.
+fn freeze<T: Element>(arr: Bound<'_, PyArray1<T>>) -> PyResult<Py<PyArray1<T>>> {
+    arr.call_method1("setflags", (false,))?;
+    Ok(arr.unbind())
+}
+
+/// Token ids as a uint32 numpy array; `Err(String)` describes bad input.
+fn to_ids(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Py<PyArray1<u32>>, String>> {
+    let py = obj.py();
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        if arr.ndim() != 1 {
+            return Ok(Err(format!(
+                "{field} must be 1-D, got an array of shape {:?}",
+                arr.shape()
+            )));
+        }
+        let dt = arr.dtype();
+        if dt.is_equiv_to(&dtype::<u32>(py)) && arr.is_c_contiguous() {
+            // Zero copy: the Call shares the caller's buffer (like np.asarray).
+            let a = obj.cast::<PyArray1<u32>>()?;
+            return Ok(Ok(a.clone().unbind()));
+        }
+        if !matches!(dt.kind(), b'i' | b'u') {
+            return Ok(Err(format!(
+                "{field} is a numpy array of dtype {}; token ids must be integers",
+                dt.str()?
+            )));
+        }
+        macro_rules! try_type {
+            ($($t:ty),*) => {$(
+                match ids_from_typed::<$t>(obj, field) {
+                    Ok(Some(v)) => return Ok(Ok(freeze(v.into_pyarray(py))?)),
+                    Ok(None) => {}
+                    Err(e) => return Ok(Err(e)),
+                }
+            )*};
+        }
+        try_type!(i64, i32, u32, u64, u16, u8, i16, i8);
+        // Non-native byte order or an exotic integer type: go through Python ints.
+        let list = obj.call_method0("tolist")?;
+        return ids_from_sequence(&list, field)
+            .map(|r| r.and_then(|v| Ok(freeze(v.into_pyarray(py)).map_err(|e| e.to_string())?)));
+    }
+    Ok(match ids_from_sequence(obj, field)? {
+        Ok(v) => Ok(freeze(v.into_pyarray(py))?),
+        Err(e) => Err(e),
+    })
+}
+
+/// Logprobs as a float32 numpy array; `Err(String)` describes bad input.
+fn to_logprobs(obj: &Bound<'_, PyAny>) -> PyResult<Result<Py<PyArray1<f32>>, String>> {
+    let py = obj.py();
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        if arr.ndim() != 1 {
+            return Ok(Err(format!(
+                "logprobs must be 1-D, got an array of shape {:?}",
+                arr.shape()
+            )));
+        }
+        let dt = arr.dtype();
+        if dt.is_equiv_to(&dtype::<f32>(py)) && arr.is_c_contiguous() {
+            return Ok(Ok(obj.cast::<PyArray1<f32>>()?.clone().unbind()));
+        }
+        if !matches!(dt.kind(), b'f' | b'i' | b'u') {
+            return Ok(Err(format!(
+                "logprobs is a numpy array of dtype {}; logprobs must be floats",
+                dt.str()?
+            )));
+        }
+        let converted = obj.call_method1("astype", (dtype::<f32>(py),))?;
+        let converted = converted.cast_into::<PyArray1<f32>>()?;
+        return Ok(Ok(freeze(converted)?));
+    }
+    let iter = match obj.try_iter() {
+        Ok(it) => it,
+        Err(_) => {
+            let ty = obj.get_type().name()?.to_string();
+            return Ok(Err(format!(
+                "logprobs must be a list or 1-D numpy array of floats, got {ty}"
+            )));
+        }
+    };
+    let mut out = Vec::new();
+    for (i, item) in iter.enumerate() {
+        let item = item?;
+        match item.extract::<f64>() {
+            Ok(v) => out.push(v as f32),
+            Err(_) => {
+                let shown = item.repr()?.to_string();
+                return Ok(Err(format!("logprobs[{i}] = {shown} is not a number")));
+            }
+        }
+    }
+    Ok(Ok(freeze(out.into_pyarray(py))?))
+}
+
+/// One model call of a rollout: exact prompt ids, completion ids and rollout
+/// logprobs. Ids accept lists or numpy integer arrays and are stored as uint32
+/// numpy arrays (a C-contiguous uint32 array is kept as is, without copying, like
+/// `np.asarray`); logprobs are stored as float32. Raises `InvalidCallError` (a
+/// `ValueError`) for ids that are not integers or are outside the uint32 range.
+#[pyclass(name = "Call", module = "lightning._core", frozen)]
+#[derive(Debug)]
+pub struct PyCall {
+    rollout_id: String,
+    prompt_ids: Py<PyArray1<u32>>,
+    completion_ids: Py<PyArray1<u32>>,
+    logprobs: Option<Py<PyArray1<f32>>>,
+    finish_reason: Option<String>,
+    weight_version: u64,
+    group: Option<String>,
+}
+
+#[pymethods]
+impl PyCall {
+    #[new]
+    #[pyo3(signature = (rollout_id, prompt_ids, completion_ids, logprobs=None, finish_reason=None, weight_version=0, group=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        rollout_id: String,
+        prompt_ids: &Bound<'_, PyAny>,
+        completion_ids: &Bound<'_, PyAny>,
+        logprobs: Option<&Bound<'_, PyAny>>,
+        finish_reason: Option<String>,
+        weight_version: u64,
+        group: Option<String>,
+    ) -> PyResult<Self> {
+        let fail = |m: String| invalid_call(py, format!("Call(rollout_id={rollout_id:?}): {m}"));
+        let prompt_ids = to_ids(prompt_ids, "prompt_ids")?.map_err(&fail)?;
+        let completion_ids = to_ids(completion_ids, "completion_ids")?.map_err(&fail)?;
+        let logprobs = match logprobs {
+            Some(l) if !l.is_none() => Some(to_logprobs(l)?.map_err(&fail)?),
+            _ => None,
+        };
+        Ok(PyCall {
+            rollout_id,
+            prompt_ids,
+            completion_ids,
+            logprobs,
+            finish_reason,
+            weight_version,
+            group,
+        })
+    }
+
+    /// The rollout this call belongs to.
+    #[getter]
+    fn rollout_id(&self) -> &str {
+        &self.rollout_id
+    }
+
+    /// Prompt token ids (uint32).
+    #[getter]
+    fn prompt_ids(&self, py: Python<'_>) -> Py<PyArray1<u32>> {
+        self.prompt_ids.clone_ref(py)
+    }
+
+    /// Completion token ids (uint32).
+    #[getter]
+    fn completion_ids(&self, py: Python<'_>) -> Py<PyArray1<u32>> {
+        self.completion_ids.clone_ref(py)
+    }
+
+    /// Rollout logprob per completion token (float32), or None.
+    #[getter]
+    fn logprobs(&self, py: Python<'_>) -> Option<Py<PyArray1<f32>>> {
+        self.logprobs.as_ref().map(|l| l.clone_ref(py))
+    }
+
+    /// Why generation stopped ("stop", "length", ...), if known.
+    #[getter]
+    fn finish_reason(&self) -> Option<&str> {
+        self.finish_reason.as_deref()
+    }
+
+    /// Version of the policy weights that served the call.
+    #[getter]
+    fn weight_version(&self) -> u64 {
+        self.weight_version
+    }
+
+    /// The GRPO group (rollouts of one task), or None.
+    #[getter]
+    fn group(&self) -> Option<&str> {
+        self.group.as_deref()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "Call(rollout_id={:?}, prompt={} tokens, completion={} tokens, logprobs={}, \
+             finish_reason={:?}, weight_version={}, group={:?})",
+            self.rollout_id,
+            self.prompt_ids.bind(py).len(),
+            self.completion_ids.bind(py).len(),
+            if self.logprobs.is_some() {
+                "yes"
+            } else {
+                "None"
+            },
+            self.finish_reason,
+            self.weight_version,
+            self.group
+        )
+    }
+}
+
+type Held<'py> = (
+    PyReadonlyArray1<'py, u32>,
+    PyReadonlyArray1<'py, u32>,
+    Option<PyReadonlyArray1<'py, f32>>,
+);
+
+/// Borrow every call's buffers read-only (numpy's borrow checker guards them
+/// against writers from Rust while the GIL is released).
+fn borrow_all<'py>(calls: &[Bound<'py, PyCall>]) -> PyResult<Vec<Held<'py>>> {
+    let mut held = Vec::with_capacity(calls.len());
+    for (i, c) in calls.iter().enumerate() {
+        let py = c.py();
+        let c = c.get();
+        let busy = |e: numpy::BorrowError| {
+            invalid_call(
+                py,
+                format!("call {i}: its arrays are being written elsewhere: {e}"),
+            )
+        };
+        held.push((
+            c.prompt_ids.bind(py).try_readonly().map_err(busy)?,
+            c.completion_ids.bind(py).try_readonly().map_err(busy)?,
+            match &c.logprobs {
+                Some(l) => Some(l.bind(py).try_readonly().map_err(busy)?),
+                None => None,
+            },
+        ));
+    }
+    Ok(held)
+}
+
+fn views<'a>(calls: &'a [Bound<'_, PyCall>], held: &'a [Held<'_>]) -> PyResult<Vec<CallView<'a>>> {
+    let mut out = Vec::with_capacity(calls.len());
+    for (i, (c, (p, q, l))) in calls.iter().zip(held).enumerate() {
+        let py = c.py();
+        let c = c.get();
+        let slice_err = |e: numpy::AsSliceError| invalid_call(py, format!("call {i}: {e}"));
+        out.push(CallView {
+            rollout_id: &c.rollout_id,
+            group: c.group.as_deref(),
+            prompt: p.as_slice().map_err(slice_err)?,
+            completion: q.as_slice().map_err(slice_err)?,
+            logprobs: match l {
+                Some(l) => Some(l.as_slice().map_err(slice_err)?),
+                None => None,
+            },
+        });
+    }
+    Ok(out)
+}
+
+/// One training sequence: a root-to-leaf path of a rollout's trie. `weights` is
+/// the number of calls that generated each token in the one sample where it is
+/// trained (0 for context); `logprobs` is the rollout logprob wherever some call
+/// generated the token (NaN otherwise); `call_index` is the first generating
+/// call's index in the `merge_calls` input where the weight is > 0, else -1.
+#[pyclass(name = "Sample", module = "lightning._core", frozen)]
+#[derive(Debug)]
+pub struct PySample {
+    rollout_id: String,
+    group: Option<String>,
+    tokens: Py<PyArray1<u32>>,
+    weights: Py<PyArray1<f32>>,
+    logprobs: Py<PyArray1<f32>>,
+    call_index: Py<PyArray1<i32>>,
+    truncated: usize,
+}
+
+impl PySample {
+    fn from_core(py: Python<'_>, s: Sample) -> PyResult<Py<PySample>> {
+        Py::new(
+            py,
+            PySample {
+                rollout_id: s.rollout_id,
+                group: s.group,
+                tokens: s.tokens.into_pyarray(py).unbind(),
+                weights: s.weights.into_pyarray(py).unbind(),
+                logprobs: s.logprobs.into_pyarray(py).unbind(),
+                call_index: s.call_index.into_pyarray(py).unbind(),
+                truncated: s.truncated,
+            },
+        )
+    }
+}
+
+#[pymethods]
+impl PySample {
+    /// The rollout this sample comes from.
+    #[getter]
+    fn rollout_id(&self) -> &str {
+        &self.rollout_id
+    }
+
+    /// The rollout's GRPO group, or None.
+    #[getter]
+    fn group(&self) -> Option<&str> {
+        self.group.as_deref()
+    }
+
+    /// Token ids (uint32).
+    #[getter]
+    fn tokens(&self, py: Python<'_>) -> Py<PyArray1<u32>> {
+        self.tokens.clone_ref(py)
+    }
+
+    /// Loss weight per token (float32): number of generating calls, 0 for context.
+    #[getter]
+    fn weights(&self, py: Python<'_>) -> Py<PyArray1<f32>> {
+        self.weights.clone_ref(py)
+    }
+
+    /// Rollout logprob per token (float32, NaN where unknown).
+    #[getter]
+    fn logprobs(&self, py: Python<'_>) -> Py<PyArray1<f32>> {
+        self.logprobs.clone_ref(py)
+    }
+
+    /// Generating call per token (int32 index into the input, -1 for context).
+    #[getter]
+    fn call_index(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.call_index.clone_ref(py)
+    }
+
+    /// Generated tokens (summed weights) this sample lost to `max_tokens`.
+    #[getter]
+    fn truncated(&self) -> usize {
+        self.truncated
+    }
+
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.tokens.bind(py).len()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "Sample(rollout_id={:?}, group={:?}, tokens={}, truncated={})",
+            self.rollout_id,
+            self.group,
+            self.tokens.bind(py).len(),
+            self.truncated
+        )
+    }
+}
+
+/// A point where a call's prompt departs from a path that an earlier call of
+/// the same rollout produced: `position` is the first differing token's depth,
+/// `left_call_index` the latest earlier call whose path continued there. `kind`
+/// is "unclassified" without a tokenizer, else "retokenization", "template" or
+/// "other".
+#[pyclass(name = "Divergence", module = "lightning._core", frozen, get_all)]
+#[derive(Debug)]
+pub struct PyDivergence {
+    rollout_id: String,
+    call_index: usize,
+    position: usize,
+    left_call_index: usize,
+    kind: String,
+}
+
+#[pymethods]
+impl PyDivergence {
+    fn __repr__(&self) -> String {
+        format!(
+            "Divergence(rollout_id={:?}, call_index={}, position={}, left_call_index={}, kind={:?})",
+            self.rollout_id, self.call_index, self.position, self.left_call_index, self.kind
+        )
+    }
+}
+
+/// Counts describing one merge. `generated_tokens` sums completion lengths;
+/// `sample_tokens` sums sample lengths; `truncated_tokens` counts generated
+/// tokens (per generating call) cut by `max_tokens`; `dropped_samples` counts
+/// samples that truncation left with nothing to train; `duplicates` counts calls
+/// whose full sequence repeats an earlier call's in the same rollout.
+#[pyclass(name = "MergeStats", module = "lightning._core", frozen, get_all)]
+#[derive(Debug)]
+pub struct PyMergeStats {
+    calls: usize,
+    rollouts: usize,
+    samples: usize,
+    generated_tokens: usize,
+    sample_tokens: usize,
+    truncated_tokens: usize,
+    dropped_samples: usize,
+    duplicates: usize,
+}
+
+#[pymethods]
+impl PyMergeStats {
+    /// The counts as a plain dict.
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("calls", self.calls)?;
+        d.set_item("rollouts", self.rollouts)?;
+        d.set_item("samples", self.samples)?;
+        d.set_item("generated_tokens", self.generated_tokens)?;
+        d.set_item("sample_tokens", self.sample_tokens)?;
+        d.set_item("truncated_tokens", self.truncated_tokens)?;
+        d.set_item("dropped_samples", self.dropped_samples)?;
+        d.set_item("duplicates", self.duplicates)?;
+        Ok(d)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!("MergeStats({})", self.as_dict(py)?.repr()?))
+    }
+}
+
+/// The packed-tree form: every trie node (one per token) in DFS order, so one
+/// forward pass with an ancestor attention mask computes every branch and every
+/// shared prefix once. `parent` is -1 at roots; `depth` is the position id;
+/// `weights` counts generating calls; `gen_offsets`/`gen_call` list the
+/// generating calls per token (CSR); `tree_offsets`/`tree_keys` delimit trees.
+#[pyclass(name = "PackedTree", module = "lightning._core", frozen)]
+#[derive(Debug)]
+pub struct PyPackedTree {
+    tokens: Py<PyArray1<u32>>,
+    parent: Py<PyArray1<i64>>,
+    depth: Py<PyArray1<i64>>,
+    weights: Py<PyArray1<f32>>,
+    logprobs: Py<PyArray1<f32>>,
+    gen_offsets: Py<PyArray1<i64>>,
+    gen_call: Py<PyArray1<i32>>,
+    tree_offsets: Py<PyArray1<i64>>,
+    tree_keys: Vec<String>,
+}
+
+impl PyPackedTree {
+    fn from_core(py: Python<'_>, t: PackedTree) -> Self {
+        PyPackedTree {
+            tokens: t.tokens.into_pyarray(py).unbind(),
+            parent: t.parent.into_pyarray(py).unbind(),
+            depth: t.depth.into_pyarray(py).unbind(),
+            weights: t.weights.into_pyarray(py).unbind(),
+            logprobs: t.logprobs.into_pyarray(py).unbind(),
+            gen_offsets: t.gen_offsets.into_pyarray(py).unbind(),
+            gen_call: t.gen_call.into_pyarray(py).unbind(),
+            tree_offsets: t.tree_offsets.into_pyarray(py).unbind(),
+            tree_keys: t.tree_keys,
+        }
+    }
+}
+
+#[pymethods]
+impl PyPackedTree {
+    /// Token ids in DFS order (uint32).
+    #[getter]
+    fn tokens(&self, py: Python<'_>) -> Py<PyArray1<u32>> {
+        self.tokens.clone_ref(py)
+    }
+
+    /// Index of each token's parent (int64, -1 at a root).
+    #[getter]
+    fn parent(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.parent.clone_ref(py)
+    }
+
+    /// Position id of each token (int64).
+    #[getter]
+    fn depth(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.depth.clone_ref(py)
+    }
+
+    /// Number of calls that generated each token (float32, 0 for context).
+    #[getter]
+    fn weights(&self, py: Python<'_>) -> Py<PyArray1<f32>> {
+        self.weights.clone_ref(py)
+    }
+
+    /// Rollout logprob of each token (float32, NaN where unknown).
+    #[getter]
+    fn logprobs(&self, py: Python<'_>) -> Py<PyArray1<f32>> {
+        self.logprobs.clone_ref(py)
+    }
+
+    /// CSR offsets into `gen_call` (int64, length len(tokens) + 1).
+    #[getter]
+    fn gen_offsets(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.gen_offsets.clone_ref(py)
+    }
+
+    /// Generating call indices (int32), in input order per token.
+    #[getter]
+    fn gen_call(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.gen_call.clone_ref(py)
+    }
+
+    /// Start of each tree (int64, length len(tree_keys) + 1).
+    #[getter]
+    fn tree_offsets(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.tree_offsets.clone_ref(py)
+    }
+
+    /// Rollout id (or group name, when packed across rollouts) of each tree.
+    #[getter]
+    fn tree_keys(&self) -> Vec<String> {
+        self.tree_keys.clone()
+    }
+
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.tokens.bind(py).len()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "PackedTree(tokens={}, trees={})",
+            self.tokens.bind(py).len(),
+            self.tree_keys.len()
+        )
+    }
+}
+
+/// The result of `merge_calls`: `samples`, `divergences`, `stats`, and the
+/// packed-tree form on demand.
+#[pyclass(name = "MergeResult", module = "lightning._core", frozen)]
+#[derive(Debug)]
+pub struct PyMergeResult {
+    samples: Vec<Py<PySample>>,
+    divergences: Vec<Py<PyDivergence>>,
+    stats: Py<PyMergeStats>,
+    calls: Vec<Py<PyCall>>,
+    max_tokens: Option<usize>,
+}
+
+#[pymethods]
+impl PyMergeResult {
+    /// Training samples, rollouts in order of first appearance, each rollout's
+    /// samples in DFS order of its trie.
+    #[getter]
+    fn samples(&self, py: Python<'_>) -> Vec<Py<PySample>> {
+        self.samples.iter().map(|s| s.clone_ref(py)).collect()
+    }
+
+    /// Where a later call's prompt left an earlier call's path.
+    #[getter]
+    fn divergences(&self, py: Python<'_>) -> Vec<Py<PyDivergence>> {
+        self.divergences.iter().map(|s| s.clone_ref(py)).collect()
+    }
+
+    /// Counts describing the merge.
+    #[getter]
+    fn stats(&self, py: Python<'_>) -> Py<PyMergeStats> {
+        self.stats.clone_ref(py)
+    }
+
+    /// The packed-tree form of the same calls (same `max_tokens`). One tree per
+    /// rollout; with `across_rollouts=True` one tree per `group` (calls whose
+    /// group is None stay in their rollout's tree), so a group's shared prompt
+    /// appears once and `gen_call` says which call generated each token.
+    #[pyo3(signature = (across_rollouts=false))]
+    fn packed(&self, py: Python<'_>, across_rollouts: bool) -> PyResult<PyPackedTree> {
+        let calls: Vec<Bound<'_, PyCall>> = self.calls.iter().map(|c| c.bind(py).clone()).collect();
+        let held = borrow_all(&calls)?;
+        let views = views(&calls, &held)?;
+        let max_tokens = self.max_tokens;
+        let packed = py
+            .detach(|| lightning_core::pack(&views, max_tokens, across_rollouts))
+            .map_err(|e| core_error(py, e))?;
+        Ok(PyPackedTree::from_core(py, packed))
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "MergeResult(samples={}, divergences={}, stats={})",
+            self.samples.len(),
+            self.divergences.len(),
+            self.stats.bind(py).get().__repr__(py)?
+        ))
+    }
+}
+
+/// Merge calls into training samples with a radix trie per rollout (grouped by
+/// `rollout_id`, input order kept within a rollout); the GIL is released while
+/// merging. `max_tokens` cuts samples and reports what it cut. `tokenizer` is
+/// reserved for divergence classification (without one every kind is
+/// "unclassified"). Raises `InvalidCallError` (a `ValueError`) naming the call
+/// index for an empty completion, logprobs whose length differs from the
+/// completion's, or calls of one rollout that disagree on `group`.
+#[pyfunction]
+#[pyo3(signature = (calls, max_tokens=None, *, tokenizer=None))]
+fn merge_calls(
+    py: Python<'_>,
+    calls: &Bound<'_, PyAny>,
+    max_tokens: Option<i64>,
+    tokenizer: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyMergeResult> {
+    // Classification is wired by the tokenizer work; until then kinds stay
+    // "unclassified" whatever is passed here.
+    let _ = tokenizer;
+    let max_tokens = match max_tokens {
+        None => None,
+        Some(m) if m >= 1 => Some(m as usize),
+        Some(m) => {
+            return Err(invalid_call(
+                py,
+                format!("max_tokens = {m}; it must be at least 1 (or None for no limit)"),
+            ))
+        }
+    };
+    let mut pycalls: Vec<Bound<'_, PyCall>> = Vec::new();
+    for (i, item) in calls.try_iter()?.enumerate() {
+        let item = item?;
+        match item.cast_into::<PyCall>() {
+            Ok(c) => pycalls.push(c),
+            Err(e) => {
+                let ty = e.into_inner().get_type().name()?.to_string();
+                return Err(PyTypeError::new_err(format!(
+                    "calls[{i}] is a {ty}; merge_calls takes lightning.Call objects"
+                )));
+            }
+        }
+    }
+    let held = borrow_all(&pycalls)?;
+    let views = views(&pycalls, &held)?;
+    let merged: Merged = py
+        .detach(|| lightning_core::merge(&views, max_tokens))
+        .map_err(|e| core_error(py, e))?;
+    drop(views);
+    drop(held);
+    let samples = merged
+        .samples
+        .into_iter()
+        .map(|s| PySample::from_core(py, s))
+        .collect::<PyResult<Vec<_>>>()?;
+    let divergences = merged
+        .divergences
+        .into_iter()
+        .map(|d| {
+            Py::new(
+                py,
+                PyDivergence {
+                    rollout_id: d.rollout_id,
+                    call_index: d.call_index,
+                    position: d.position,
+                    left_call_index: d.left_call_index,
+                    kind: d.kind.as_str().to_string(),
+                },
+            )
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let s = merged.stats;
+    let stats = Py::new(
+        py,
+        PyMergeStats {
+            calls: s.calls,
+            rollouts: s.rollouts,
+            samples: s.samples,
+            generated_tokens: s.generated_tokens,
+            sample_tokens: s.sample_tokens,
+            truncated_tokens: s.truncated_tokens,
+            dropped_samples: s.dropped_samples,
+            duplicates: s.duplicates,
+        },
+    )?;
+    Ok(PyMergeResult {
+        samples,
+        divergences,
+        stats,
+        calls: pycalls.into_iter().map(Bound::unbind).collect(),
+        max_tokens,
+    })
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyCall>()?;
+    m.add_class::<PySample>()?;
+    m.add_class::<PyDivergence>()?;
+    m.add_class::<PyMergeStats>()?;
+    m.add_class::<PyPackedTree>()?;
+    m.add_class::<PyMergeResult>()?;
+    m.add_function(wrap_pyfunction!(merge_calls, m)?)?;
+    Ok(())
+}
