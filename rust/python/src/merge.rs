@@ -683,9 +683,6 @@ fn merge_calls(
     max_tokens: Option<i64>,
     tokenizer: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMergeResult> {
-    // Classification is wired by the tokenizer work; until then kinds stay
-    // "unclassified" whatever is passed here.
-    let _ = tokenizer;
     let max_tokens = match max_tokens {
         None => None,
         Some(m) if m >= 1 => Some(m as usize),
@@ -780,6 +777,16 @@ fn merge_calls(
         .divergences
         .into_iter()
         .map(|d| {
+            // With a tokenizer, name the cause (lightning.classify_drift).
+            let kind = match tokenizer {
+                Some(tok) => crate::tokenizer::classify_divergence(
+                    py,
+                    tok,
+                    pycalls[d.left_call_index].as_any(),
+                    pycalls[d.call_index].as_any(),
+                )?,
+                None => d.kind.as_str().to_string(),
+            };
             Py::new(
                 py,
                 PyDivergence {
@@ -787,7 +794,7 @@ fn merge_calls(
                     call_index: d.call_index,
                     position: d.position,
                     left_call_index: d.left_call_index,
-                    kind: d.kind.as_str().to_string(),
+                    kind,
                 },
             )
         })
