@@ -325,11 +325,12 @@ def ppo_token_loss(
     return loss
 
 
-def token_logprobs(model, tokens: Sequence[int]) -> list[float]:
-    """Log-probability of tokens[1:] under ``model`` run on one plain sequence."""
+def token_logprobs(model, tokens: Sequence[int], temperature: float = 1.0) -> list[float]:
+    """Log-probability of tokens[1:] under ``model`` run on one plain sequence
+    (sampling distribution at ``temperature``)."""
     import torch
 
     with torch.no_grad():
         logits = model(torch.tensor([list(tokens)])).logits[0].float()
-    lp = torch.log_softmax(logits, dim=-1)
+    lp = torch.log_softmax(logits / temperature, dim=-1)
     return [float(lp[t - 1, tokens[t]]) for t in range(1, len(tokens))]

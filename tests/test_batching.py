@@ -146,3 +146,17 @@ def test_bad_mode_and_budget() -> None:
         micro_batches(grpo_like_items(), 10, mode="ragged")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="budget"):
         micro_batches(grpo_like_items(), 0, mode="packed")
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed", "tree"])
+def test_temperature_scales_the_policy(tiny: torch.nn.Module, mode: str) -> None:
+    # Rollouts sampled at temperature T are scored under softmax(logits / T).
+    a = SeqItem(np.array([10, 11, 12, 13]), np.array([2, 3]), np.array([0, 1]))
+    [mb] = micro_batches([a], 4096, mode=mode)  # type: ignore[arg-type]
+    lp, _ = forward_logprobs(tiny, mb, temperature=0.7)
+    want = np.asarray(reference.token_logprobs(tiny, [10, 11, 12, 13], temperature=0.7))[[1, 2]]
+    torch.testing.assert_close(
+        lp.detach(), torch.tensor(want, dtype=torch.float32), atol=1e-5, rtol=0
+    )
+    plain, _ = forward_logprobs(tiny, mb)
+    assert not torch.allclose(lp, plain)

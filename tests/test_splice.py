@@ -60,7 +60,9 @@ def test_splice_protects_content(smol):
     assert list(parity.ids) == list(smol.encode_chat(msgs, add_generation_prompt=True))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     texts=st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=3),
     splits=st.lists(st.integers(1, 4), min_size=3, max_size=3),

@@ -56,7 +56,9 @@ def qwen():
     return load_pair("qwen2", None)[0]
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(s=st.text(alphabet=st.characters(blacklist_categories=("Cs",))))
 def test_round_trip_byte_level(qwen, s):
     # Byte-level BPE with all 256 byte tokens is lossless on any unicode
@@ -73,7 +75,9 @@ def test_round_trip_exception_smollm2_astral(smol, smol_hf):
         assert smol.decode(smol.encode(s)) != s
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     parts=st.lists(
         st.text(max_size=20) | st.sampled_from(["<|im_start|>", "<|im_end|>", "\n", " ", "  "]),

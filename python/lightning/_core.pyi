@@ -17,7 +17,7 @@ class InvalidCallError(LightningError, ValueError):
 
 # --- merge (trace types and the radix-trie merge) ---
 
-_Ids = npt.ArrayLike | Sequence[int]
+_IdsIn = npt.ArrayLike | Sequence[int]
 
 @final
 class Call:
@@ -32,8 +32,8 @@ class Call:
     def __new__(
         cls,
         rollout_id: str,
-        prompt_ids: _Ids,
-        completion_ids: _Ids,
+        prompt_ids: _IdsIn,
+        completion_ids: _IdsIn,
         logprobs: npt.ArrayLike | Sequence[float] | None = None,
         finish_reason: str | None = None,
         weight_version: int = 0,
@@ -223,6 +223,7 @@ def merge_calls(
 class GatewayError(LightningError):
     """The gateway could not start or run (bad config, port in use, store failure)."""
 
+@final
 class GatewayHandle:
     @property
     def url(self) -> str: ...

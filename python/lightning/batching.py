@@ -347,10 +347,17 @@ def micro_batches(items: Sequence[SeqItem], budget: int, *, mode: BatchMode) -> 
 
 
 def forward_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, *, entropy: bool = False, entropy_grad: bool = False
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    *,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each target ``[K]`` (float32), and the entropy of the
     predicted distribution ``[K]`` when asked (detached unless ``entropy_grad``).
+    ``temperature`` scales the logits first: rollouts sampled at temperature T came
+    from ``softmax(logits / T)``, and that is the policy the ratio must compare.
     Runs under whatever autocast context the caller set."""
     out = model(
         input_ids=mb.input_ids,
@@ -363,6 +370,8 @@ def forward_logprobs(
     # shares its row with others in a tree, and indexing pairs avoids copying
     # (and back-propagating through) a [K, V] gather of the logits.
     logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [R, V]
+    if temperature != 1.0:
+        logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)  # [R]
     logp = logits[mb.gather, mb.target_tokens] - logz[mb.gather]  # [K]
     ent = None

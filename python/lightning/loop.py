@@ -106,6 +106,11 @@ class EmbeddedEngine:
             dtype,
             "--served-model-name",
             SERVED_MODEL_NAME,
+            # Report the logprob of the distribution actually sampled from (after
+            # temperature), which is what the trainer computes: the gap metrics
+            # then measure real train-serve mismatch, not the temperature.
+            "--logprobs-mode",
+            "processed_logprobs",
         ]
         if threads:
             argv += ["--threads", str(threads)]
@@ -237,6 +242,9 @@ class Run:
             {
                 "model_path": str(self.model_dir),
                 "estimator": cfg.algorithm.estimator,
+                # The trainer scores rollouts under the distribution they were
+                # sampled from: softmax(logits / train_temperature).
+                "temperature": cfg.algorithm.train_temperature or 1.0,
                 "seed": cfg.seed,
                 **cfg.trainer,
             }

@@ -157,6 +157,12 @@ class TrainerConfig(BaseModel):
     ppo_epochs: int = Field(1, gt=0)
     mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch")
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="sampling temperature of the rollouts; logprobs come from logits / T "
+        "(the engine must report processed logprobs for the gap metrics to compare alike)",
+    )
 
     # batching
     batching: BatchMode = "packed"
@@ -307,7 +313,9 @@ class Trainer:
         out = torch.full((n,), float("nan"), device=self.device)
         with torch.no_grad(), self._autocast():
             for mb in mbs:
-                lp, _ = forward_logprobs(model, mb.to(self.device))
+                lp, _ = forward_logprobs(
+                    model, mb.to(self.device), temperature=self.config.temperature
+                )
                 out[mb.target_ids.to(self.device)] = lp
         return out
 
@@ -511,7 +519,11 @@ class Trainer:
         dev_ids = ids.to(self.device)
         with self._autocast():
             lp, ent = forward_logprobs(
-                net, mb.to(self.device), entropy=True, entropy_grad=cfg.entropy_coef != 0
+                net,
+                mb.to(self.device),
+                entropy=True,
+                entropy_grad=cfg.entropy_coef != 0,
+                temperature=cfg.temperature,
             )
         assert ent is not None
         if epoch == 0:
