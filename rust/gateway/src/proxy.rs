@@ -116,7 +116,7 @@ pub fn rewrite_request(
                 req.insert("logprobs".into(), Value::Bool(true));
             }
             Kind::Completion => {
-                if !req.get("logprobs").is_some_and(|x| x.as_u64().is_some()) {
+                if req.get("logprobs").is_none_or(|x| x.as_u64().is_none()) {
                     req.insert("logprobs".into(), Value::from(0));
                 }
             }
