@@ -34,6 +34,7 @@ CONCURRENCY = [
     int(x) for x in os.environ.get("GATEWAY_BENCH_CONCURRENCY", "1,16,64,256").split(",")
 ]
 ADMIN = "bench-admin-key"
+SYNC = os.environ.get("GATEWAY_BENCH_SYNC", "full")
 
 
 def build() -> None:
@@ -136,7 +137,7 @@ def main() -> int:
     print(f"machine: {machine()}")
     print(f"commit:  {commit()}")
     print(
-        f"setup:   gateway 1 tokio worker pinned to CPU 0, store sync=FULL; engine + load generator on CPU 1; {SECONDS:.0f}s per point"
+        f"setup:   gateway 1 tokio worker pinned to CPU 0, store sync={SYNC}; engine + load generator on CPU 1; {SECONDS:.0f}s per point"
     )
     tmp = Path(tempfile.mkdtemp(prefix="lightning-bench-"))
     body_json = tmp / "body.json"
@@ -159,7 +160,7 @@ def main() -> int:
     gw = spawn(
         "0",
         [str(TARGET / "lightning-gateway"), "--listen", f"127.0.0.1:{gw_port}", "--upstream",
-         f"http://127.0.0.1:{up_port}/v1", "--db", str(db), "--admin-key", ADMIN, "--threads", "1"],
+         f"http://127.0.0.1:{up_port}/v1", "--db", str(db), "--admin-key", ADMIN, "--threads", "1", "--sync", SYNC],
         env=env,
     )  # fmt: skip
     gw_url = f"http://127.0.0.1:{gw_port}"

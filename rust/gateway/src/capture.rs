@@ -66,6 +66,7 @@ pub struct Capture {
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct WireAnswer {
+    error: Option<serde_json::Value>,
     prompt_token_ids: Option<Vec<u32>>,
     choices: Vec<WireChoice>,
     usage: Option<serde_json::Value>,
@@ -173,24 +174,17 @@ impl StreamCapture {
         if data.trim_ascii().is_empty() {
             return;
         }
-        let value: serde_json::Value = match serde_json::from_slice(data) {
-            Ok(v) => v,
-            Err(_) => {
-                self.bad_chunks += 1;
-                return;
-            }
-        };
-        if let Some(err) = value.get("error") {
-            self.engine_error = Some(err.clone());
-            return;
-        }
-        let chunk: WireAnswer = match serde_json::from_value(value) {
+        let chunk: WireAnswer = match serde_json::from_slice(data) {
             Ok(c) => c,
             Err(_) => {
                 self.bad_chunks += 1;
                 return;
             }
         };
+        if let Some(err) = chunk.error {
+            self.engine_error = Some(err);
+            return;
+        }
         if let Some(p) = chunk.prompt_token_ids {
             self.prompt_ids.get_or_insert_with(Vec::new).extend(p);
         }

@@ -4,7 +4,7 @@
 use crate::config::{Config, UpstreamConfig};
 
 pub const USAGE: &str = "usage: lightning-gateway [--config FILE.toml] [--listen HOST:PORT] [--upstream URL[@VERSION]]... \
-[--db PATH] [--admin-key KEY] [--public-url URL] [--threads N]
+[--db PATH] [--sync full|normal] [--admin-key KEY] [--public-url URL] [--threads N]
 The admin key may also come from $LIGHTNING_ADMIN_KEY. Logs: $RUST_LOG (default info).";
 
 pub fn parse_args(args: &[String]) -> Result<(Config, usize), String> {
@@ -33,6 +33,13 @@ pub fn parse_args(args: &[String]) -> Result<(Config, usize), String> {
             "--db" => cfg.db = val()?.into(),
             "--admin-key" => cfg.admin_key = Some(val()?),
             "--public-url" => cfg.public_url = Some(val()?),
+            "--sync" => {
+                cfg.sync = match val()?.as_str() {
+                    "full" => crate::config::SyncMode::Full,
+                    "normal" => crate::config::SyncMode::Normal,
+                    other => return Err(format!("--sync {other:?}: use full or normal")),
+                }
+            }
             "--threads" => threads = val()?.parse().map_err(|_| "--threads needs a number")?,
             "--upstream" => {
                 let v = val()?;

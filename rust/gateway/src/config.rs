@@ -130,7 +130,7 @@ impl Config {
         for u in &self.upstreams {
             crate::upstream::parse_base_url(&u.url).map_err(GatewayError::Config)?;
         }
-        if !(self.upstream_timeout_s > 0.0) {
+        if self.upstream_timeout_s.is_nan() || self.upstream_timeout_s <= 0.0 {
             return Err(GatewayError::Config(format!(
                 "upstream_timeout_s = {} must be > 0",
                 self.upstream_timeout_s

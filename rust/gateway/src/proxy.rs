@@ -116,7 +116,7 @@ pub fn rewrite_request(
                 req.insert("logprobs".into(), Value::Bool(true));
             }
             Kind::Completion => {
-                if !req.get("logprobs").is_some_and(|x| x.as_u64().is_some()) {
+                if req.get("logprobs").is_none_or(|x| x.as_u64().is_none()) {
                     req.insert("logprobs".into(), Value::from(0));
                 }
             }
@@ -683,6 +683,9 @@ async fn stream_call(
                         break;
                     }
                 };
+                // Events completed by one upstream read go out as one frame:
+                // each is forwarded as soon as it arrived, without a write per event.
+                let mut out: Vec<u8> = Vec::new();
                 for ev in events {
                     if ev.is_done() {
                         // Held back until the call has committed (durability contract).
@@ -690,10 +693,11 @@ async fn stream_call(
                         continue;
                     }
                     cap.feed(&ev.data);
-                    if tx.send(Bytes::from(ev.raw)).await.is_err() {
-                        status = CallStatus::Aborted;
-                        break 'read;
-                    }
+                    out.extend_from_slice(&ev.raw);
+                }
+                if !out.is_empty() && tx.send(Bytes::from(out)).await.is_err() {
+                    status = CallStatus::Aborted;
+                    break 'read;
                 }
             }
         }

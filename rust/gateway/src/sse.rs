@@ -38,23 +38,23 @@ impl Parser {
     pub fn feed(&mut self, bytes: &[u8]) -> Result<Vec<Event>, String> {
         self.buf.extend_from_slice(bytes);
         let mut out = Vec::new();
-        loop {
-            match find_boundary(&self.buf, self.scanned.saturating_sub(3)) {
-                Some(end) => {
-                    let raw: Vec<u8> = self.buf.drain(..end).collect();
-                    self.scanned = 0;
-                    let data = extract_data(&raw);
-                    out.push(Event { raw, data });
-                }
-                None => {
-                    self.scanned = self.buf.len();
-                    if self.buf.len() > MAX_EVENT_BYTES {
-                        return Err(format!("an SSE event exceeds {MAX_EVENT_BYTES} bytes"));
-                    }
-                    return Ok(out);
-                }
-            }
+        // Walk the buffer with a cursor and drop the consumed prefix once, so
+        // a read holding many events costs O(bytes), not O(events × bytes).
+        let mut start = 0;
+        let mut from = self.scanned.saturating_sub(3);
+        while let Some(end) = find_boundary(&self.buf, from.max(start)) {
+            let raw = self.buf[start..end].to_vec();
+            let data = extract_data(&raw);
+            out.push(Event { raw, data });
+            start = end;
+            from = end;
         }
+        self.buf.drain(..start);
+        self.scanned = self.buf.len();
+        if self.buf.len() > MAX_EVENT_BYTES {
+            return Err(format!("an SSE event exceeds {MAX_EVENT_BYTES} bytes"));
+        }
+        Ok(out)
     }
 
     /// Bytes of an unfinished event (the stream ended mid-event when non-empty).
