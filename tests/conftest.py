@@ -3,4 +3,4 @@ tests/fixtures.py and are built once into $LIGHTNING_CACHE (never committed)."""
 
 from __future__ import annotations
 
-from tokenizer_fixtures import smol, smol_hf  # noqa: E402, F401  (tokenizer fixtures)
+from tokenizer_fixtures import smol, smol_hf  # noqa: F401  (tokenizer fixtures)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tokenizer_fixtures import load_pair
 
 import lightning
+from tokenizer_fixtures import load_pair
 
 
 def ids(tok, text):
@@ -109,7 +109,9 @@ def test_compacted_smollm2_summary(smol):
         {"role": "assistant", "content": "Rome was founded, grew into an empire and fell."},
         {"role": "user", "content": "And Carthage?"},
     ]
-    prev = prompt(smol, m1) + ids(smol, "Carthage was its rival.") + [smol.token_to_id("<|im_end|>")]
+    prev = (
+        prompt(smol, m1) + ids(smol, "Carthage was its rival.") + [smol.token_to_id("<|im_end|>")]
+    )
     m2 = [
         {"role": "system", "content": "Summary so far: the user asked about ancient cities."},
         {"role": "user", "content": "Now Athens?"},

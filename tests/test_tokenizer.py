@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizer_fixtures import load_pair
 
 import lightning
+from tokenizer_fixtures import load_pair
 
 SAMPLES = [
     "Hello world",
@@ -36,9 +36,9 @@ def test_missing_file_and_bad_json_name_the_path(tmp_path):
         lightning.Tokenizer.from_file(tmp_path / "nope.json")
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
-    with pytest.raises(lightning.TokenizerError, match="tokenizer.json"):
+    with pytest.raises(lightning.TokenizerError, match=r"tokenizer\.json"):
         lightning.Tokenizer.from_file(bad)
-    with pytest.raises(lightning.TokenizerError, match="tokenizer.json"):
+    with pytest.raises(lightning.TokenizerError, match=r"tokenizer\.json"):
         lightning.Tokenizer.from_dir(tmp_path)
 
 
@@ -56,7 +56,9 @@ def qwen():
     return load_pair("qwen2", None)[0]
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(s=st.text(alphabet=st.characters(blacklist_categories=("Cs",))))
 def test_round_trip_byte_level(qwen, s):
     # Byte-level BPE with all 256 byte tokens is lossless on any unicode
@@ -73,7 +75,9 @@ def test_round_trip_exception_smollm2_astral(smol, smol_hf):
         assert smol.decode(smol.encode(s)) != s
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     parts=st.lists(
         st.text(max_size=20) | st.sampled_from(["<|im_start|>", "<|im_end|>", "\n", " ", "  "]),
@@ -110,7 +114,7 @@ def test_qwen_special_tokens_at_real_ids():
 
     for i, name in SPECIAL_TOKENS[:3]:
         assert ours.token_to_id(name) == i
-    assert list(ours.encode("<tool_call>\n{}\n</tool_call>"))[0] == 151657
+    assert int(ours.encode("<tool_call>\n{}\n</tool_call>")[0]) == 151657
 
 
 def test_control_token_injection_and_protect(smol):
