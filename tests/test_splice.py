@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from tokenizer_fixtures import load_pair
 
 
@@ -27,7 +28,7 @@ def test_splice_reuses_sampled_ids_and_extends_previous(smol):
     # Each prompt starts with the previous prompt + completion: one trie path.
     for i in range(1, len(prompts)):
         assert prompts[i][: len(prompts[i - 1]) + len(gens[i - 1])] == prompts[i - 1] + gens[i - 1]
-    r = smol.splice(msgs[:-1] + [msgs[-1]], gens)
+    r = smol.splice(msgs, gens)
     assert smol.decode(r.ids) == smol.render_chat(msgs, add_generation_prompt=True)
     assert [s.generation for s in r.spliced] == [0, 1, 2] and r.unmatched == []
     for s in r.spliced:
@@ -74,7 +75,7 @@ def test_splice_property(smol, texts, splits):
         # Sample-like ids: encode pieces of the text separately (non-canonical).
         cut = max(1, len(t) // k)
         ids = [int(x) for i in range(0, len(t), cut) for x in smol.encode(t[i : i + cut])]
-        gens.append(ids + [end])
+        gens.append([*ids, end])
     users = [f"q{i}" for i in range(len(gens))]
     msgs, gens, prompts = _turns(smol, users, gens)
     r = smol.splice(msgs, gens, protect_content=False)

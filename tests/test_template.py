@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -128,7 +130,7 @@ def test_raise_exception_becomes_template_error(smol):
     tok = lightning.Tokenizer.from_dir(
         smol_dir(), chat_template="{{ raise_exception('Conversation roles must alternate') }}"
     )
-    with pytest.raises(lightning.TemplateError, match="^Conversation roles must alternate$"):
+    with pytest.raises(lightning.TemplateError, match=r"^Conversation roles must alternate$"):
         tok.render_chat([{"role": "user", "content": "x"}])
     assert issubclass(lightning.TemplateError, lightning.LightningError)
 
@@ -147,7 +149,7 @@ def test_spans_cover_messages(smol):
     assert [s.index for s in spans] == list(range(len(msgs)))
     assert [s.role for s in spans] == [m["role"] for m in msgs]
     assert spans[0].byte_start == 0 and spans[0].token_start == 0
-    for a, b in zip(spans, spans[1:], strict=False):
+    for a, b in itertools.pairwise(spans):
         assert a.byte_end == b.byte_start and a.token_end == b.token_start
     for s, m in zip(spans, msgs, strict=True):
         assert m["content"].encode() in text[s.byte_start : s.byte_end]

@@ -20,6 +20,8 @@ kept only if every case matches; ``manifest.json`` records the result.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import shutil
 import subprocess
@@ -257,9 +259,16 @@ def smol_hf():
     return AutoTokenizer.from_pretrained(smollm2_dir())
 
 
+@functools.cache
+def _hf(stem: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir(stem))
+
+
+@functools.cache
 def load_pair(stem: str, template: str | None):
     """(ours, transformers) for a converted vocab with one of the sdist templates."""
-    from transformers import AutoTokenizer
 
     from lightning import Tokenizer
 
@@ -272,7 +281,7 @@ def load_pair(stem: str, template: str | None):
         if path is None:
             pytest.skip(f"template {template} not in the sdist")
         src = path.read_text(encoding="utf-8")
-    hf = AutoTokenizer.from_pretrained(d)
+    hf = copy.copy(_hf(stem))  # shallow: shares the loaded backend, own template
     if src is not None:
         hf.chat_template = src
     return Tokenizer.from_dir(d, chat_template=src), hf

@@ -166,11 +166,11 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
     let turn_start = tok
         .pieces(&tp, &[])
         .iter()
-        .filter_map(|pc| match *pc {
+        .rev()
+        .find_map(|pc| match *pc {
             Piece::Added { end, .. } if end <= c => Some(end),
             _ => None,
         })
-        .last()
         .unwrap_or(0);
     let (ta, tb) = (&tp[turn_start..], &tn[turn_start..]);
 
@@ -212,11 +212,11 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
         let last_turn = tok
             .pieces(&tp, &[])
             .iter()
-            .filter_map(|pc| match *pc {
+            .rev()
+            .find_map(|pc| match *pc {
                 Piece::Added { end, .. } => Some(end),
                 _ => None,
             })
-            .last()
             .unwrap_or(0);
         if c >= last_turn {
             return Ok(verdict(

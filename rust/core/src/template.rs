@@ -61,7 +61,10 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
-            Err(Error::new(ErrorKind::InvalidOperation, format!("raise_exception: {msg}")))
+            Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("raise_exception: {msg}"),
+            ))
         });
         env.add_function("strftime_now", |fmt: String| -> Result<Value, Error> {
             Ok(Value::from(strftime_now(&fmt)))
@@ -69,20 +72,30 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         // Python: None and numbers are not iterable (minijinja iterates none as empty).
         env.add_test("iterable", |v: &Value| {
-            matches!(v.kind(), ValueKind::Seq | ValueKind::Map | ValueKind::String | ValueKind::Iterable)
+            matches!(
+                v.kind(),
+                ValueKind::Seq | ValueKind::Map | ValueKind::String | ValueKind::Iterable
+            )
         });
-        env.add_template_owned(NAME, source.to_owned()).map_err(|e| template_error(&e))?;
+        env.add_template_owned(NAME, source.to_owned())
+            .map_err(|e| template_error(&e))?;
         Ok(Self { env })
     }
 
     /// Render like `apply_chat_template(..., tokenize=False)`.
     pub fn render(&self, input: &RenderInput<'_>) -> Result<String, CoreError> {
-        let tmpl = self.env.get_template(NAME).map_err(|e| template_error(&e))?;
+        let tmpl = self
+            .env
+            .get_template(NAME)
+            .map_err(|e| template_error(&e))?;
         let mut ctx = input.vars.clone();
         ctx.insert("messages".into(), Json::Array(input.messages.to_vec()));
         ctx.insert("tools".into(), input.tools.cloned().unwrap_or(Json::Null));
         ctx.insert("documents".into(), Json::Null);
-        ctx.insert("add_generation_prompt".into(), Json::Bool(input.add_generation_prompt));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Json::Bool(input.add_generation_prompt),
+        );
         let ctx = Value::from(minijinja::value::Serde(&ctx));
         tmpl.render(ctx).map_err(|e| template_error(&e))
     }
@@ -95,16 +108,23 @@ fn py_float(x: f64) -> String {
         return "NaN".into();
     }
     if x.is_infinite() {
-        return if x > 0.0 { "Infinity".into() } else { "-Infinity".into() };
+        return if x > 0.0 {
+            "Infinity".into()
+        } else {
+            "-Infinity".into()
+        };
     }
     if x == 0.0 {
-        return if x.is_sign_negative() { "-0.0".into() } else { "0.0".into() };
+        return if x.is_sign_negative() {
+            "-0.0".into()
+        } else {
+            "0.0".into()
+        };
     }
     let sci = format!("{x:e}"); // e.g. "1.5e-5", shortest round-trip digits
     let (mant, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
     let exp: i32 = exp.parse().unwrap_or(0);
     if !(-4..16).contains(&exp) {
-        let mant = if mant.contains('.') { mant.to_owned() } else { mant.to_owned() };
         let sign = if exp < 0 { '-' } else { '+' };
         return format!("{mant}e{sign}{:02}", exp.abs());
     }
@@ -189,7 +209,7 @@ fn dump(v: &Value, st: &JsonStyle, depth: usize, out: &mut String) -> Result<(),
                 return Ok(());
             }
             if st.sort_keys {
-                keys.sort_by(|a, b| a.to_string().cmp(&b.to_string()));
+                keys.sort_by_key(|k| k.to_string());
             }
             out.push('{');
             for (i, k) in keys.iter().enumerate() {
@@ -210,7 +230,10 @@ fn dump(v: &Value, st: &JsonStyle, depth: usize, out: &mut String) -> Result<(),
         _ => {
             return Err(Error::new(
                 ErrorKind::InvalidOperation,
-                format!("tojson: object of kind {:?} is not JSON serializable", v.kind()),
+                format!(
+                    "tojson: object of kind {:?} is not JSON serializable",
+                    v.kind()
+                ),
             ))
         }
     }
@@ -238,7 +261,17 @@ fn tojson(v: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value, Err
     let _ = kwargs.get::<Option<bool>>("ensure_ascii")?;
     kwargs.assert_all_used()?;
     let mut out = String::new();
-    dump(v, &JsonStyle { indent, item_sep, key_sep, sort_keys }, 0, &mut out)?;
+    dump(
+        v,
+        &JsonStyle {
+            indent,
+            item_sep,
+            key_sep,
+            sort_keys,
+        },
+        0,
+        &mut out,
+    )?;
     Ok(Value::from_safe_string(out))
 }
 
@@ -253,10 +286,28 @@ fn strftime_now(fmt: &str) -> String {
 }
 
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September",
-    "October", "November", "December",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
 ];
-const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+const DAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
 
 /// Format Unix seconds (UTC) with a subset of strftime directives.
 pub fn strftime(secs: i64, fmt: &str) -> String {
@@ -305,13 +356,17 @@ pub fn strftime(secs: i64, fmt: &str) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
     #[test]
     fn strftime_known_date() {
         // 2024-07-26 12:34:56 UTC was a Friday.
-        assert_eq!(strftime(1_721_997_296, "%d %b %Y %H:%M:%S %A"), "26 Jul 2024 12:34:56 Friday");
+        assert_eq!(
+            strftime(1_721_997_296, "%d %b %Y %H:%M:%S %A"),
+            "26 Jul 2024 12:34:56 Friday"
+        );
     }
 
     #[test]
@@ -329,7 +384,12 @@ mod tests {
         let x: Json = serde_json::from_str(r#"{"b": [1, 2.5, "é\n"], "a": null}"#).unwrap();
         let mut vars = Map::new();
         vars.insert("x".into(), x);
-        let out = t.render(&RenderInput { vars, ..Default::default() }).unwrap();
+        let out = t
+            .render(&RenderInput {
+                vars,
+                ..Default::default()
+            })
+            .unwrap();
         assert_eq!(
             out,
             "{\"b\": [1, 2.5, \"é\\n\"], \"a\": null}|{\n  \"b\": [\n    1,\n    2.5,\n    \"é\\n\"\n  ],\n  \"a\": null\n}"

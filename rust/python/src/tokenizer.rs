@@ -566,6 +566,8 @@ pub fn classify_divergence(
     prev.extend(ids_arg(&left.getattr("completion_ids")?, "completion_ids")?);
     let next = ids_arg(&call.getattr("prompt_ids")?, "prompt_ids")?;
     let inner = &tok.get().inner;
-    let d = py.detach(|| core_classify(&prev, &next, inner)).map_err(to_py)?;
+    let d = py
+        .detach(|| core_classify(&prev, &next, inner))
+        .map_err(to_py)?;
     Ok(d.kind.as_str().to_owned())
 }
