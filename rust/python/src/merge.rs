@@ -134,7 +134,7 @@ fn to_ids(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Py<PyArray1<u3
         // Non-native byte order or an exotic integer type: go through Python ints.
         let list = obj.call_method0("tolist")?;
         return ids_from_sequence(&list, field)
-            .map(|r| r.and_then(|v| Ok(freeze(v.into_pyarray(py)).map_err(|e| e.to_string())?)));
+            .map(|r| r.and_then(|v| freeze(v.into_pyarray(py)).map_err(|e| e.to_string())));
     }
     Ok(match ids_from_sequence(obj, field)? {
         Ok(v) => Ok(freeze(v.into_pyarray(py))?),
