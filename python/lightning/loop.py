@@ -49,22 +49,13 @@ SERVED_MODEL_NAME = "policy"
 
 
 def read_tasks(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Tasks from a JSONL file (one JSON object per line)."""
-    out: list[dict[str, Any]] = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                task = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON: {e}") from None
-            if not isinstance(task, dict):
-                raise ValueError(f"{path}:{n}: a task must be a JSON object")
-            out.append(task)
-    if not out:
+    """Tasks from JSONL, Parquet or a saved HF dataset (see `lightning.data`)."""
+    from lightning.data import load_records
+
+    tasks = load_records(path)
+    if not tasks:
         raise ValueError(f"{path}: no tasks")
-    return out
+    return tasks
 
 
 def _free_port(host: str) -> int:
