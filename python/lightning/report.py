@@ -422,8 +422,9 @@ def _fmt(value: Any) -> str:
 
 
 def _summary_cards(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    cards = [("steps", str(len(rows)))]
     _, rewards = series(rows, "reward_mean")
+    # Eval-only rows (before/after training) are not training steps.
+    cards = [("training steps", str(len(rewards) if rewards else len(rows)))]
     if rewards:
         cards.append(("train reward first → last", f"{_fmt(rewards[0])} → {_fmt(rewards[-1])}"))
     _, evals = series(rows, "eval_reward")
@@ -432,7 +433,7 @@ def _summary_cards(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
         cards.append(("best eval reward", _fmt(max(evals))))
     _, times = series(rows, "step_time_s")
     if times:
-        cards.append(("wall time", f"{sum(times) / 60:.1f} min"))
+        cards.append(("time in steps", f"{sum(times) / 60:.1f} min"))
     _, tps = series(rows, "tokens_per_s")
     if tps:
         cards.append(("mean tokens/s", _fmt(sum(tps) / len(tps))))
