@@ -29,7 +29,7 @@ $(DEPS_STAMP): pyproject.toml .ci/deps.py
 # Editable install: python/ is live, the extension is built in release mode
 # (tests, benches and the demo all want the fast one).
 build: venv
-	$(VENV)/bin/maturin develop --release --quiet
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --quiet
 
 lint: venv
 	cargo fmt --all --check
