@@ -71,9 +71,9 @@ pub fn parse_args(args: &[String]) -> Result<(Config, usize), String> {
     Ok((cfg, threads))
 }
 
-/// Parses `args` (without the program name), installs logging and serves until
-/// SIGINT/SIGTERM. Returns the process exit code.
-pub fn main_with_args(args: &[String]) -> i32 {
+/// Structured logs to stderr, filtered by `RUST_LOG` (default `info`). Safe to
+/// call twice: a second call leaves the first subscriber in place.
+pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -82,6 +82,12 @@ pub fn main_with_args(args: &[String]) -> i32 {
         .with_target(false)
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// Parses `args` (without the program name), installs logging and serves until
+/// SIGINT/SIGTERM. Returns the process exit code.
+pub fn main_with_args(args: &[String]) -> i32 {
+    init_logging();
     let (cfg, threads) = match parse_args(args) {
         Ok(x) => x,
         Err(msg) => {

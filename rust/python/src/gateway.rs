@@ -136,14 +136,7 @@ fn gateway_start(py: Python<'_>, config_json: &str, threads: usize) -> PyResult<
 #[pyo3(signature = (config_json, threads=2))]
 fn gateway_serve(py: Python<'_>, config_json: &str, threads: usize) -> PyResult<()> {
     let cfg = Config::from_json(config_json).map_err(to_py)?;
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_target(false)
-        .with_writer(std::io::stderr)
-        .try_init();
+    lightning_gateway::cli::init_logging();
     py.detach(move || lightning_gateway::serve_blocking(cfg, threads))
         .map_err(to_py)
 }
