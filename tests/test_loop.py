@@ -55,6 +55,7 @@ def test_two_steps_of_the_demo_on_the_tiny_model(
             "tasks.train": str(train),
             "tasks.eval": str(eval_),
             "algorithm.group_size": 3,
+            "algorithm.eval_samples": 1,
             "algorithm.tasks_per_step": 2,
             "harness.concurrency": 6,
             "trainer.lr": 1e-3,
