@@ -100,3 +100,37 @@ def test_two_steps_of_the_demo_on_the_tiny_model(
     shown = capsys.readouterr().out
     assert f"rollout {rid}" in shown and "«" in shown  # generated text is marked
     assert cli.main(["show", "no-such-rollout", "--db", str(out / "lightning.db")]) == 1
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
+    train, eval_ = _tasks(tmp_path)
+    out = tmp_path / "run"
+    overrides = {
+        "model.builtin": "tiny",
+        "steps": 1,
+        "eval_every": 0,
+        "checkpoint_every": 1,
+        "output_dir": str(out),
+        "tasks.train": str(train),
+        "tasks.eval": str(eval_),
+        "tasks.eval_limit": 1,
+        "algorithm.group_size": 2,
+        "algorithm.tasks_per_step": 1,
+        "algorithm.eval_samples": 1,
+        "harness.concurrency": 2,
+        "trainer.lr": 1e-3,
+    }
+    with Run(RunConfig.load(EXAMPLES / "demo.toml", overrides), quiet=True) as run:
+        run.run()
+    with pytest.raises(FileExistsError, match="--resume"):
+        Run(RunConfig.load(EXAMPLES / "demo.toml", overrides), quiet=True)
+    overrides["steps"] = 2
+    with Run(RunConfig.load(EXAMPLES / "demo.toml", overrides), resume=True, quiet=True) as run:
+        assert run.engine is not None
+        summary = run.run()
+        health = httpx.get(run.engine.root + "/health").json()
+    assert "eval_before" not in summary  # not re-evaluated from scratch
+    assert health["weight_version"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [0, 1]
+    assert json.loads((out / "state.json").read_text())["step"] == 2

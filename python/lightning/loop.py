@@ -247,7 +247,13 @@ class Run:
         if self.resume and self.state["step"] > 0:
             ckpt = self.out / "checkpoints" / "latest"
             self.trainer.load_checkpoint(str(ckpt))
-            start_weights = ckpt
+            # The engine restarts on the weights the run had reached, not on the
+            # base model. (A LoRA checkpoint keeps an adapter there instead, so
+            # the trainer exports merged weights for the engine.)
+            start_weights = ckpt / "model"
+            if not (start_weights / "config.json").exists():
+                start_weights = self.out / "weights" / "resume"
+                self.trainer.export_weights(str(start_weights))
 
         if cfg.engine.kind == "embedded":
             engine = EmbeddedEngine(
