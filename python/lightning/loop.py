@@ -416,9 +416,8 @@ class Run:
         groups = {r.rollout_id: str(r.group) for r in usable}
         calls = []
         for r in usable:
-            calls.extend(
-                c for c in self.client.trace(r.rollout_id) if getattr(c, "trainable", True)
-            )
+            # trace() already leaves out what the harness never saw whole.
+            calls.extend(self.client.trace(r.rollout_id))
         merged = merge_calls(calls, tokenizer=self.tokenizer)
         t_rollout = time.monotonic() - t0
         if not merged.samples:

@@ -258,9 +258,12 @@ class Runner:
                     self.gateway.event, rollout.id, kind, {"tail": text, "exit_code": code}
                 )
 
+        final = _last_json_line(out)
         reward: float | None = None
         try:
-            reward = await self._resolve_reward(rollout, task, status, code, out, err, returned)
+            reward = await self._resolve_reward(
+                rollout, task, status, code, out, err, returned, final
+            )
         except Exception as e:  # a broken reward function must not lose the rollout
             error = f"reward: {type(e).__name__}: {e}"
             log.warning("rollout %s: %s", rollout.id, error)
@@ -276,7 +279,7 @@ class Runner:
             stdout_tail=out,
             stderr_tail=err,
             error=error,
-            info=_last_json_line(out) or {},
+            info=final or {},
         )
 
     # -- internals --------------------------------------------------------------
@@ -360,6 +363,7 @@ class Runner:
         out: str,
         err: str,
         returned: Any,
+        final: dict[str, Any] | None,
     ) -> float | None:
         value: float | None = None
         source = self.reward_source
@@ -370,7 +374,6 @@ class Runner:
             reward = info.get("reward") if isinstance(info, dict) else getattr(info, "reward", None)
             return None if reward is None else float(reward)
         elif source == "stdout":
-            final = _last_json_line(out)
             if final is not None and isinstance(final.get("reward"), int | float):
                 value, source_name = float(final["reward"]), "stdout"
         else:

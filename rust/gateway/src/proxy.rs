@@ -380,6 +380,17 @@ fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
     }
 }
 
+/// The engine's whole JSON answer as the harness receives it: its status, its
+/// headers (minus hop-by-hop ones) and its body, unchanged.
+fn engine_json(status: StatusCode, headers: &HeaderMap, bytes: Bytes) -> Response<Body> {
+    let mut r = Response::new(full(bytes));
+    *r.status_mut() = status;
+    copy_headers(headers, r.headers_mut());
+    r.headers_mut()
+        .insert(CONTENT_TYPE, copy_content_type(headers, "application/json"));
+    r
+}
+
 fn copy_content_type(from: &HeaderMap, default: &'static str) -> HeaderValue {
     from.get(CONTENT_TYPE)
         .cloned()
@@ -553,19 +564,7 @@ async fn run_call(
         .added_latency
         .observe((meta.started.elapsed().as_secs_f64() - upstream_s).max(0.0));
     drop(guard);
-    let answer = match res {
-        Ok(()) => {
-            let mut r = Response::new(full(bytes));
-            *r.status_mut() = status;
-            copy_headers(&parts.headers, r.headers_mut());
-            r.headers_mut().insert(
-                CONTENT_TYPE,
-                copy_content_type(&parts.headers, "application/json"),
-            );
-            Ok(r)
-        }
-        Err(e) => Err(e),
-    };
+    let answer = res.map(|()| engine_json(status, &parts.headers, bytes));
     let _ = reply.send(answer);
 }
 
@@ -821,12 +820,5 @@ pub async fn models(st: &Arc<State>) -> Result<Response<Body>, ApiError> {
         })?
         .map_err(|e| ApiError::new(502, "server_error", "upstream_failed", e.to_string()))?
         .to_bytes();
-    let mut r = Response::new(full(bytes));
-    *r.status_mut() = parts.status;
-    copy_headers(&parts.headers, r.headers_mut());
-    r.headers_mut().insert(
-        CONTENT_TYPE,
-        copy_content_type(&parts.headers, "application/json"),
-    );
-    Ok(r)
+    Ok(engine_json(parts.status, &parts.headers, bytes))
 }
