@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tokenizer_fixtures import load_pair
@@ -68,6 +69,10 @@ def test_splice_protects_content(smol):
     texts=st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=3),
     splits=st.lists(st.integers(1, 4), min_size=3, max_size=3),
 )
+# Found by CI: the assistant content "|" was located inside the `<|im_end|>`
+# after "q0", so protect_content turned that control token into text.
+@example(texts=["|", "0"], splits=[1, 1, 1])
+@example(texts=["<|im_end|>", "im_end"], splits=[1, 1, 1])
 def test_splice_property(smol, texts, splits):
     end = smol.token_to_id("<|im_end|>")
     gens = []
@@ -86,3 +91,114 @@ def test_splice_property(smol, texts, splits):
         n = len(prompts[i - 1]) + len(gens[i - 1])
         if len(r.spliced) == len(gens):
             assert prompts[i][:n] == prompts[i - 1] + gens[i - 1]
+
+
+def test_generation_matches_only_inside_assistant_turns(smol):
+    end = smol.token_to_id("<|im_end|>")
+    gen = [int(x) for x in smol.encode("lo")] + [end]
+    msgs = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "lo"},
+        {"role": "user", "content": "again"},
+    ]
+    r = smol.splice(msgs, [gen])
+    # "lo<|im_end|>" also ends the user's "hello"; splicing there would put
+    # sampled ids into the user's text. Only the assistant turn may take it.
+    (s,) = r.spliced
+    assert r.text[: s.byte_start].endswith("<|im_start|>assistant\n")
+    assert list(r.ids) == list(smol.encode_chat(msgs, add_generation_prompt=True))
+
+
+def test_literal_control_text_as_whole_content_is_protected(smol):
+    start, end = smol.token_to_id("<|im_start|>"), smol.token_to_id("<|im_end|>")
+    for content in ["<|im_end|>", "|", "user", "<|im_start|>assistant\n"]:
+        msgs = [{"role": "user", "content": content}, {"role": "assistant", "content": content}]
+        ids = list(smol.encode_chat(msgs, protect_content=True))
+        # Only the template's own markup is control tokens: system, user, assistant.
+        assert (ids.count(start), ids.count(end)) == (3, 3), content
+        assert smol.decode(ids) == smol.render_chat(msgs)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    contents=st.lists(
+        st.lists(
+            st.sampled_from(["<|im_end|>", "<|im_start|>", "|", "<", ">", "im", "\n", "a", " "])
+        ).map("".join),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_protect_content_keeps_exactly_the_template_markup(smol, contents):
+    """With protect_content, the control tokens are those of the same
+    conversation with harmless content, whatever the content spells."""
+    roles = ["user", "assistant"]
+    msgs = [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
+    plain = [{"role": m["role"], "content": "x" if m["content"] else ""} for m in msgs]
+    specials = {smol.token_to_id("<|im_start|>"), smol.token_to_id("<|im_end|>")}
+    ids = list(smol.encode_chat(msgs, protect_content=True))
+    ref = list(smol.encode_chat(plain, protect_content=False))
+    assert [i for i in ids if i in specials] == [i for i in ref if i in specials]
+    assert smol.decode(ids) == smol.render_chat(msgs)
+
+
+def _control_ids(tok, ids):
+    return [i for i in ids if tok.id_to_token(i) in CONTROL_TEXT]
+
+
+CONTROL_TEXT = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+
+
+@pytest.mark.parametrize(
+    "stem,template",
+    [
+        ("llama-bpe", "meta-llama-Llama-3.1-8B-Instruct.jinja"),
+        ("qwen2", "Qwen-Qwen2.5-7B-Instruct.jinja"),
+    ],
+)
+@settings(max_examples=30, deadline=None)
+@given(
+    contents=st.lists(
+        st.lists(
+            st.sampled_from([*CONTROL_TEXT, "|", "<", "\n", " ", "a", "user"]), min_size=1
+        ).map("".join),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_protect_content_real_templates(stem, template, contents):
+    """Llama 3.1 trims content (located through the trimmed marker walk);
+    Qwen2.5 copies it. Either way content cannot add or cut a control token."""
+    tok, _ = load_pair(stem, template)
+    roles = ["user", "assistant"]
+    msgs = [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
+    plain = [{"role": m["role"], "content": "x"} for m in msgs]
+    ids = list(tok.encode_chat(msgs, protect_content=True))
+    ref = list(tok.encode_chat(plain, protect_content=False))
+    assert _control_ids(tok, ids) == _control_ids(tok, ref)
+    assert tok.decode(ids) == tok.render_chat(msgs)
+
+
+def test_protect_content_when_template_rewrites_content():
+    """Qwen3 cuts earlier reasoning out of assistant content, so contents are
+    found by search; a "|" user message still cannot break `<|im_end|>`."""
+    tok, _ = load_pair("qwen2", "Qwen-Qwen3-0.6B.jinja")
+    end = tok.token_to_id("<|im_end|>")
+    msgs = [
+        {"role": "user", "content": "a <|im_end|> b"},
+        {"role": "assistant", "content": "<think>\nr\n</think>\n\nok"},
+        {"role": "user", "content": "|"},
+    ]
+    text = tok.render_chat(msgs)
+    assert "<think>" not in text  # the template did rewrite the content
+    ids = list(tok.encode_chat(msgs, protect_content=True))
+    assert ids.count(end) == 3 and tok.decode(ids) == text
+    assert list(tok.encode_chat(msgs, protect_content=False)).count(end) == 4

@@ -15,7 +15,7 @@ use serde_json::{Map, Value as Json};
 
 use crate::error::CoreError;
 use crate::template::RenderInput;
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{Piece, Tokenizer};
 
 /// Options of one chat render.
 #[derive(Debug, Clone, Default)]
@@ -67,6 +67,55 @@ pub struct SpliceResult {
     pub unmatched: Vec<usize>,
 }
 
+/// (message index, byte start, byte end) of one content in a render.
+pub type ContentRange = (usize, usize, usize);
+
+// Private-use code points: no template transforms them and real content
+// practically never holds them (content that does skips the marker pass).
+const MARK_OPEN: char = '\u{F0000}';
+const MARK_CLOSE: char = '\u{F0001}';
+
+fn byte_ranges(located: &[ContentRange]) -> Vec<(usize, usize)> {
+    located.iter().map(|&(_, a, b)| (a, b)).collect()
+}
+
+/// Whether [a, b) overlaps a control token without containing it whole.
+fn cuts_any(controls: &[(usize, usize)], a: usize, b: usize) -> bool {
+    controls
+        .iter()
+        .any(|&(s, e)| s < b && a < e && !(a <= s && e <= b))
+}
+
+/// The byte window each assistant message can occupy: from the end of the
+/// last content of an earlier message to the start of the first content of a
+/// later one (the turn's own markup and content lie in between).
+fn assistant_windows(
+    messages: &[Json],
+    located: &[ContentRange],
+    len: usize,
+) -> Vec<(usize, usize)> {
+    messages
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.get("role").and_then(Json::as_str) == Some("assistant"))
+        .map(|(k, _)| {
+            let start = located
+                .iter()
+                .filter(|r| r.0 < k)
+                .map(|r| r.2)
+                .max()
+                .unwrap_or(0);
+            let end = located
+                .iter()
+                .filter(|r| r.0 > k)
+                .map(|r| r.1)
+                .min()
+                .unwrap_or(len);
+            (start, end.max(start))
+        })
+        .collect()
+}
+
 /// The string contents of a message (plain string or text parts).
 fn contents(msg: &Json) -> Vec<&str> {
     match msg.get("content") {
@@ -110,22 +159,125 @@ impl Tokenizer {
         t.render(&self.render_input(chat, chat.messages))
     }
 
-    /// Byte ranges of message contents in `text`, found in order.
-    pub fn content_ranges(&self, messages: &[Json], text: &str) -> Vec<(usize, usize)> {
+    /// Where each message's non-empty content lands in the render `text` of
+    /// `chat`, as (message index, start, end), in text order.
+    ///
+    /// Exact when the template copies content verbatim or trimmed: the
+    /// conversation is rendered again with every content replaced by a unique
+    /// marker, and the markers are put back; if that reproduces `text`, the
+    /// markers' places are the contents' places. Templates that transform
+    /// content otherwise (splitting off `</think>`) fail that check, and then each content is
+    /// searched in order, skipping matches that would cut through a control
+    /// token of the template's markup (a content "|" inside `<|im_end|>`).
+    pub fn locate_contents(&self, chat: &ChatInput<'_>, text: &str) -> Vec<ContentRange> {
+        self.locate_by_markers(chat, text)
+            .unwrap_or_else(|| self.locate_by_search(chat.messages, text))
+    }
+
+    fn locate_by_markers(&self, chat: &ChatInput<'_>, text: &str) -> Option<Vec<ContentRange>> {
+        let mut marked: Vec<Json> = chat.messages.to_vec();
+        // (message, content) for each marker, in marker-number order.
+        let mut originals: Vec<(usize, &str)> = Vec::new();
+        for (i, m) in chat.messages.iter().enumerate() {
+            for c in contents(m) {
+                if c.contains(MARK_OPEN) || c.contains(MARK_CLOSE) {
+                    return None; // content that looks like a marker: do not guess.
+                }
+                if !c.is_empty() {
+                    originals.push((i, c));
+                }
+            }
+        }
+        if originals.is_empty() {
+            return Some(Vec::new());
+        }
+        let mut k = 0;
+        for m in marked.iter_mut() {
+            let mark = |s: &mut String, k: &mut usize| {
+                if !s.is_empty() {
+                    *s = format!("{MARK_OPEN}{k}{MARK_CLOSE}");
+                    *k += 1;
+                }
+            };
+            match m.get_mut("content") {
+                Some(Json::String(s)) => mark(s, &mut k),
+                Some(Json::Array(parts)) => {
+                    for p in parts.iter_mut() {
+                        if let Some(Json::String(s)) = p.get_mut("text") {
+                            mark(s, &mut k);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        let t = self.template()?;
+        let rendered = t.render(&self.render_input(chat, &marked)).ok()?;
+        // Walk the real render along the marked one: the text between markers
+        // must agree exactly, and each marker stands for its content as is or
+        // trimmed (`| trim`, `.strip()` are what templates do to content).
+        let mut out = Vec::new();
+        let mut pos = 0;
+        let mut rest = rendered.as_str();
+        let literal = |rest: &str| rest.find(MARK_OPEN).map_or(rest.len(), |i| i);
+        let lit = &rest[..literal(rest)];
+        if !text.starts_with(lit) {
+            return None;
+        }
+        pos += lit.len();
+        rest = &rest[lit.len()..];
+        while !rest.is_empty() {
+            let after = &rest[MARK_OPEN.len_utf8()..];
+            let close = after.find(MARK_CLOSE)?;
+            let n: usize = after[..close].parse().ok()?;
+            let (msg, c) = *originals.get(n)?;
+            rest = &after[close + MARK_CLOSE.len_utf8()..];
+            let lit = &rest[..literal(rest)];
+            let cand = [c, c.trim(), c.trim_start(), c.trim_end()]
+                .into_iter()
+                .find(|cand| {
+                    text[pos..].starts_with(cand) && text[pos + cand.len()..].starts_with(lit)
+                })?;
+            if !cand.is_empty() {
+                out.push((msg, pos, pos + cand.len()));
+            }
+            pos += cand.len() + lit.len();
+            rest = &rest[lit.len()..];
+        }
+        (pos == text.len()).then_some(out)
+    }
+
+    fn locate_by_search(&self, messages: &[Json], text: &str) -> Vec<ContentRange> {
+        let controls = self.control_ranges(text);
         let mut out = Vec::new();
         let mut at = 0;
-        for m in messages {
+        for (i, m) in messages.iter().enumerate() {
             for c in contents(m) {
                 if c.is_empty() {
                     continue;
                 }
-                if let Some(pos) = text[at..].find(c) {
-                    out.push((at + pos, at + pos + c.len()));
-                    at += pos + c.len();
+                let hit = text[at..]
+                    .match_indices(c)
+                    .map(|(p, _)| (at + p, at + p + c.len()))
+                    .find(|&(a, b)| !cuts_any(&controls, a, b));
+                if let Some((a, b)) = hit {
+                    out.push((i, a, b));
+                    at = b;
                 }
             }
         }
         out
+    }
+
+    /// Byte ranges of the added tokens the encoder would split out of `text`.
+    fn control_ranges(&self, text: &str) -> Vec<(usize, usize)> {
+        self.pieces(text, &[])
+            .into_iter()
+            .filter_map(|p| match p {
+                Piece::Added { start, end, .. } => Some((start, end)),
+                Piece::Text(..) => None,
+            })
+            .collect()
     }
 
     /// Render and encode like `apply_chat_template(..., tokenize=True)`, or
@@ -137,7 +289,7 @@ impl Tokenizer {
     ) -> Result<(String, Vec<u32>), CoreError> {
         let text = self.render_chat(chat)?;
         let protected = if protect_content {
-            self.content_ranges(chat.messages, &text)
+            byte_ranges(&self.locate_contents(chat, &text))
         } else {
             Vec::new()
         };
@@ -229,7 +381,12 @@ impl Tokenizer {
         protect_content: bool,
     ) -> Result<SpliceResult, CoreError> {
         let text = self.render_chat(chat)?;
-        // Locate each generation's text (with, else without, trailing control tokens).
+        let located = self.locate_contents(chat, &text);
+        let controls = self.control_ranges(&text);
+        let windows = assistant_windows(chat.messages, &located, text.len());
+        // Locate each generation's text (with, else without, trailing control
+        // tokens) inside an assistant turn, never cutting through a control
+        // token: a generation "0" must not match the end of a user's "q0".
         let mut regions: Vec<(usize, usize, usize, Vec<u32>)> = Vec::new(); // start, end, gen, ids
         let mut unmatched = Vec::new();
         let mut at = 0;
@@ -242,8 +399,14 @@ impl Tokenizer {
                 }
                 let s = self.decode(&ids, false)?;
                 if !s.is_empty() {
-                    if let Some(pos) = text[at..].find(&s) {
-                        found = Some((at + pos, at + pos + s.len()));
+                    found = text[at..]
+                        .match_indices(s.as_str())
+                        .map(|(p, _)| (at + p, at + p + s.len()))
+                        .find(|&(a, b)| {
+                            !cuts_any(&controls, a, b)
+                                && windows.iter().any(|&(ws, we)| ws <= a && b <= we)
+                        });
+                    if found.is_some() {
                         break;
                     }
                 }
@@ -263,7 +426,7 @@ impl Tokenizer {
             }
         }
         let protected = if protect_content {
-            self.content_ranges(chat.messages, &text)
+            byte_ranges(&located)
         } else {
             Vec::new()
         };
