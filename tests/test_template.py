@@ -207,3 +207,20 @@ def qwen3():
 def test_generated_parity_qwen(qwen25, qwen3, msgs, agp, with_tools):
     for ours, hf in (qwen25, qwen3):
         check(ours, hf, msgs, tools=TOOLS if with_tools else None, agp=agp)
+
+
+@pytest.mark.parametrize(
+    ("stem", "template"),
+    [("llama-bpe", "meta-llama-Llama-3.1-8B-Instruct.jinja"), ("qwen2", "Qwen-Qwen3-0.6B.jinja")],
+)
+def test_python_whitespace_in_trim_and_strip(stem, template):
+    # Python's str.strip() (jinja2's trim, the templates' .strip()) also strips
+    # U+001C..U+001F, which Rust's trim keeps. Found by the word-path property test.
+    ours, hf = load_pair(stem, template)
+    for ws in ["\x1c", "\x1d", "\x1e", "\x1f", "\u3000", "\x85"]:
+        msgs = [
+            {"role": "user", "content": f"{ws}hi{ws}"},
+            {"role": "assistant", "content": f"<think>{ws}r{ws}</think>{ws}ok{ws}"},
+            {"role": "user", "content": ws},
+        ]
+        assert check(ours, hf, msgs, agp=True) == "ok", repr(ws)

@@ -86,6 +86,7 @@ def test_round_trip_exception_smollm2_astral(smol, smol_hf):
 )
 def test_segment_encoding_equals_whole(smol, parts):
     # encode_chat's segment-wise, cached encoder must equal one whole-text encode.
+    assert smol.word_path
     text = "".join(parts)
     msgs = [{"role": "user", "content": text}]
     rendered = smol.render_chat(msgs)
@@ -96,6 +97,8 @@ def test_segment_encoding_equals_whole(smol, parts):
 def test_real_vocab_segments_and_parity(stem):
     ours, hf = load_pair(stem, None)
     assert ours.segment_safe or stem == "phi-3"
+    # Byte-level BPE vocabs take the cached word path; SentencePiece phi-3 cannot.
+    assert ours.word_path == (stem != "phi-3")
     for s in SAMPLES:
         assert list(ours.encode(s)) == hf(s, add_special_tokens=False)["input_ids"]
         assert list(ours.encode(s, add_special_tokens=True)) == hf(s)["input_ids"]
@@ -132,3 +135,59 @@ def test_control_token_injection_and_protect(smol):
     assert protected.count(end) == 3 and protected.count(start) == 3
     assert smol.decode(protected) == smol.decode(parity) == smol.render_chat(msgs)
     assert smol.content_control_tokens(msgs) == 2
+
+
+# Text that stresses the pre-tokenizer regexes: contractions, digit runs,
+# whitespace runs before words and at the end, line ends, non-ASCII letters.
+PRETOKEN_TEXT = st.lists(
+    st.sampled_from(
+        [
+            "'s",
+            "'T",
+            "'ll",
+            "'re",
+            " ",
+            "  ",
+            "\t",
+            "\n",
+            "\r\n",
+            "\n\n ",
+            "a",
+            "Zeta",
+            "123",
+            "4567",
+            "3.14",
+            "_",
+            "::",
+            "!?",
+            '{"k": 1}',
+            "é",
+            "日本",
+            "😀",
+            "\u00a0",
+            "\u2003",
+        ]
+    ),
+    max_size=16,
+).map("".join) | st.text(max_size=40)
+
+
+@pytest.mark.parametrize(
+    "stem,template",
+    [
+        ("qwen2", "Qwen-Qwen2.5-7B-Instruct.jinja"),
+        ("qwen35", "Qwen3.5-4B.jinja"),
+        ("llama-bpe", "meta-llama-Llama-3.1-8B-Instruct.jinja"),
+    ],
+)
+@settings(max_examples=150, deadline=None)
+@given(text=PRETOKEN_TEXT)
+def test_word_path_equals_pipeline(stem, template, text):
+    """encode_chat encodes segments through the word path (regex split + word
+    cache); it must equal transformers' ids for the same conversation."""
+    ours, hf = load_pair(stem, template)
+    assert ours.word_path
+    msgs = [{"role": "user", "content": text}, {"role": "assistant", "content": text + text}]
+    want = hf.apply_chat_template(msgs, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert list(ours.encode_chat(msgs)) == list(want)

@@ -59,7 +59,30 @@ impl ChatTemplate {
             .build()
             .map_err(|e| template_error(&e))?;
         env.set_syntax(syntax);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(|state, value, method, args| {
+            // Python's idea of whitespace for the argument-less forms; the
+            // rest of the str/dict methods come from pycompat.
+            if let (Some(s), true) = (value.as_str(), args.is_empty()) {
+                match method {
+                    "strip" => return Ok(Value::from(s.trim_matches(py_space))),
+                    "lstrip" => return Ok(Value::from(s.trim_start_matches(py_space))),
+                    "rstrip" => return Ok(Value::from(s.trim_end_matches(py_space))),
+                    "split" => {
+                        let parts = s.split(py_space).filter(|p| !p.is_empty());
+                        return Ok(Value::from(parts.map(Value::from).collect::<Vec<_>>()));
+                    }
+                    _ => {}
+                }
+            }
+            minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+        });
+        // jinja2's trim is `str.strip(chars)`.
+        env.add_filter("trim", |s: String, chars: Option<String>| -> String {
+            match chars {
+                None => s.trim_matches(py_space).to_owned(),
+                Some(cs) => s.trim_matches(|c| cs.contains(c)).to_owned(),
+            }
+        });
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
             Err(Error::new(
                 ErrorKind::InvalidOperation,
@@ -99,6 +122,11 @@ impl ChatTemplate {
         let ctx = Value::from(minijinja::value::Serde(&ctx));
         tmpl.render(ctx).map_err(|e| template_error(&e))
     }
+}
+
+/// Python's `str.isspace`: Unicode White_Space plus the separators U+001C..U+001F.
+fn py_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
 }
 
 /// Python's `repr(float)`: shortest round-trip digits, exponent form outside

@@ -23,6 +23,22 @@ use crate::template::ChatTemplate;
 
 /// Entries kept in the segment cache before it is cleared (bounded memory).
 const CACHE_LIMIT: usize = 200_000;
+/// Entries kept in the word cache before it is cleared (bounded memory).
+const WORD_CACHE_LIMIT: usize = 200_000;
+
+/// GPT-2's pre-tokenizer pattern, which `ByteLevel { use_regex: true }` applies.
+const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// Text the word path must encode exactly as the full pipeline before it is
+/// trusted (checked once per tokenizer at load): contractions, digits, code,
+/// whitespace runs and line ends, punctuation runs, accents, CJK, emoji.
+const WORD_PATH_PROBES: [&str; 2] = [
+    "Hello world! It's 2024: don't we'll I'd they've 3.14159 x=42;\n\
+     \tdef f(a, b):\n        return a+b  # sum\n\n\n  \r\n end.   \n {\"k\": [1, 2]} <tag/> ...!?  ",
+    "\u{a0}caf\u{e9} na\u{ef}ve \u{65e5}\u{672c}\u{8a9e}\u{3067}\u{3059} \u{1f600}\u{1f44d}\u{1f3fd} \
+     J'ai \u{0434}\u{043e}\u{043c}  \u{0627}\u{0644}\u{0639}\u{0631}\u{0628}\u{064a}\u{0629}   \u{2003}x",
+];
 
 /// Special-token strings and flags from `tokenizer_config.json`.
 #[derive(Debug, Clone, Default)]
@@ -115,6 +131,126 @@ pub struct Tokenizer {
     config: TokenizerConfig,
     template: Option<ChatTemplate>,
     cache: Mutex<HashMap<String, Arc<[u32]>>>,
+    words: Option<WordPath>,
+}
+
+/// A faster exact path for byte-level BPE tokenizers. The `tokenizers`
+/// pipeline pays per call for alignment tracking and per-token strings that
+/// ids-only encoding never reads; its BPE cache saves only the merges. Here a
+/// segment is cut with the tokenizer's own pre-tokenizer regex, and each word's
+/// ids are looked up in a cache; a miss encodes the word alone through the full
+/// pipeline. That is exact because the pre-tokenizer splits a word it produced
+/// back into itself (no look-behind; the pattern's look-ahead only inspects
+/// whitespace the word ends with), which `Tokenizer::from_parts` also checks on
+/// a probe text before enabling it.
+#[derive(Debug)]
+struct WordPath {
+    re: tokenizers::utils::SysRegex,
+    /// The normalizer is NFC: only ASCII segments (where NFC is the identity)
+    /// may take this path.
+    ascii_only: bool,
+    cache: Mutex<HashMap<String, Box<[u32]>>>,
+}
+
+impl WordPath {
+    /// Recognize the pre-tokenizers this path reproduces: `ByteLevel` with the
+    /// GPT-2 regex, or `Split(regex, Isolated)` then `ByteLevel` without one
+    /// (Llama 3, Qwen2). No normalizer, or NFC. Anything else: `None`.
+    fn detect(doc: &Json) -> Option<Self> {
+        let ascii_only = match doc.get("normalizer") {
+            None | Some(Json::Null) => false,
+            Some(n) if n.get("type").and_then(Json::as_str) == Some("NFC") => true,
+            Some(_) => return None,
+        };
+        let model = doc.get("model")?;
+        if model.get("type")?.as_str()? != "BPE" || !model.get("dropout").is_none_or(Json::is_null)
+        {
+            return None;
+        }
+        let byte_level = |p: &Json, regex: bool| {
+            p.get("type").and_then(Json::as_str) == Some("ByteLevel")
+                && p.get("add_prefix_space").and_then(Json::as_bool) == Some(false)
+                && p.get("use_regex").and_then(Json::as_bool).unwrap_or(true) == regex
+        };
+        let pre = doc.get("pre_tokenizer")?;
+        let pattern = if byte_level(pre, true) {
+            GPT2_PATTERN.to_owned()
+        } else if pre.get("type").and_then(Json::as_str) == Some("Sequence") {
+            let steps = pre.get("pretokenizers")?.as_array()?;
+            let [split, bl] = steps.as_slice() else {
+                return None;
+            };
+            let ok = split.get("type").and_then(Json::as_str) == Some("Split")
+                && split.get("behavior").and_then(Json::as_str) == Some("Isolated")
+                && split.get("invert").and_then(Json::as_bool) == Some(false)
+                && byte_level(bl, false);
+            if !ok {
+                return None;
+            }
+            split.get("pattern")?.get("Regex")?.as_str()?.to_owned()
+        } else {
+            return None;
+        };
+        Some(Self {
+            re: tokenizers::utils::SysRegex::new(&pattern).ok()?,
+            ascii_only,
+            cache: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn clear(&self) {
+        if let Ok(mut c) = self.cache.lock() {
+            c.clear();
+        }
+    }
+
+    /// Append the ids of `seg` (text without added tokens) to `out`, or return
+    /// false when this segment must take the full pipeline.
+    fn encode(
+        &self,
+        plain: &tokenizers::Tokenizer,
+        seg: &str,
+        out: &mut Vec<u32>,
+    ) -> Result<bool, CoreError> {
+        if self.ascii_only && !seg.is_ascii() {
+            return Ok(false);
+        }
+        let Ok(mut cache) = self.cache.lock() else {
+            return Ok(false);
+        };
+        let mut word = |w: &str, out: &mut Vec<u32>| -> Result<(), CoreError> {
+            if let Some(ids) = cache.get(w) {
+                out.extend_from_slice(ids);
+                return Ok(());
+            }
+            let ids: Box<[u32]> = plain
+                .encode_fast(w, false)
+                .map_err(|e| CoreError::Tokenize(e.to_string()))?
+                .get_ids()
+                .into();
+            out.extend_from_slice(&ids);
+            if cache.len() >= WORD_CACHE_LIMIT {
+                cache.clear();
+            }
+            cache.insert(w.to_owned(), ids);
+            Ok(())
+        };
+        // Isolated split: the matches and the gaps between them are all words.
+        let mut prev = 0;
+        for (a, b) in self.re.find_iter(seg) {
+            if prev < a {
+                word(&seg[prev..a], out)?;
+            }
+            if a < b {
+                word(&seg[a..b], out)?;
+            }
+            prev = b;
+        }
+        if prev < seg.len() {
+            word(&seg[prev..], out)?;
+        }
+        Ok(true)
+    }
 }
 
 fn load_err(what: &str, e: impl std::fmt::Display) -> CoreError {
@@ -195,6 +331,23 @@ impl Tokenizer {
             Some(src) => Some(ChatTemplate::new(src)?),
             None => None,
         };
+        // Trust the word path only where it reproduces the pipeline on the probes
+        // it accepts (and it must accept the ASCII one).
+        let words = WordPath::detect(&doc).filter(|w| {
+            WORD_PATH_PROBES.iter().enumerate().all(|(k, probe)| {
+                let mut ids = Vec::new();
+                match w.encode(&plain, probe, &mut ids) {
+                    Ok(true) => plain
+                        .encode_fast(*probe, false)
+                        .is_ok_and(|e| e.get_ids() == ids.as_slice()),
+                    Ok(false) => k > 0,
+                    Err(_) => false,
+                }
+            })
+        });
+        if let Some(w) = &words {
+            w.clear();
+        }
         Ok(Self {
             inner,
             plain,
@@ -202,6 +355,7 @@ impl Tokenizer {
             config,
             template,
             cache: Mutex::new(HashMap::new()),
+            words,
         })
     }
 
@@ -310,12 +464,16 @@ impl Tokenizer {
                 }
             }
         }
-        let ids: Arc<[u32]> = self
-            .plain
-            .encode_fast(seg, false)
-            .map_err(|e| CoreError::Tokenize(e.to_string()))?
-            .get_ids()
-            .into();
+        let mut fast = Vec::new();
+        let ids: Arc<[u32]> = match &self.words {
+            Some(w) if w.encode(&self.plain, seg, &mut fast)? => fast.into(),
+            _ => self
+                .plain
+                .encode_fast(seg, false)
+                .map_err(|e| CoreError::Tokenize(e.to_string()))?
+                .get_ids()
+                .into(),
+        };
         if use_cache {
             if let Ok(mut cache) = self.cache.lock() {
                 if cache.len() >= CACHE_LIMIT {
@@ -359,6 +517,15 @@ impl Tokenizer {
         if let Ok(mut c) = self.cache.lock() {
             c.clear();
         }
+        if let Some(w) = &self.words {
+            w.clear();
+        }
+    }
+
+    /// Whether segments take the cached word path (byte-level BPE tokenizers
+    /// whose pre-tokenizer it reproduces, checked at load).
+    pub fn word_path(&self) -> bool {
+        self.words.is_some()
     }
 
     /// How many added special tokens appear in `text` (would be injected as

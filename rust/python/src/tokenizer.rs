@@ -317,6 +317,13 @@ impl PyTokenizer {
         self.inner.segment_safe()
     }
 
+    /// Whether segments take the cached word path (byte-level BPE whose
+    /// pre-tokenizer it reproduces; checked against the full pipeline at load).
+    #[getter]
+    fn word_path(&self) -> bool {
+        self.inner.word_path()
+    }
+
     #[getter]
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
