@@ -191,3 +191,16 @@ def test_word_path_equals_pipeline(stem, template, text):
     want = hf.apply_chat_template(msgs, tokenize=True)
     want = want["input_ids"] if hasattr(want, "keys") else want
     assert list(ours.encode_chat(msgs)) == list(want)
+
+
+def test_qwen_nfc_normalizer_matches_transformers():
+    # Qwen's tokenizer.json normalizes NFC: a compatibility ideograph and a
+    # decomposed accent encode as their composed forms (the word path must
+    # leave such non-ASCII segments to the full pipeline).
+    ours, hf = load_pair("qwen2", "Qwen-Qwen2.5-7B-Instruct.jinja")
+    for text in ["\uf9be\u00af", "cafe\u0301 na\u0308ive", "\u8c48 \uf900"]:
+        assert list(ours.encode(text)) == hf(text, add_special_tokens=False)["input_ids"]
+        msgs = [{"role": "user", "content": text}]
+        want = hf.apply_chat_template(msgs, tokenize=True)
+        want = want["input_ids"] if hasattr(want, "keys") else want
+        assert list(ours.encode_chat(msgs)) == list(want)

@@ -12,7 +12,7 @@
 //! piece differently (Metaspace `prepend_scheme: first`); `segment_safe()` says
 //! whether that holds and we fall back to whole-text encoding otherwise.
 
-use std::collections::HashMap;
+use ahash::AHashMap as HashMap;
 use std::sync::{Arc, Mutex};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
