@@ -3,6 +3,8 @@ segment-wise encoding, control-token injection vs protect_content."""
 
 from __future__ import annotations
 
+import unicodedata
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -56,14 +58,40 @@ def qwen():
     return load_pair("qwen2", None)[0]
 
 
+@pytest.fixture(scope="module")
+def gpt2():
+    return load_pair("gpt-2", None)[0]
+
+
+UNICODE = st.text(alphabet=st.characters(blacklist_categories=("Cs",)))
+
+
 @settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(s=st.text(alphabet=st.characters(blacklist_categories=("Cs",))))
-def test_round_trip_byte_level(qwen, s):
-    # Byte-level BPE with all 256 byte tokens is lossless on any unicode
-    # (whitespace runs, code, emoji, control characters).
-    assert qwen.decode(qwen.encode(s)) == s
+@given(s=UNICODE)
+def test_round_trip_byte_level(gpt2, s):
+    # Byte-level BPE with all 256 byte tokens and no normalizer is lossless on
+    # any unicode (whitespace runs, code, emoji, control characters).
+    assert gpt2.decode(gpt2.encode(s)) == s
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(s=UNICODE)
+def test_round_trip_nfc_exception(qwen, s):
+    # Stated exception: Qwen's tokenizer normalizes NFC before byte-level BPE,
+    # so the round trip returns the NFC form -- not the input when the input
+    # is not NFC (e.g. the compatibility ideograph U+2F800 comes back as
+    # U+4E3D, a decomposed accent comes back composed). transformers agrees.
+    assert qwen.decode(qwen.encode(s)) == unicodedata.normalize("NFC", s)
+
+
+def test_round_trip_nfc_exception_examples(qwen):
+    for s in ("\U0002f800", "a\u0301"):
+        assert qwen.decode(qwen.encode(s)) != s
+        assert qwen.decode(qwen.encode(s)) == unicodedata.normalize("NFC", s)
 
 
 def test_round_trip_exception_smollm2_astral(smol, smol_hf):
