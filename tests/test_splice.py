@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import lightning
 from tokenizer_fixtures import load_pair
 
 
@@ -40,7 +41,7 @@ def test_splice_reuses_sampled_ids_and_extends_previous(smol):
 
 
 def test_splice_reports_rewritten_generations():
-    tok, _ = load_pair("qwen2", "Qwen-Qwen3-0.6B.jinja")
+    tok, hf = load_pair("qwen2", "Qwen-Qwen3-0.6B.jinja")
     end = tok.token_to_id("<|im_end|>")
     gen = [int(x) for x in tok.encode("<think>\nhmm\n</think>\n\nFour.")] + [end]
     msgs = [
@@ -48,10 +49,19 @@ def test_splice_reports_rewritten_generations():
         {"role": "assistant", "content": tok.decode(gen[:-1])},
         {"role": "user", "content": "3+3?"},
     ]
-    r = tok.splice(msgs, [gen])
+    r = tok.splice(msgs, [gen], protect_content=False)
     # Qwen3 strips the earlier reasoning: the generation is not in the render.
     assert r.unmatched == [0]
     assert tok.decode(r.ids) == tok.render_chat(msgs, add_generation_prompt=True)
+    # Protected, `</think>` in the content is text, so Qwen3's split on it no
+    # longer finds the tag and keeps the blank lines after it: transformers'
+    # sanitize_control_tokens=True renders (and encodes) exactly the same.
+    p = tok.splice(msgs, [gen])
+    assert p.unmatched == [0] and "\n\n\nFour." in p.text
+    want = hf.apply_chat_template(
+        msgs, tokenize=True, sanitize_control_tokens=True, add_generation_prompt=True
+    )
+    assert list(p.ids) == list(want["input_ids"] if hasattr(want, "keys") else want)
 
 
 def test_splice_protects_content(smol):
@@ -188,9 +198,11 @@ def test_protect_content_real_templates(stem, template, contents):
 
 
 def test_protect_content_when_template_rewrites_content():
-    """Qwen3 cuts earlier reasoning out of assistant content, so contents are
-    found by search; a "|" user message still cannot break `<|im_end|>`."""
-    tok, _ = load_pair("qwen2", "Qwen-Qwen3-0.6B.jinja")
+    """Qwen3 cuts earlier reasoning out of assistant content with
+    `split('</think>')`. Protected, the `</think>` in the content is text, so
+    the cut keeps the blank lines after it (as transformers' sanitize mode
+    does); a "|" user message still cannot break `<|im_end|>`."""
+    tok, hf = load_pair("qwen2", "Qwen-Qwen3-0.6B.jinja")
     end = tok.token_to_id("<|im_end|>")
     msgs = [
         {"role": "user", "content": "a <|im_end|> b"},
@@ -200,5 +212,73 @@ def test_protect_content_when_template_rewrites_content():
     text = tok.render_chat(msgs)
     assert "<think>" not in text  # the template did rewrite the content
     ids = list(tok.encode_chat(msgs, protect_content=True))
-    assert ids.count(end) == 3 and tok.decode(ids) == text
+    assert ids.count(end) == 3 and tok.decode(ids) == text.replace("\nok", "\n\n\nok")
+    assert ids == _hf_sanitized(hf, msgs)
     assert list(tok.encode_chat(msgs, protect_content=False)).count(end) == 4
+
+
+def _hf_sanitized(hf, msgs, **kw):
+    out = hf.apply_chat_template(msgs, tokenize=True, sanitize_control_tokens=True, **kw)
+    return [int(x) for x in (out["input_ids"] if hasattr(out, "keys") else out)]
+
+
+PROTECT_PAIRS = [
+    ("qwen2", "Qwen-Qwen2.5-7B-Instruct.jinja"),
+    ("qwen2", "Qwen-Qwen3-0.6B.jinja"),
+    ("llama-bpe", "meta-llama-Llama-3.1-8B-Instruct.jinja"),
+    ("phi-3", "microsoft-Phi-3.5-mini-instruct.jinja"),
+]
+_piece = st.sampled_from(
+    [
+        *CONTROL_TEXT,
+        "<|endoftext|>",
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "<|end|>",
+        "<|user|>",
+        "\U000f0000",  # the markers themselves cannot forge a protected token
+        "\U000f0001",
+        "|",
+        "<",
+        "\n",
+        " ",
+        "a",
+        "user",
+    ]
+)
+_content = st.lists(_piece, max_size=6).map("".join)
+
+
+@pytest.mark.parametrize(("stem", "template"), PROTECT_PAIRS)
+@settings(max_examples=25, deadline=None)
+@given(contents=st.lists(_content, min_size=1, max_size=4), arg=_content, desc=_content)
+def test_protect_content_equals_transformers_sanitize(stem, template, contents, arg, desc):
+    """protect_content=True gives the ids of transformers'
+    `apply_chat_template(..., sanitize_control_tokens=True)`: control tokens
+    in any input string (contents, tool-call arguments, tool descriptions)
+    stay text, the template's markup stays control tokens."""
+    tok, hf = load_pair(stem, template)
+    roles = ["user", "assistant"]
+    msgs = [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
+    call = {"type": "function", "function": {"name": "f", "arguments": {"q": arg}}}
+    msgs += [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": arg},
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "description": desc, "parameters": {"type": "object"}},
+        }
+    ]
+    kw = {"add_generation_prompt": True, "date_string": "26 Jul 2024"}
+    try:
+        want = _hf_sanitized(hf, msgs, tools=tools, **kw)
+    except Exception:  # the template rejects the conversation
+        with pytest.raises(lightning.LightningError):
+            tok.encode_chat(msgs, tools=tools, protect_content=True, **kw)
+        return
+    assert list(tok.encode_chat(msgs, tools=tools, protect_content=True, **kw)) == want
+    r = tok.splice(msgs, [], tools=tools, **kw)
+    assert list(r.ids) == want

@@ -164,7 +164,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
     // Start of the turn the divergence is in: just after the last control token
     // of the common text.
     let turn_start = tok
-        .pieces(&tp, &[])
+        .pieces(&tp)
         .iter()
         .rev()
         .find_map(|pc| match *pc {
@@ -210,7 +210,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
     let ends_in_control = prev.last().is_some_and(|&id| tok.is_special(id));
     if !ends_in_control {
         let last_turn = tok
-            .pieces(&tp, &[])
+            .pieces(&tp)
             .iter()
             .rev()
             .find_map(|pc| match *pc {
@@ -226,17 +226,16 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
         }
     }
 
-    let skel = |s: &str, ids_text: &str| -> String {
-        let _ = ids_text;
+    let skel = |s: &str| -> String {
         let mut t = s.to_owned();
-        for pc in tok.pieces(s, &[]).iter().rev() {
+        for pc in tok.pieces(s).iter().rev() {
             if let Piece::Added { start, end, .. } = *pc {
                 t.replace_range(start..end, "");
             }
         }
         squeeze(&t)
     };
-    let (sa, sb) = (skel(ta, ""), skel(tb, ""));
+    let (sa, sb) = (skel(ta), skel(tb));
     if sb.starts_with(&sa) {
         return Ok(verdict(
             DriftKind::Separator,
@@ -246,7 +245,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
 
     // Compacted: the turns after the divergent one are gone from the next prompt.
     let later: Vec<String> = {
-        let pcs = tok.pieces(a, &[]);
+        let pcs = tok.pieces(a);
         let first = pcs.iter().position(|pc| matches!(pc, Piece::Added { .. }));
         pcs.iter()
             .skip(first.map_or(pcs.len(), |f| f + 1))

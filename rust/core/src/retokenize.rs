@@ -2,15 +2,20 @@
 //!
 //! `encode_chat` in parity mode equals `apply_chat_template(tokenize=True)`:
 //! literal control-token text inside message content becomes the control token,
-//! as it did for the engine. With `protect_content`, the byte ranges where each
-//! message's content lands in the render are encoded as text only, while the
-//! template's own markup still becomes control tokens.
+//! as it did for the engine. With `protect_content`, control-token text in
+//! anything the caller supplies (message fields, tool specs, template
+//! variables) is encoded as plain text, while the template's own markup still
+//! becomes control tokens: the ids equal transformers' `apply_chat_template(...,
+//! tokenize=True, sanitize_control_tokens=True)`. Like transformers, we wrap
+//! each control token in the input in private-use markers, render, and encode
+//! the render piece by piece between the markers.
 //!
 //! `splice` builds a prompt whose assistant turns reuse the exact ids an earlier
 //! call generated, wherever the generated text appears verbatim in the render,
 //! so the next prompt extends the previous call's prompt + completion and the
 //! trie collapses the calls into one sample.
 
+use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use serde_json::{Map, Value as Json};
 
 use crate::error::CoreError;
@@ -75,8 +80,60 @@ pub type ContentRange = (usize, usize, usize);
 const MARK_OPEN: char = '\u{F0000}';
 const MARK_CLOSE: char = '\u{F0001}';
 
-fn byte_ranges(located: &[ContentRange]) -> Vec<(usize, usize)> {
-    located.iter().map(|&(_, a, b)| (a, b)).collect()
+/// Where a protected render is cut (byte offsets into its marker-free text).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// A control token's text that came from the input: encoded alone, as text.
+    Text(usize, usize),
+    /// A marker the template separated from its token (e.g. by `split()`):
+    /// dropped, but the text on either side is encoded apart, so it cannot
+    /// join into a control token.
+    Break(usize),
+}
+
+/// Wrap each control token in every string of `v` (values, not keys) in
+/// markers, after removing markers already there so input cannot forge one.
+fn mark_json(v: &Json, ac: Option<&AhoCorasick>) -> Json {
+    match v {
+        Json::String(s) => {
+            let s: String = s
+                .chars()
+                .filter(|&c| c != MARK_OPEN && c != MARK_CLOSE)
+                .collect();
+            let Some(ac) = ac else {
+                return Json::String(s);
+            };
+            let mut out = String::with_capacity(s.len() + 8);
+            let mut at = 0;
+            for m in ac.find_iter(&s) {
+                out.push_str(&s[at..m.start()]);
+                out.push(MARK_OPEN);
+                out.push_str(&s[m.start()..m.end()]);
+                out.push(MARK_CLOSE);
+                at = m.end();
+            }
+            out.push_str(&s[at..]);
+            Json::String(out)
+        }
+        Json::Array(items) => Json::Array(items.iter().map(|x| mark_json(x, ac)).collect()),
+        Json::Object(m) => Json::Object(
+            m.iter()
+                .map(|(k, x)| (k.clone(), mark_json(x, ac)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+/// Cuts inside [a, b), shifted to start at a.
+fn cuts_within(cuts: &[Cut], a: usize, b: usize) -> Vec<Cut> {
+    cuts.iter()
+        .filter_map(|&c| match c {
+            Cut::Text(s, e) if a <= s && e <= b => Some(Cut::Text(s - a, e - a)),
+            Cut::Break(p) if a < p && p < b => Some(Cut::Break(p - a)),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Whether [a, b) overlaps a control token without containing it whole.
@@ -271,7 +328,7 @@ impl Tokenizer {
 
     /// Byte ranges of the added tokens the encoder would split out of `text`.
     fn control_ranges(&self, text: &str) -> Vec<(usize, usize)> {
-        self.pieces(text, &[])
+        self.pieces(text)
             .into_iter()
             .filter_map(|p| match p {
                 Piece::Added { start, end, .. } => Some((start, end)),
@@ -287,14 +344,138 @@ impl Tokenizer {
         chat: &ChatInput<'_>,
         protect_content: bool,
     ) -> Result<(String, Vec<u32>), CoreError> {
+        if protect_content {
+            let (text, cuts) = self.protected_render(chat)?;
+            let ids = self.encode_cut(&text, &cuts)?;
+            return Ok((text, ids));
+        }
         let text = self.render_chat(chat)?;
-        let protected = if protect_content {
-            byte_ranges(&self.locate_contents(chat, &text))
-        } else {
-            Vec::new()
-        };
-        let ids = self.encode_segments(&text, &protected, true)?;
+        let ids = self.encode_segments(&text, true)?;
         Ok((text, ids))
+    }
+
+    /// Render with every control token of the input wrapped in markers, then
+    /// take the markers out: the text and where it must be cut. A marker pair
+    /// around an added token is that token's text, kept as text; any other
+    /// marker only breaks the text.
+    pub fn protected_render(&self, chat: &ChatInput<'_>) -> Result<(String, Vec<Cut>), CoreError> {
+        let controls = self.control_tokens();
+        let ac = if controls.is_empty() {
+            None
+        } else {
+            Some(
+                AhoCorasickBuilder::new()
+                    .match_kind(MatchKind::LeftmostLongest)
+                    .build(&controls)
+                    .map_err(|e| CoreError::Tokenize(e.to_string()))?,
+            )
+        };
+        let messages: Vec<Json> = chat
+            .messages
+            .iter()
+            .map(|m| mark_json(m, ac.as_ref()))
+            .collect();
+        let tools = chat.tools.map(|t| mark_json(t, ac.as_ref()));
+        let kwargs: Map<String, Json> = chat
+            .kwargs
+            .iter()
+            .map(|(k, v)| (k.clone(), mark_json(v, ac.as_ref())))
+            .collect();
+        let marked = ChatInput {
+            messages: &messages,
+            tools: tools.as_ref(),
+            add_generation_prompt: chat.add_generation_prompt,
+            kwargs,
+        };
+        let rendered = self.render_chat(&marked)?;
+        let mut added = self.added_token_texts();
+        added.sort_by_key(|t| std::cmp::Reverse(t.len()));
+        let mut text = String::with_capacity(rendered.len());
+        let mut cuts = Vec::new();
+        let mut rest = rendered.as_str();
+        while let Some(i) = rest.find([MARK_OPEN, MARK_CLOSE]) {
+            text.push_str(&rest[..i]);
+            let after = &rest[i + MARK_OPEN.len_utf8()..];
+            let wrapped = rest[i..]
+                .starts_with(MARK_OPEN)
+                .then(|| {
+                    added.iter().find(|t| {
+                        after.starts_with(t.as_str()) && after[t.len()..].starts_with(MARK_CLOSE)
+                    })
+                })
+                .flatten();
+            match wrapped {
+                Some(t) => {
+                    cuts.push(Cut::Text(text.len(), text.len() + t.len()));
+                    text.push_str(t);
+                    rest = &after[t.len() + MARK_CLOSE.len_utf8()..];
+                }
+                None => {
+                    cuts.push(Cut::Break(text.len()));
+                    rest = after; // both markers are 4 bytes long
+                }
+            }
+        }
+        text.push_str(rest);
+        Ok((text, cuts))
+    }
+
+    /// Encode a protected render piece by piece, as transformers'
+    /// `encode_marked_chat` does: the text before the first cut as usual;
+    /// every later piece after a newline that is then taken off again (so a
+    /// SentencePiece tokenizer adds no word-start space); a protected token's
+    /// text without added-token splitting, and an error if that still yields
+    /// the control token.
+    pub fn encode_cut(&self, text: &str, cuts: &[Cut]) -> Result<Vec<u32>, CoreError> {
+        let newline = self.encode_segments("\n", true)?;
+        let mut out: Vec<u32> = Vec::with_capacity(text.len() / 3);
+        let piece = |a: usize, b: usize, as_text: bool, first: bool, out: &mut Vec<u32>| {
+            let p = &text[a..b];
+            if first {
+                out.extend(self.encode_segments(p, true)?);
+                return Ok::<(), CoreError>(());
+            }
+            if p.is_empty() {
+                return Ok(());
+            }
+            let enc = |s: &str| {
+                if as_text {
+                    self.encode_text_only(s)
+                } else {
+                    self.encode_segments(s, true)
+                }
+            };
+            let with_nl = enc(&format!("\n{p}"))?;
+            let ids = match with_nl.strip_prefix(newline.as_slice()) {
+                Some(rest) => rest.to_vec(),
+                None => enc(p)?,
+            };
+            if as_text && self.token_to_id(p).is_some_and(|id| ids.contains(&id)) {
+                return Err(CoreError::Tokenize(format!(
+                    "cannot protect {p:?}: this tokenizer produces it from plain text too"
+                )));
+            }
+            out.extend(ids);
+            Ok(())
+        };
+        let mut at = 0;
+        let mut first = true;
+        for &c in cuts {
+            match c {
+                Cut::Text(a, b) => {
+                    piece(at, a, false, first, &mut out)?;
+                    piece(a, b, true, false, &mut out)?;
+                    at = b;
+                }
+                Cut::Break(p) => {
+                    piece(at, p, false, first, &mut out)?;
+                    at = p;
+                }
+            }
+            first = false;
+        }
+        piece(at, text.len(), false, first, &mut out)?;
+        Ok(out)
     }
 
     /// How many control tokens the messages' content would inject in parity mode.
@@ -343,7 +524,7 @@ impl Tokenizer {
             ends.push(end);
             prev = end;
         }
-        let ids = self.encode_segments(&full, &[], true)?;
+        let ids = self.encode_segments(&full, true)?;
         // Byte start of each token: walk the pieces again with offsets.
         let offsets = self.offsets(&full)?;
         let starts: Vec<usize> = if offsets.len() == ids.len() {
@@ -380,9 +561,18 @@ impl Tokenizer {
         generations: &[Generation],
         protect_content: bool,
     ) -> Result<SpliceResult, CoreError> {
-        let text = self.render_chat(chat)?;
+        let (text, cuts) = if protect_content {
+            self.protected_render(chat)?
+        } else {
+            (self.render_chat(chat)?, Vec::new())
+        };
         let located = self.locate_contents(chat, &text);
-        let controls = self.control_ranges(&text);
+        // Control tokens of the markup; protected input text is no boundary.
+        let controls: Vec<(usize, usize)> = self
+            .control_ranges(&text)
+            .into_iter()
+            .filter(|&(a, b)| !cuts.contains(&Cut::Text(a, b)))
+            .collect();
         let windows = assistant_windows(chat.messages, &located, text.len());
         // Locate each generation's text (with, else without, trailing control
         // tokens) inside an assistant turn, never cutting through a control
@@ -425,33 +615,16 @@ impl Tokenizer {
                 None => unmatched.push(g),
             }
         }
-        let protected = if protect_content {
-            byte_ranges(&located)
-        } else {
-            Vec::new()
-        };
-        // Content ranges that overlap a spliced region are the generation itself.
-        let protected_outside = |a: usize, b: usize| -> Vec<(usize, usize)> {
-            protected
-                .iter()
-                .filter(|&&(s, e)| s < b && a < e)
-                .map(|&(s, e)| (s.max(a) - a, e.min(b) - a))
-                .collect()
-        };
         let mut out: Vec<u32> = Vec::with_capacity(text.len() / 3);
         let mut spliced = Vec::new();
         let mut cursor = 0;
         for (a, b, g, ids) in regions {
-            out.extend(self.encode_segments(
-                &text[cursor..a],
-                &protected_outside(cursor, a),
-                true,
-            )?);
+            out.extend(self.encode_cut(&text[cursor..a], &cuts_within(&cuts, cursor, a))?);
             let token_start = out.len();
             out.extend_from_slice(&ids);
             // Plain tokenization of the same prefix, for the drift report.
-            let plain = self.encode_segments(&text[..b], &[], true)?;
-            let mut ours = self.encode_segments(&text[..a], &[], true)?;
+            let plain = self.encode_segments(&text[..b], true)?;
+            let mut ours = self.encode_segments(&text[..a], true)?;
             ours.extend_from_slice(&ids);
             let plain_differs = plain != ours;
             spliced.push(SplicedSpan {
@@ -464,11 +637,7 @@ impl Tokenizer {
             });
             cursor = b;
         }
-        out.extend(self.encode_segments(
-            &text[cursor..],
-            &protected_outside(cursor, text.len()),
-            true,
-        )?);
+        out.extend(self.encode_cut(&text[cursor..], &cuts_within(&cuts, cursor, text.len()))?);
         Ok(SpliceResult {
             ids: out,
             text,

@@ -7,9 +7,26 @@
 //! keyword arguments become template variables. We mirror each of those; Python
 //! string/dict methods (`.strip()`, `.split()`, `.items()`, ...) come from
 //! minijinja-contrib's pycompat callback.
+//!
+//! Two places where minijinja and jinja2 differ are bridged here:
+//! - transformers' `{% generation %}...{% endgeneration %}` tag (it marks the
+//!   assistant tokens for `return_assistant_tokens_mask` and renders its body
+//!   unchanged) is rewritten, token-exactly, into `{% if true %}...{% endif %}`;
+//! - JSON null becomes [`PyNone`], which behaves like Python's `None` where
+//!   minijinja's own none does not: it cannot be iterated.
+//!
+//! Known difference left alone: markupsafe escapes plain strings added to a
+//! `|safe` string (`"a"|safe + x|tojson` gives `&#34;` in jinja2); minijinja
+//! concatenates without escaping.
 
-use minijinja::value::{Kwargs, Value, ValueKind};
-use minijinja::{Environment, Error, ErrorKind};
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+
+use minijinja::machinery::{tokenize, Token};
+use minijinja::syntax::SyntaxConfig;
+use minijinja::value::{Kwargs, Object, ObjectRepr, Rest, Value, ValueKind, ValueOrKwargs};
+use minijinja::{filters, Environment, Error, ErrorKind, State};
 use serde_json::{Map, Value as Json};
 
 use crate::error::CoreError;
@@ -20,6 +37,9 @@ const NAME: &str = "chat";
 #[derive(Debug)]
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template's raw text and string constants, joined by NUL (what
+    /// transformers searches for the added tokens a template writes itself).
+    literals: String,
 }
 
 /// What a render needs besides the template.
@@ -50,14 +70,146 @@ fn template_error(e: &Error) -> CoreError {
     CoreError::Template(msg)
 }
 
+/// Python's `None` as templates see a JSON null (`tools=None`, a tool-call
+/// message's `content: null`): falsy, prints `None`, passes `is none`, dumps
+/// as `null`, and, unlike minijinja's none (which iterates as empty), raises
+/// when iterated, so `{% for t in tools %}` fails where transformers fails
+/// instead of rendering a prompt the engine never produced.
+#[derive(Debug)]
+struct PyNone;
+
+impl Object for PyNone {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Plain
+    }
+
+    fn is_true(self: &Arc<Self>) -> bool {
+        false
+    }
+
+    fn render(self: &Arc<Self>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("None")
+    }
+}
+
+fn is_py_none(v: &Value) -> bool {
+    v.is_none() || v.downcast_object_ref::<PyNone>().is_some()
+}
+
+/// `PyNone` as minijinja's own none, for filters whose none handling is
+/// already jinja2's.
+fn none_to_native(v: Value) -> Value {
+    if is_py_none(&v) {
+        Value::from(())
+    } else {
+        v
+    }
+}
+
+/// A JSON value as the template sees it (nulls become the shared `none`).
+fn to_value(j: &Json, none: &Value) -> Value {
+    match j {
+        Json::Null => none.clone(),
+        Json::Bool(b) => Value::from(*b),
+        Json::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => Value::from(i),
+            (None, Some(u)) => Value::from(u),
+            _ => Value::from(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        Json::String(s) => Value::from(s.as_str()),
+        Json::Array(items) => items.iter().map(|x| to_value(x, none)).collect(),
+        Json::Object(m) => Value::from_pairs(
+            m.iter()
+                .map(|(k, v)| (Value::from(k.as_str()), to_value(v, none)))
+                .collect::<Vec<_>>(),
+        ),
+    }
+}
+
+/// The fields transformers reads reasoning from, in the order it prefers them.
+const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+
+/// A message as transformers hands it to the template (5.x: the version the
+/// parity tests run against). `apply_chat_template` first drops the keys whose
+/// value is None (the OpenAI SDK sends `content: None` beside tool calls), then
+/// copies the reasoning into both `thinking` and `reasoning_content`, so one
+/// template reads reasoning whatever the client called it. Key order is kept
+/// as Python's `{"thinking": r, **message, "reasoning_content": r}` builds it:
+/// it shows when a template prints or iterates a message.
+fn normalize_message(m: &Json) -> Json {
+    let Json::Object(fields) = m else {
+        return m.clone();
+    };
+    let kept = fields.iter().filter(|(_, v)| !v.is_null());
+    let reasoning = REASONING_FIELDS
+        .iter()
+        .find_map(|k| fields.get(*k).filter(|v| !v.is_null()));
+    let Some(r) = reasoning else {
+        return Json::Object(kept.map(|(k, v)| (k.clone(), v.clone())).collect());
+    };
+    let mut out = Map::new();
+    out.insert("thinking".into(), r.clone());
+    for (k, v) in kept {
+        out.insert(k.clone(), v.clone());
+    }
+    out.insert("reasoning_content".into(), r.clone());
+    Json::Object(out)
+}
+
+/// Rewrite transformers' `{% generation %}` / `{% endgeneration %}` into
+/// `{% if true %}` / `{% endif %}`. Found with minijinja's own lexer, so text,
+/// strings, comments and raw blocks that merely spell the tag are untouched,
+/// and the tag's whitespace control (`{%-`, `-%}`) is kept as written.
+/// The raw text and string literals of a template, NUL-joined.
+fn literal_text(source: &str, syntax: SyntaxConfig) -> Result<String, CoreError> {
+    let mut parts: Vec<String> = Vec::new();
+    for tok in tokenize(source, false, syntax) {
+        match tok.map_err(|e| template_error(&e))?.0 {
+            Token::TemplateData(s) | Token::Str(s) => parts.push(s.to_owned()),
+            Token::String(s) => parts.push(s.into_string()),
+            _ => {}
+        }
+    }
+    Ok(parts.join("\0"))
+}
+
+fn rewrite_generation_tags(source: &str, syntax: SyntaxConfig) -> Result<String, CoreError> {
+    if !source.contains("generation") {
+        return Ok(source.to_owned());
+    }
+    let mut edits: Vec<(usize, usize, &str)> = Vec::new();
+    let mut after_block_start = false;
+    for tok in tokenize(source, false, syntax) {
+        let (tok, span) = tok.map_err(|e| template_error(&e))?;
+        if after_block_start {
+            if let Token::Ident(name @ ("generation" | "endgeneration")) = tok {
+                let with = if name == "generation" {
+                    "if true"
+                } else {
+                    "endif"
+                };
+                edits.push((span.start_offset as usize, span.end_offset as usize, with));
+            }
+        }
+        after_block_start = matches!(tok, Token::BlockStart);
+    }
+    let mut out = source.to_owned();
+    for &(a, b, with) in edits.iter().rev() {
+        out.replace_range(a..b, with);
+    }
+    Ok(out)
+}
+
 impl ChatTemplate {
     pub fn new(source: &str) -> Result<Self, CoreError> {
         let mut env = Environment::new();
-        let syntax = minijinja::syntax::SyntaxConfig::builder()
+        let syntax = SyntaxConfig::builder()
             .trim_blocks(true)
             .lstrip_blocks(true)
             .build()
             .map_err(|e| template_error(&e))?;
+        let source = rewrite_generation_tags(source, syntax.clone())?;
+        let literals = literal_text(&source, syntax.clone())?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(|state, value, method, args| {
             // Python's idea of whitespace for the argument-less forms; the
@@ -93,6 +245,58 @@ impl ChatTemplate {
             Ok(Value::from(strftime_now(&fmt)))
         });
         env.add_filter("tojson", tojson);
+        env.add_filter("indent", indent);
+        env.add_test("none", |v: &Value| is_py_none(v));
+        // jinja2's select/reject/map filters return nothing for a falsy input
+        // (`if value:` guards their loops), and int/float give their default
+        // for None: hand them minijinja's none, which they treat that way.
+        env.add_filter(
+            "select",
+            |st: &mut State, v: Value, t: Option<Cow<'_, str>>, a: Rest<ValueOrKwargs>| {
+                filters::select(st, none_to_native(v), t, a)
+            },
+        );
+        env.add_filter(
+            "reject",
+            |st: &mut State, v: Value, t: Option<Cow<'_, str>>, a: Rest<ValueOrKwargs>| {
+                filters::reject(st, none_to_native(v), t, a)
+            },
+        );
+        env.add_filter(
+            "selectattr",
+            |st: &mut State,
+             v: Value,
+             attr: Cow<'_, str>,
+             t: Option<Cow<'_, str>>,
+             a: Rest<ValueOrKwargs>| {
+                filters::selectattr(st, none_to_native(v), attr, t, a)
+            },
+        );
+        env.add_filter(
+            "rejectattr",
+            |st: &mut State,
+             v: Value,
+             attr: Cow<'_, str>,
+             t: Option<Cow<'_, str>>,
+             a: Rest<ValueOrKwargs>| {
+                filters::rejectattr(st, none_to_native(v), attr, t, a)
+            },
+        );
+        env.add_filter("map", |st: &mut State, v: Value, a: Rest<ValueOrKwargs>| {
+            filters::map(st, none_to_native(v), a)
+        });
+        env.add_filter(
+            "int",
+            |st: &State, v: &Value, d: Option<Value>, base: Option<u32>, kw: Kwargs| {
+                filters::int(st, &none_to_native(v.clone()), d, base, kw)
+            },
+        );
+        env.add_filter(
+            "float",
+            |st: &State, v: &Value, d: Option<Value>, kw: Kwargs| {
+                filters::float(st, &none_to_native(v.clone()), d, kw)
+            },
+        );
         // Python: None and numbers are not iterable (minijinja iterates none as empty).
         env.add_test("iterable", |v: &Value| {
             matches!(
@@ -100,9 +304,14 @@ impl ChatTemplate {
                 ValueKind::Seq | ValueKind::Map | ValueKind::String | ValueKind::Iterable
             )
         });
-        env.add_template_owned(NAME, source.to_owned())
+        env.add_template_owned(NAME, source)
             .map_err(|e| template_error(&e))?;
-        Ok(Self { env })
+        Ok(Self { env, literals })
+    }
+
+    /// Whether `text` occurs in the template's own text or string literals.
+    pub fn writes_literally(&self, text: &str) -> bool {
+        self.literals.contains(text)
     }
 
     /// Render like `apply_chat_template(..., tokenize=False)`.
@@ -111,22 +320,142 @@ impl ChatTemplate {
             .env
             .get_template(NAME)
             .map_err(|e| template_error(&e))?;
-        let mut ctx = input.vars.clone();
-        ctx.insert("messages".into(), Json::Array(input.messages.to_vec()));
-        ctx.insert("tools".into(), input.tools.cloned().unwrap_or(Json::Null));
-        ctx.insert("documents".into(), Json::Null);
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Json::Bool(input.add_generation_prompt),
-        );
-        let ctx = Value::from(minijinja::value::Serde(&ctx));
-        tmpl.render(ctx).map_err(|e| template_error(&e))
+        let none = Value::from_object(PyNone);
+        let mut ctx: Vec<(Value, Value)> = input
+            .vars
+            .iter()
+            .map(|(k, v)| (Value::from(k.as_str()), to_value(v, &none)))
+            .collect();
+        let messages: Value = input
+            .messages
+            .iter()
+            .map(|m| to_value(&normalize_message(m), &none))
+            .collect();
+        let tools = input
+            .tools
+            .map_or_else(|| none.clone(), |t| to_value(t, &none));
+        ctx.extend([
+            (Value::from("messages"), messages),
+            (Value::from("tools"), tools),
+            (Value::from("documents"), none.clone()),
+            (
+                Value::from("add_generation_prompt"),
+                Value::from(input.add_generation_prompt),
+            ),
+        ]);
+        tmpl.render(Value::from_pairs(ctx))
+            .map_err(|e| template_error(&e))
     }
 }
 
 /// Python's `str.isspace`: Unicode White_Space plus the separators U+001C..U+001F.
 fn py_space(c: char) -> bool {
     c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Python's `str.splitlines()` (without keepends): every line boundary Python
+/// knows, `\r\n` as one.
+fn py_splitlines(s: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut it = s.char_indices().peekable();
+    while let Some((i, c)) = it.next() {
+        let boundary = matches!(
+            c,
+            '\n' | '\r'
+                | '\u{0b}'
+                | '\u{0c}'
+                | '\u{1c}'
+                | '\u{1d}'
+                | '\u{1e}'
+                | '\u{85}'
+                | '\u{2028}'
+                | '\u{2029}'
+        );
+        if !boundary {
+            continue;
+        }
+        out.push(&s[start..i]);
+        start = i + c.len_utf8();
+        if c == '\r' {
+            if let Some(&(j, '\n')) = it.peek() {
+                it.next();
+                start = j + 1;
+            }
+        }
+    }
+    if start < s.len() {
+        out.push(&s[start..]);
+    }
+    out
+}
+
+/// jinja2's `indent(s, width=4, first=False, blank=False)`, whose handling of
+/// a trailing newline (kept) minijinja's differs from; `width` may be a string.
+fn indent(
+    s: &Value,
+    width: Option<Value>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: Kwargs,
+) -> Result<Value, Error> {
+    let text = s.as_str().ok_or_else(|| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("indent: expected a string, got {}", s.kind()),
+        )
+    })?;
+    let width = match width {
+        Some(w) => Some(w),
+        None => kwargs.get::<Option<Value>>("width")?,
+    };
+    let first = first
+        .or(kwargs.get::<Option<bool>>("first")?)
+        .unwrap_or(false);
+    let blank = blank
+        .or(kwargs.get::<Option<bool>>("blank")?)
+        .unwrap_or(false);
+    kwargs.assert_all_used()?;
+    let pad = match width {
+        None => "    ".to_owned(),
+        Some(w) => match w.as_str() {
+            Some(p) => p.to_owned(),
+            None => " ".repeat(usize::try_from(i64::try_from(w)?.max(0)).unwrap_or(0)),
+        },
+    };
+    // jinja2 appends a newline before splitting, so a trailing one survives.
+    let with_nl = format!("{text}\n");
+    let lines = py_splitlines(&with_nl);
+    let mut out = String::with_capacity(text.len() + pad.len() * lines.len());
+    if blank {
+        for (i, line) in lines.iter().enumerate() {
+            if i > 0 {
+                out.push('\n');
+                out.push_str(&pad);
+            }
+            out.push_str(line);
+        }
+    } else if let Some((head, rest)) = lines.split_first() {
+        out.push_str(head);
+        if !rest.is_empty() {
+            for line in rest {
+                out.push('\n');
+                if !line.is_empty() {
+                    out.push_str(&pad);
+                }
+                out.push_str(line);
+            }
+        }
+    }
+    if first {
+        out.insert_str(0, &pad);
+    }
+    let safe = s.is_safe();
+    Ok(if safe {
+        Value::from_safe_string(out)
+    } else {
+        Value::from(out)
+    })
 }
 
 /// Python's `repr(float)`: shortest round-trip digits, exponent form outside
@@ -198,8 +527,19 @@ fn dump(v: &Value, st: &JsonStyle, depth: usize, out: &mut String) -> Result<(),
             }
         }
     };
+    if is_py_none(v) {
+        out.push_str("null");
+        return Ok(());
+    }
     match v.kind() {
-        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        // json.dumps refuses jinja2's Undefined (a missing key or variable).
+        ValueKind::Undefined => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: Object of type Undefined is not JSON serializable",
+            ))
+        }
+        ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
         ValueKind::Number => {
             if let Ok(i) = i128::try_from(v.clone()) {

@@ -50,6 +50,13 @@ pub struct TokenizerConfig {
     pub add_bos_token: Option<bool>,
     pub add_eos_token: Option<bool>,
     pub chat_template: Option<String>,
+    /// Added tokens a chat template writes that must never come from user
+    /// text (transformers' `chat_control_tokens`); special tokens always are.
+    pub chat_control_tokens: Option<Vec<String>>,
+}
+
+fn token_string_of(v: &Json) -> Option<String> {
+    token_string(Some(v))
 }
 
 fn token_string(v: Option<&Json>) -> Option<String> {
@@ -94,6 +101,10 @@ impl TokenizerConfig {
             add_bos_token: v.get("add_bos_token").and_then(Json::as_bool),
             add_eos_token: v.get("add_eos_token").and_then(Json::as_bool),
             chat_template,
+            chat_control_tokens: v
+                .get("chat_control_tokens")
+                .and_then(Json::as_array)
+                .map(|a| a.iter().filter_map(token_string_of).collect()),
         })
     }
 }
@@ -124,7 +135,7 @@ pub enum Piece {
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// `inner` without the split-out added tokens: encodes text so that it can
-    /// never turn into a control token (used for protected content and, being
+    /// never turn into a control token (used for protected text and, being
     /// equivalent on text without added tokens, for every segment).
     plain: tokenizers::Tokenizer,
     splitter: Option<Splitter>,
@@ -425,17 +436,13 @@ impl Tokenizer {
             .map_err(|e| CoreError::Tokenize(e.to_string()))
     }
 
-    /// Cut `text` into text pieces and added tokens. Added-token matches that
-    /// overlap a `protected` byte range are left inside the text.
-    pub fn pieces(&self, text: &str, protected: &[(usize, usize)]) -> Vec<Piece> {
+    /// Cut `text` into text pieces and added tokens.
+    pub fn pieces(&self, text: &str) -> Vec<Piece> {
         let mut out = Vec::new();
         let mut at = 0;
         if let Some(sp) = &self.splitter {
             for m in sp.ac.find_iter(text) {
                 let (s, e) = (m.start(), m.end());
-                if protected.iter().any(|&(a, b)| s < b && a < e) {
-                    continue;
-                }
                 if at < s {
                     out.push(Piece::Text(at, s));
                 }
@@ -487,21 +494,14 @@ impl Tokenizer {
 
     /// Encode without added special tokens (BOS/EOS from the post-processor),
     /// as `apply_chat_template(tokenize=True)` does: segment-wise and cached when
-    /// that is exact for this tokenizer. Added-token text inside a `protected`
-    /// range stays text (it cannot become a control token). Falls back to the
-    /// whole-text encoder when segments are not exact (then `protected` is
-    /// ignored; see `segment_safe`).
-    pub fn encode_segments(
-        &self,
-        text: &str,
-        protected: &[(usize, usize)],
-        use_cache: bool,
-    ) -> Result<Vec<u32>, CoreError> {
+    /// that is exact for this tokenizer. Falls back to the whole-text encoder
+    /// when segments are not exact (see `segment_safe`).
+    pub fn encode_segments(&self, text: &str, use_cache: bool) -> Result<Vec<u32>, CoreError> {
         if self.splitter.is_none() {
             return self.encode(text, false);
         }
         let mut out = Vec::with_capacity(text.len() / 3);
-        for p in self.pieces(text, protected) {
+        for p in self.pieces(text) {
             match p {
                 Piece::Added { id, .. } => out.push(id),
                 Piece::Text(a, b) => {
@@ -528,10 +528,57 @@ impl Tokenizer {
         self.words.is_some()
     }
 
+    /// The tokens user text must not produce under `protect_content`, as
+    /// transformers' `sanitize_control_tokens` picks them: every special added
+    /// token, plus the added tokens listed in `chat_control_tokens` or, without
+    /// that list, those the chat template writes in its own text (whitespace
+    /// tokens excepted: templates write those as ordinary text).
+    pub fn control_tokens(&self) -> Vec<String> {
+        let listed = self.config.chat_control_tokens.as_ref();
+        let mut added: Vec<_> = self.inner.get_added_tokens_decoder().into_iter().collect();
+        added.sort_by_key(|(id, _)| *id);
+        added
+            .into_iter()
+            .map(|(_, t)| t)
+            .filter(|t| {
+                t.special
+                    || match listed {
+                        Some(list) => list.contains(&t.content),
+                        None => {
+                            !t.content.chars().all(char::is_whitespace)
+                                && self
+                                    .template
+                                    .as_ref()
+                                    .is_some_and(|tpl| tpl.writes_literally(&t.content))
+                        }
+                    }
+            })
+            .map(|t| t.content)
+            .collect()
+    }
+
+    /// Every added token's text (what a protected render's markers may wrap).
+    pub fn added_token_texts(&self) -> Vec<String> {
+        self.inner
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|t| t.content)
+            .collect()
+    }
+
+    /// Encode `text` through normalizer, pre-tokenizer and model only: added
+    /// tokens are not split out, so it never yields a control token from them.
+    pub fn encode_text_only(&self, text: &str) -> Result<Vec<u32>, CoreError> {
+        self.plain
+            .encode_fast(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| CoreError::Tokenize(e.to_string()))
+    }
+
     /// How many added special tokens appear in `text` (would be injected as
     /// control tokens if `text` were message content encoded in parity mode).
     pub fn count_control_tokens(&self, text: &str) -> usize {
-        self.pieces(text, &[])
+        self.pieces(text)
             .iter()
             .filter(|p| matches!(p, Piece::Added { special: true, .. }))
             .count()

@@ -400,8 +400,10 @@ impl PyTokenizer {
     }
 
     /// Render and encode like `apply_chat_template(messages, tokenize=True, ...)`.
-    /// With `protect_content=True`, control-token text inside message content
-    /// stays text (the template's own markup still becomes control tokens).
+    /// With `protect_content=True`, control-token text in any input string
+    /// (message fields, tool specs, template kwargs) stays text while the
+    /// template's own markup still becomes control tokens: the ids of
+    /// `apply_chat_template(..., sanitize_control_tokens=True)`.
     #[pyo3(signature = (messages, tools=None, add_generation_prompt=false, protect_content=false, **kwargs))]
     fn encode_chat<'py>(
         &self,
@@ -452,7 +454,8 @@ impl PyTokenizer {
 
     /// Prompt ids whose assistant turns reuse earlier generations' exact ids.
     /// `generations`: earlier calls of the rollout, in order — each a
-    /// `lightning.Call` (its `completion_ids`) or a sequence of ids.
+    /// `lightning.Call` (its `completion_ids`) or a sequence of ids. The
+    /// text around them is encoded as `encode_chat` does, protected by default.
     #[pyo3(signature = (messages, generations, tools=None, add_generation_prompt=true, protect_content=true, **kwargs))]
     #[allow(clippy::too_many_arguments)]
     fn splice(
