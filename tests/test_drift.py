@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import lightning
 from tokenizer_fixtures import load_pair
@@ -161,3 +163,32 @@ def test_merge_calls_fills_divergence_kind(smol):
     assert [d.kind for d in plain.divergences] == ["unclassified"]
     classified = lightning.merge_calls(calls, tokenizer=smol)
     assert [d.kind for d in classified.divergences] == ["retokenization"]
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    user=st.text(min_size=1, max_size=20),
+    pieces=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4),
+    follow=st.text(min_size=1, max_size=20),
+)
+def test_kept_history_is_match_or_retokenization(smol, user, pieces, follow):
+    """SmolLM2's template keeps history verbatim, so a next prompt can only
+    extend the context (`match`) or re-encode the same text (`retokenization`,
+    e.g. a sample split as "J" + "apan" + "ese"); the verdict says where."""
+    sampled = [i for p in pieces for i in ids(smol, p)]  # a non-canonical split
+    end = smol.token_to_id("<|im_end|>")
+    m1 = [{"role": "user", "content": user}]
+    prev = prompt(smol, m1) + sampled + [end]
+    text = smol.decode(sampled)
+    m2 = [*m1, {"role": "assistant", "content": text}, {"role": "user", "content": follow}]
+    nxt = prompt(smol, m2)
+    d = lightning.classify_drift(prev, nxt, smol)
+    first = next((k for k, (a, b) in enumerate(zip(prev, nxt, strict=False)) if a != b), len(prev))
+    if nxt[: len(prev)] == prev:
+        assert d.kind == "match"
+    else:
+        assert d.kind == "retokenization", (d.kind, d.detail)
+        assert d.position == first
+        assert smol.decode(nxt).startswith(smol.decode(prev))

@@ -232,3 +232,33 @@ def test_qwen_nfc_normalizer_matches_transformers():
         want = hf.apply_chat_template(msgs, tokenize=True)
         want = want["input_ids"] if hasattr(want, "keys") else want
         assert list(ours.encode_chat(msgs)) == list(want)
+
+
+@pytest.mark.parametrize("stem", ["smollm2", "phi-3"])
+@pytest.mark.parametrize(
+    "flags",
+    [{"add_bos_token": True}, {"add_eos_token": True}, {"add_bos_token": False}],
+)
+def test_add_bos_eos_token_flags_follow_transformers(tmp_path, stem, flags):
+    """transformers 5 adds BOS/EOS as tokenizer.json's post-processor says and
+    ignores tokenizer_config.json's add_bos_token / add_eos_token; so do we
+    (phi-3's post-processor adds <s>, SmolLM2's adds nothing)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from lightning.models import smollm2_dir
+    from tokenizer_fixtures import tokenizer_dir
+
+    src = smollm2_dir() if stem == "smollm2" else tokenizer_dir(stem)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg.update(flags)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, hf = lightning.Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for s in SAMPLES:
+        assert list(ours.encode(s, add_special_tokens=True)) == hf(s)["input_ids"]
+    bos = hf.convert_tokens_to_ids("<s>")
+    assert (int(ours.encode("Hi", add_special_tokens=True)[0]) == bos) == (stem == "phi-3")

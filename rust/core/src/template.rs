@@ -250,41 +250,21 @@ impl ChatTemplate {
         // jinja2's select/reject/map filters return nothing for a falsy input
         // (`if value:` guards their loops), and int/float give their default
         // for None: hand them minijinja's none, which they treat that way.
-        env.add_filter(
-            "select",
-            |st: &mut State, v: Value, t: Option<Cow<'_, str>>, a: Rest<ValueOrKwargs>| {
-                filters::select(st, none_to_native(v), t, a)
-            },
-        );
-        env.add_filter(
-            "reject",
-            |st: &mut State, v: Value, t: Option<Cow<'_, str>>, a: Rest<ValueOrKwargs>| {
-                filters::reject(st, none_to_native(v), t, a)
-            },
-        );
-        env.add_filter(
-            "selectattr",
-            |st: &mut State,
-             v: Value,
-             attr: Cow<'_, str>,
-             t: Option<Cow<'_, str>>,
-             a: Rest<ValueOrKwargs>| {
-                filters::selectattr(st, none_to_native(v), attr, t, a)
-            },
-        );
-        env.add_filter(
-            "rejectattr",
-            |st: &mut State,
-             v: Value,
-             attr: Cow<'_, str>,
-             t: Option<Cow<'_, str>>,
-             a: Rest<ValueOrKwargs>| {
-                filters::rejectattr(st, none_to_native(v), attr, t, a)
-            },
-        );
-        env.add_filter("map", |st: &mut State, v: Value, a: Rest<ValueOrKwargs>| {
-            filters::map(st, none_to_native(v), a)
-        });
+        // One wrapper per filter: each keeps its builtin's arguments.
+        macro_rules! none_as_native {
+            ($name:literal, $builtin:path, $($arg:ident: $ty:ty),*) => {
+                env.add_filter($name, |st: &mut State, v: Value, $($arg: $ty),*| {
+                    $builtin(st, none_to_native(v), $($arg),*)
+                });
+            };
+        }
+        type Test<'a> = Option<Cow<'a, str>>;
+        type Args = Rest<ValueOrKwargs>;
+        none_as_native!("select", filters::select, t: Test<'_>, a: Args);
+        none_as_native!("reject", filters::reject, t: Test<'_>, a: Args);
+        none_as_native!("selectattr", filters::selectattr, k: Cow<'_, str>, t: Test<'_>, a: Args);
+        none_as_native!("rejectattr", filters::rejectattr, k: Cow<'_, str>, t: Test<'_>, a: Args);
+        none_as_native!("map", filters::map, a: Args);
         env.add_filter(
             "int",
             |st: &State, v: &Value, d: Option<Value>, base: Option<u32>, kw: Kwargs| {

@@ -47,6 +47,9 @@ pub struct TokenizerConfig {
     pub eos_token: Option<String>,
     pub unk_token: Option<String>,
     pub pad_token: Option<String>,
+    /// Read, and deliberately not applied: transformers 5 (`TokenizersBackend`)
+    /// adds BOS/EOS as `tokenizer.json`'s post-processor says, whatever these
+    /// flags are (4.x's `LlamaTokenizerFast` rebuilt it from them).
     pub add_bos_token: Option<bool>,
     pub add_eos_token: Option<bool>,
     pub chat_template: Option<String>,
