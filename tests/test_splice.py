@@ -284,3 +284,28 @@ def test_protect_content_equals_transformers_sanitize(stem, template, contents, 
     assert list(tok.encode_chat(msgs, tools=tools, protect_content=True, **kw)) == want
     r = tok.splice(msgs, [], tools=tools, **kw)
     assert list(r.ids) == want
+
+
+def test_protect_normalized_added_token(tmp_path):
+    """A control token added with normalized=True (transformers' default for
+    non-special tokens) is matched after normalization; protected text must
+    still encode it as text, as transformers' sanitize mode does."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from lightning.models import smollm2_dir
+
+    hf = AutoTokenizer.from_pretrained(smollm2_dir())
+    hf.add_tokens([AddedToken("<tool>", normalized=True, special=False)])
+    hf.chat_template = "{% for m in messages %}<tool>{{ m.content }}\n{% endfor %}"
+    hf.save_pretrained(tmp_path)
+    tok = lightning.Tokenizer.from_dir(tmp_path)
+    assert not tok.word_path  # normalized added tokens span the words it would cut
+    tool = tok.token_to_id("<tool>")
+    msgs = [{"role": "user", "content": "a <tool> b<tool>"}]
+    assert list(tok.encode_chat(msgs)) == [
+        int(x) for x in hf.apply_chat_template(msgs)["input_ids"]
+    ]
+    protected = list(tok.encode_chat(msgs, protect_content=True))
+    assert protected.count(tool) == 1  # the template's own
+    assert protected == _hf_sanitized(hf, msgs)

@@ -215,6 +215,18 @@ def smol_dir():
         ("{{ m.content is defined }}{{ m.tool_calls is defined }}", "FalseFalse"),
         # ...and json.dumps refuses the Undefined a missing key gives.
         ("{{ m.content | tojson }}", lightning.TemplateError),
+        # A null equals the literal none, however it is spelled or compared.
+        ("{{ tools == none }}{{ tools != None }}{{ m.meta.v == none }}", "TrueFalseTrue"),
+        ("{{ m.meta.v in [none] }}{{ m.meta.v is sameas none }}{{ none is none }}", "TrueTrueTrue"),
+        (
+            "{% set x = none %}{{ x == m.meta.v }}{{ x is not none }}{{ [none, x] }}",
+            "TrueFalse[None, None]",
+        ),
+        # dict.get of a missing key is Python's None too: equal, and not iterable.
+        ("{{ m.get('nope') == none }}{{ m.get('nope') is none }}", "TrueTrue"),
+        ("{% for t in m.get('nope') %}x{% endfor %}", lightning.TemplateError),
+        # The word stays an attribute name where it is one.
+        ("{{ m.meta.none }}|{{ m.meta['none'] }}|{{ m.meta.None is defined }}", "||False"),
     ],
 )
 def test_null_behaves_like_python_none(smol_hf, src, want):

@@ -15,7 +15,7 @@
 //! so the next prompt extends the previous call's prompt + completion and the
 //! trie collapses the calls into one sample.
 
-use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
+use aho_corasick::AhoCorasick;
 use serde_json::{Map, Value as Json};
 
 use crate::error::CoreError;
@@ -359,27 +359,13 @@ impl Tokenizer {
     /// around an added token is that token's text, kept as text; any other
     /// marker only breaks the text.
     pub fn protected_render(&self, chat: &ChatInput<'_>) -> Result<(String, Vec<Cut>), CoreError> {
-        let controls = self.control_tokens();
-        let ac = if controls.is_empty() {
-            None
-        } else {
-            Some(
-                AhoCorasickBuilder::new()
-                    .match_kind(MatchKind::LeftmostLongest)
-                    .build(&controls)
-                    .map_err(|e| CoreError::Tokenize(e.to_string()))?,
-            )
-        };
-        let messages: Vec<Json> = chat
-            .messages
-            .iter()
-            .map(|m| mark_json(m, ac.as_ref()))
-            .collect();
-        let tools = chat.tools.map(|t| mark_json(t, ac.as_ref()));
+        let ac = self.control_matcher();
+        let messages: Vec<Json> = chat.messages.iter().map(|m| mark_json(m, ac)).collect();
+        let tools = chat.tools.map(|t| mark_json(t, ac));
         let kwargs: Map<String, Json> = chat
             .kwargs
             .iter()
-            .map(|(k, v)| (k.clone(), mark_json(v, ac.as_ref())))
+            .map(|(k, v)| (k.clone(), mark_json(v, ac)))
             .collect();
         let marked = ChatInput {
             messages: &messages,
@@ -388,8 +374,7 @@ impl Tokenizer {
             kwargs,
         };
         let rendered = self.render_chat(&marked)?;
-        let mut added = self.added_token_texts();
-        added.sort_by_key(|t| std::cmp::Reverse(t.len()));
+        let added = self.added_token_texts();
         let mut text = String::with_capacity(rendered.len());
         let mut cuts = Vec::new();
         let mut rest = rendered.as_str();
@@ -567,12 +552,9 @@ impl Tokenizer {
             (self.render_chat(chat)?, Vec::new())
         };
         let located = self.locate_contents(chat, &text);
-        // Control tokens of the markup; protected input text is no boundary.
-        let controls: Vec<(usize, usize)> = self
-            .control_ranges(&text)
-            .into_iter()
-            .filter(|&(a, b)| !cuts.contains(&Cut::Text(a, b)))
-            .collect();
+        // Added-token text, the template's or protected input's alike, is a
+        // boundary a generation may contain whole but never cut.
+        let controls = self.control_ranges(&text);
         let windows = assistant_windows(chat.messages, &located, text.len());
         // Locate each generation's text (with, else without, trailing control
         // tokens) inside an assistant turn, never cutting through a control

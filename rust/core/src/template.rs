@@ -40,6 +40,8 @@ pub struct ChatTemplate {
     /// The template's raw text and string constants, joined by NUL (what
     /// transformers searches for the added tokens a template writes itself).
     literals: String,
+    /// The one `PyNone` of this template: JSON nulls and `none` literals.
+    none: Value,
 }
 
 /// What a render needs besides the template.
@@ -138,7 +140,7 @@ const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning
 /// it shows when a template prints or iterates a message.
 fn normalize_message(m: &Json) -> Json {
     let Json::Object(fields) = m else {
-        return m.clone();
+        return m.clone(); // `render` has refused non-objects already
     };
     let kept = fields.iter().filter(|(_, v)| !v.is_null());
     let reasoning = REASONING_FIELDS
@@ -156,10 +158,6 @@ fn normalize_message(m: &Json) -> Json {
     Json::Object(out)
 }
 
-/// Rewrite transformers' `{% generation %}` / `{% endgeneration %}` into
-/// `{% if true %}` / `{% endif %}`. Found with minijinja's own lexer, so text,
-/// strings, comments and raw blocks that merely spell the tag are untouched,
-/// and the tag's whitespace control (`{%-`, `-%}`) is kept as written.
 /// The raw text and string literals of a template, NUL-joined.
 fn literal_text(source: &str, syntax: SyntaxConfig) -> Result<String, CoreError> {
     let mut parts: Vec<String> = Vec::new();
@@ -173,25 +171,49 @@ fn literal_text(source: &str, syntax: SyntaxConfig) -> Result<String, CoreError>
     Ok(parts.join("\0"))
 }
 
-fn rewrite_generation_tags(source: &str, syntax: SyntaxConfig) -> Result<String, CoreError> {
-    if !source.contains("generation") {
-        return Ok(source.to_owned());
+/// The global the template's `none` literals are renamed to (see `rewrite`).
+const NONE_GLOBAL: &str = "__lightning_none";
+
+/// Two token-exact rewrites, found with minijinja's own lexer so that text,
+/// strings, comments and raw blocks that merely spell them are untouched:
+/// - transformers' `{% generation %}` / `{% endgeneration %}` become
+///   `{% if true %}` / `{% endif %}`, keeping the tag's whitespace control;
+/// - the literal `none` / `None` becomes the one shared [`PyNone`], so that
+///   `tools == none`, `x in [none]` and `{% set x = none %}` see the same
+///   value JSON nulls are (minijinja's own none never equals an object).
+///   Not where the word is a test (`is none`, `is not none`) or an attribute
+///   (`x.none`).
+fn rewrite(source: &str, syntax: SyntaxConfig) -> Result<String, CoreError> {
+    let mut toks = Vec::new();
+    for tok in tokenize(source, false, syntax) {
+        toks.push(tok.map_err(|e| template_error(&e))?);
     }
     let mut edits: Vec<(usize, usize, &str)> = Vec::new();
-    let mut after_block_start = false;
-    for tok in tokenize(source, false, syntax) {
-        let (tok, span) = tok.map_err(|e| template_error(&e))?;
-        if after_block_start {
-            if let Token::Ident(name @ ("generation" | "endgeneration")) = tok {
-                let with = if name == "generation" {
+    for (i, (tok, span)) in toks.iter().enumerate() {
+        let prev = |k: usize| i.checked_sub(k).map(|j| &toks[j].0);
+        let range = (span.start_offset as usize, span.end_offset as usize);
+        match tok {
+            Token::Ident(name @ ("generation" | "endgeneration"))
+                if matches!(prev(1), Some(Token::BlockStart)) =>
+            {
+                let with = if *name == "generation" {
                     "if true"
                 } else {
                     "endif"
                 };
-                edits.push((span.start_offset as usize, span.end_offset as usize, with));
+                edits.push((range.0, range.1, with));
             }
+            Token::Ident("none" | "None") => {
+                let is_test = matches!(prev(1), Some(Token::Ident("is")))
+                    || (matches!(prev(1), Some(Token::Ident("not")))
+                        && matches!(prev(2), Some(Token::Ident("is"))));
+                let attribute = matches!(prev(1), Some(Token::Dot));
+                if !(is_test || attribute) {
+                    edits.push((range.0, range.1, NONE_GLOBAL));
+                }
+            }
+            _ => {}
         }
-        after_block_start = matches!(tok, Token::BlockStart);
     }
     let mut out = source.to_owned();
     for &(a, b, with) in edits.iter().rev() {
@@ -208,10 +230,13 @@ impl ChatTemplate {
             .lstrip_blocks(true)
             .build()
             .map_err(|e| template_error(&e))?;
-        let source = rewrite_generation_tags(source, syntax.clone())?;
-        let literals = literal_text(&source, syntax.clone())?;
+        let literals = literal_text(source, syntax.clone())?;
+        let source = rewrite(source, syntax.clone())?;
+        let none = Value::from_object(PyNone);
+        env.add_global(NONE_GLOBAL, none.clone());
         env.set_syntax(syntax);
-        env.set_unknown_method_callback(|state, value, method, args| {
+        let method_none = none.clone();
+        env.set_unknown_method_callback(move |state, value, method, args| {
             // Python's idea of whitespace for the argument-less forms; the
             // rest of the str/dict methods come from pycompat.
             if let (Some(s), true) = (value.as_str(), args.is_empty()) {
@@ -226,7 +251,9 @@ impl ChatTemplate {
                     _ => {}
                 }
             }
+            // `.get('missing')` and friends give Python's None, the shared one.
             minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+                .map(|v| if v.is_none() { method_none.clone() } else { v })
         });
         // jinja2's trim is `str.strip(chars)`.
         env.add_filter("trim", |s: String, chars: Option<String>| -> String {
@@ -247,6 +274,9 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_filter("indent", indent);
         env.add_test("none", |v: &Value| is_py_none(v));
+        env.add_test("sameas", |a: &Value, b: &Value| {
+            (is_py_none(a) && is_py_none(b)) || minijinja::tests::is_sameas(a, b)
+        });
         // jinja2's select/reject/map filters return nothing for a falsy input
         // (`if value:` guards their loops), and int/float give their default
         // for None: hand them minijinja's none, which they treat that way.
@@ -286,7 +316,11 @@ impl ChatTemplate {
         });
         env.add_template_owned(NAME, source)
             .map_err(|e| template_error(&e))?;
-        Ok(Self { env, literals })
+        Ok(Self {
+            env,
+            literals,
+            none,
+        })
     }
 
     /// Whether `text` occurs in the template's own text or string literals.
@@ -300,20 +334,25 @@ impl ChatTemplate {
             .env
             .get_template(NAME)
             .map_err(|e| template_error(&e))?;
-        let none = Value::from_object(PyNone);
+        if let Some(i) = input.messages.iter().position(|m| !m.is_object()) {
+            return Err(CoreError::InvalidInput(format!(
+                "message {i} is not an object: chat messages are dicts with a role and content"
+            )));
+        }
+        let none = &self.none;
         let mut ctx: Vec<(Value, Value)> = input
             .vars
             .iter()
-            .map(|(k, v)| (Value::from(k.as_str()), to_value(v, &none)))
+            .map(|(k, v)| (Value::from(k.as_str()), to_value(v, none)))
             .collect();
         let messages: Value = input
             .messages
             .iter()
-            .map(|m| to_value(&normalize_message(m), &none))
+            .map(|m| to_value(&normalize_message(m), none))
             .collect();
         let tools = input
             .tools
-            .map_or_else(|| none.clone(), |t| to_value(t, &none));
+            .map_or_else(|| none.clone(), |t| to_value(t, none));
         ctx.extend([
             (Value::from("messages"), messages),
             (Value::from("tools"), tools),
@@ -329,7 +368,7 @@ impl ChatTemplate {
 }
 
 /// Python's `str.isspace`: Unicode White_Space plus the separators U+001C..U+001F.
-fn py_space(c: char) -> bool {
+pub(crate) fn py_space(c: char) -> bool {
     c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
 }
 

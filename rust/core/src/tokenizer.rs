@@ -13,7 +13,7 @@
 //! whether that holds and we fall back to whole-text encoding otherwise.
 
 use ahash::AHashMap as HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use serde_json::Value as Json;
@@ -133,6 +133,14 @@ pub enum Piece {
     },
 }
 
+/// What `protect_content` needs, computed once per tokenizer.
+#[derive(Debug)]
+struct Controls {
+    tokens: Vec<String>,
+    matcher: Option<AhoCorasick>,
+    added: Vec<String>,
+}
+
 /// The tokenizer: HF tokenizer + config + optional chat template + segment cache.
 #[derive(Debug)]
 pub struct Tokenizer {
@@ -141,6 +149,13 @@ pub struct Tokenizer {
     /// never turn into a control token (used for protected text and, being
     /// equivalent on text without added tokens, for every segment).
     plain: tokenizers::Tokenizer,
+    /// `inner` without any added token, for text that must stay text
+    /// (transformers' `_encode_without_added_tokens`); `None` when `plain`
+    /// already has none left (no added token is `normalized`).
+    bare: Option<tokenizers::Tokenizer>,
+    /// The control tokens of `protect_content` and a matcher for them, built
+    /// on first use.
+    controls: OnceLock<Controls>,
     splitter: Option<Splitter>,
     config: TokenizerConfig,
     template: Option<ChatTemplate>,
@@ -340,24 +355,35 @@ impl Tokenizer {
         let plain_bytes = serde_json::to_vec(&doc).map_err(|e| load_err(what, e))?;
         let plain =
             tokenizers::Tokenizer::from_bytes(&plain_bytes).map_err(|e| load_err(what, e))?;
+        let bare = match doc.get_mut("added_tokens") {
+            Some(Json::Array(added)) if !added.is_empty() => {
+                added.clear();
+                let bytes = serde_json::to_vec(&doc).map_err(|e| load_err(what, e))?;
+                Some(tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| load_err(what, e))?)
+            }
+            _ => None,
+        };
 
         let template = match &config.chat_template {
             Some(src) => Some(ChatTemplate::new(src)?),
             None => None,
         };
         // Trust the word path only where it reproduces the pipeline on the probes
-        // it accepts (and it must accept the ASCII one).
+        // it accepts (and it must accept the ASCII one), and never beside
+        // `normalized` added tokens (`bare` exists exactly then): those are
+        // matched after normalization, across the words the regex would cut.
         let words = WordPath::detect(&doc).filter(|w| {
-            WORD_PATH_PROBES.iter().enumerate().all(|(k, probe)| {
-                let mut ids = Vec::new();
-                match w.encode(&plain, probe, &mut ids) {
-                    Ok(true) => plain
-                        .encode_fast(*probe, false)
-                        .is_ok_and(|e| e.get_ids() == ids.as_slice()),
-                    Ok(false) => k > 0,
-                    Err(_) => false,
-                }
-            })
+            bare.is_none()
+                && WORD_PATH_PROBES.iter().enumerate().all(|(k, probe)| {
+                    let mut ids = Vec::new();
+                    match w.encode(&plain, probe, &mut ids) {
+                        Ok(true) => plain
+                            .encode_fast(*probe, false)
+                            .is_ok_and(|e| e.get_ids() == ids.as_slice()),
+                        Ok(false) => k > 0,
+                        Err(_) => false,
+                    }
+                })
         });
         if let Some(w) = &words {
             w.clear();
@@ -365,6 +391,8 @@ impl Tokenizer {
         Ok(Self {
             inner,
             plain,
+            bare,
+            controls: OnceLock::new(),
             splitter,
             config,
             template,
@@ -536,43 +564,70 @@ impl Tokenizer {
     /// token, plus the added tokens listed in `chat_control_tokens` or, without
     /// that list, those the chat template writes in its own text (whitespace
     /// tokens excepted: templates write those as ordinary text).
-    pub fn control_tokens(&self) -> Vec<String> {
-        let listed = self.config.chat_control_tokens.as_ref();
-        let mut added: Vec<_> = self.inner.get_added_tokens_decoder().into_iter().collect();
-        added.sort_by_key(|(id, _)| *id);
-        added
-            .into_iter()
-            .map(|(_, t)| t)
-            .filter(|t| {
-                t.special
-                    || match listed {
-                        Some(list) => list.contains(&t.content),
-                        None => {
-                            !t.content.chars().all(char::is_whitespace)
-                                && self
-                                    .template
-                                    .as_ref()
-                                    .is_some_and(|tpl| tpl.writes_literally(&t.content))
-                        }
-                    }
-            })
-            .map(|t| t.content)
-            .collect()
+    pub fn control_tokens(&self) -> &[String] {
+        &self.controls().tokens
     }
 
-    /// Every added token's text (what a protected render's markers may wrap).
-    pub fn added_token_texts(&self) -> Vec<String> {
-        self.inner
-            .get_added_tokens_decoder()
-            .into_values()
-            .map(|t| t.content)
-            .collect()
+    /// Leftmost-longest matcher for `control_tokens` (None when there are none).
+    pub fn control_matcher(&self) -> Option<&AhoCorasick> {
+        self.controls().matcher.as_ref()
+    }
+
+    /// Every added token's text, longest first (what a protected render's
+    /// markers may wrap).
+    pub fn added_token_texts(&self) -> &[String] {
+        &self.controls().added
+    }
+
+    fn controls(&self) -> &Controls {
+        self.controls.get_or_init(|| {
+            let listed = self.config.chat_control_tokens.as_ref();
+            let mut added: Vec<_> = self.inner.get_added_tokens_decoder().into_iter().collect();
+            added.sort_by_key(|(id, _)| *id);
+            let tokens: Vec<String> = added
+                .iter()
+                .map(|(_, t)| t)
+                .filter(|t| {
+                    t.special
+                        || match listed {
+                            Some(list) => list.contains(&t.content),
+                            None => {
+                                !t.content.chars().all(crate::template::py_space)
+                                    && self
+                                        .template
+                                        .as_ref()
+                                        .is_some_and(|tpl| tpl.writes_literally(&t.content))
+                            }
+                        }
+                })
+                .map(|t| t.content.clone())
+                .collect();
+            // A matcher that cannot be built (it can for any token list)
+            // leaves protection to the markers' absence: nothing is marked.
+            let matcher = (!tokens.is_empty())
+                .then(|| {
+                    AhoCorasickBuilder::new()
+                        .match_kind(MatchKind::LeftmostLongest)
+                        .build(&tokens)
+                        .ok()
+                })
+                .flatten();
+            let mut texts: Vec<String> = added.into_iter().map(|(_, t)| t.content).collect();
+            texts.sort_by_key(|t| std::cmp::Reverse(t.len()));
+            Controls {
+                tokens,
+                matcher,
+                added: texts,
+            }
+        })
     }
 
     /// Encode `text` through normalizer, pre-tokenizer and model only: added
     /// tokens are not split out, so it never yields a control token from them.
     pub fn encode_text_only(&self, text: &str) -> Result<Vec<u32>, CoreError> {
-        self.plain
+        self.bare
+            .as_ref()
+            .unwrap_or(&self.plain)
             .encode_fast(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| CoreError::Tokenize(e.to_string()))
