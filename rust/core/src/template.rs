@@ -783,6 +783,52 @@ mod tests {
         );
     }
 
+    fn render(src: &str, vars: Json) -> String {
+        let t = ChatTemplate::new(src).unwrap();
+        let Json::Object(vars) = vars else {
+            panic!("vars must be an object")
+        };
+        t.render(&RenderInput {
+            vars,
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn python_splitlines() {
+        assert_eq!(py_splitlines("a\r\nb\rc\n"), ["a", "b", "c"]);
+        assert_eq!(py_splitlines("x\u{2028}y\u{85}"), ["x", "y"]);
+        assert_eq!(py_splitlines("\n"), [""]);
+        assert!(py_splitlines("").is_empty());
+    }
+
+    #[test]
+    fn rewrite_touches_only_the_tags_and_none_values() {
+        let src = "{% raw %}{% generation %} == none{% endraw %}{{ x.none }}{{ y is none }}\
+                   {{ y is not None }}{{ y == none }}{{ 'none' }}";
+        let out = rewrite(src, SyntaxConfig::default()).unwrap();
+        assert_eq!(
+            out,
+            "{% raw %}{% generation %} == none{% endraw %}{{ x.none }}{{ y is none }}\
+             {{ y is not None }}{{ y == __lightning_none }}{{ 'none' }}"
+        );
+        let rendered = render(
+            "{%- generation -%} a {% endgeneration %}|{{ y == none }}{{ y != None }}",
+            serde_json::json!({"y": null}),
+        );
+        assert_eq!(rendered, "a |TrueFalse");
+    }
+
+    #[test]
+    fn indent_keeps_a_trailing_newline_like_jinja2() {
+        let out = render(
+            "{{ '{\\n' | indent(4, first=true) }}|{{ 'a\\nb' | indent(2) }}",
+            serde_json::json!({}),
+        );
+        assert_eq!(out, "    {\n|a\n  b");
+    }
+
     #[test]
     fn raise_exception_message_passes_through() {
         let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}").unwrap();
