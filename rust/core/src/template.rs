@@ -8,16 +8,23 @@
 //! string/dict methods (`.strip()`, `.split()`, `.items()`, ...) come from
 //! minijinja-contrib's pycompat callback.
 //!
-//! Two places where minijinja and jinja2 differ are bridged here:
+//! Where minijinja and jinja2 (or transformers' preprocessing) differ, we
+//! bridge the gap here:
 //! - transformers' `{% generation %}...{% endgeneration %}` tag (it marks the
 //!   assistant tokens for `return_assistant_tokens_mask` and renders its body
 //!   unchanged) is rewritten, token-exactly, into `{% if true %}...{% endif %}`;
-//! - JSON null becomes [`PyNone`], which behaves like Python's `None` where
-//!   minijinja's own none does not: it cannot be iterated.
+//! - JSON null and the template's `none` literals are one [`PyNone`], which
+//!   behaves like Python's `None` where minijinja's own none does not: it
+//!   cannot be iterated (select/map-style filters still give nothing for it);
+//! - messages lose their None-valued keys and get their reasoning aliased,
+//!   as transformers 5 does before rendering (`normalize_message`);
+//! - jinja2's `indent`, `trim`, `.strip()`/`.split()` whitespace, and
+//!   `tojson` refusing Undefined.
 //!
-//! Known difference left alone: markupsafe escapes plain strings added to a
-//! `|safe` string (`"a"|safe + x|tojson` gives `&#34;` in jinja2); minijinja
-//! concatenates without escaping.
+//! Known differences left alone: markupsafe escapes plain strings added to a
+//! `|safe` string (`"a"|safe + x|tojson` gives `&#34;` in jinja2; minijinja
+//! concatenates without escaping); minijinja's `map` is a list where jinja2's
+//! generator makes `tojson` raise; `x in none` is false instead of raising.
 
 use std::borrow::Cow;
 use std::fmt;
