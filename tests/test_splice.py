@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import lightning
-from tokenizer_fixtures import load_pair
+from tokenizer_fixtures import hf_ids, load_pair
 
 
 def _turns(tok, user_texts, gens_text_ids):
@@ -58,10 +58,8 @@ def test_splice_reports_rewritten_generations():
     # sanitize_control_tokens=True renders (and encodes) exactly the same.
     p = tok.splice(msgs, [gen])
     assert p.unmatched == [0] and "\n\n\nFour." in p.text
-    want = hf.apply_chat_template(
-        msgs, tokenize=True, sanitize_control_tokens=True, add_generation_prompt=True
-    )
-    assert list(p.ids) == list(want["input_ids"] if hasattr(want, "keys") else want)
+    want = hf_ids(hf, msgs, sanitize_control_tokens=True, add_generation_prompt=True)
+    assert list(p.ids) == want
 
 
 def test_splice_protects_content(smol):
@@ -215,13 +213,8 @@ def test_protect_content_when_template_rewrites_content():
     assert "<think>" not in text  # the template did rewrite the content
     ids = list(tok.encode_chat(msgs, protect_content=True))
     assert ids.count(end) == 3 and tok.decode(ids) == text.replace("\nok", "\n\n\nok")
-    assert ids == _hf_sanitized(hf, msgs)
+    assert ids == hf_ids(hf, msgs, sanitize_control_tokens=True)
     assert list(tok.encode_chat(msgs, protect_content=False)).count(end) == 4
-
-
-def _hf_sanitized(hf, msgs, **kw):
-    out = hf.apply_chat_template(msgs, tokenize=True, sanitize_control_tokens=True, **kw)
-    return [int(x) for x in (out["input_ids"] if hasattr(out, "keys") else out)]
 
 
 PROTECT_PAIRS = [
@@ -276,7 +269,7 @@ def test_protect_content_equals_transformers_sanitize(stem, template, contents, 
     ]
     kw = {"add_generation_prompt": True, "date_string": "26 Jul 2024"}
     try:
-        want = _hf_sanitized(hf, msgs, tools=tools, **kw)
+        want = hf_ids(hf, msgs, sanitize_control_tokens=True, tools=tools, **kw)
     except Exception:  # the template rejects the conversation
         with pytest.raises(lightning.LightningError):
             tok.encode_chat(msgs, tools=tools, protect_content=True, **kw)
@@ -303,9 +296,7 @@ def test_protect_normalized_added_token(tmp_path):
     assert not tok.word_path  # normalized added tokens span the words it would cut
     tool = tok.token_to_id("<tool>")
     msgs = [{"role": "user", "content": "a <tool> b<tool>"}]
-    assert list(tok.encode_chat(msgs)) == [
-        int(x) for x in hf.apply_chat_template(msgs)["input_ids"]
-    ]
+    assert list(tok.encode_chat(msgs)) == hf_ids(hf, msgs)
     protected = list(tok.encode_chat(msgs, protect_content=True))
     assert protected.count(tool) == 1  # the template's own
-    assert protected == _hf_sanitized(hf, msgs)
+    assert protected == hf_ids(hf, msgs, sanitize_control_tokens=True)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lightning
-from tokenizer_fixtures import load_pair
+from tokenizer_fixtures import hf_ids, load_pair
 
 TOOLS = [
     {
@@ -70,11 +70,6 @@ TEMPLATES = [
     ("phi-3", "microsoft-Phi-3.5-mini-instruct.jinja"),
 ]
 KWARGS = {"date_string": "26 Jul 2024"}
-
-
-def hf_ids(hf, messages, **kw):
-    out = hf.apply_chat_template(messages, tokenize=True, **kw)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def check(ours, hf, messages, *, tools=None, agp=True, **kw):

@@ -21,13 +21,13 @@ import functools
 import html
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 import lightning
-from test_template import CONVERSATIONS, KWARGS, TOOLS, hf_ids
-from tokenizer_fixtures import build_all, root
+from lightning.models import smollm2_dir
+from test_template import CONVERSATIONS, KWARGS, TOOLS
+from tokenizer_fixtures import build_all, hf_ids, root
 
 CALL_STR = {
     "id": "call_1",
@@ -94,8 +94,6 @@ KNOWN = {
 @functools.cache
 def _pair(template: str):
     from transformers import AutoTokenizer
-
-    from lightning.models import smollm2_dir
 
     src = (root() / "templates" / template).read_text(encoding="utf-8")
     stem = next((v for k, v in FAMILY.items() if template.startswith(k)), None)
@@ -183,17 +181,11 @@ def test_generation_tag_renders_its_body():
         "{%- endgeneration %}|{% endfor %}{% raw %}{% generation %}{% endraw %}"
         "{{ '{% generation %}' }}"
     )
-    tok = lightning.Tokenizer.from_dir(Path(smol_dir()), chat_template=src)
+    tok = lightning.Tokenizer.from_dir(smollm2_dir(), chat_template=src)
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     # Body rendered as is; the whitespace control on the tag is kept; raw
     # blocks and strings that spell the tag stay text.
     assert tok.render_chat(msgs) == "user:a|assistant:b|{% generation %}{% generation %}"
-
-
-def smol_dir():
-    from lightning.models import smollm2_dir
-
-    return smollm2_dir()
 
 
 @pytest.mark.parametrize(
@@ -231,7 +223,7 @@ def smol_dir():
 )
 def test_null_behaves_like_python_none(smol_hf, src, want):
     src = "{% set m = messages[0] %}" + src
-    tok = lightning.Tokenizer.from_dir(smol_dir(), chat_template=src)
+    tok = lightning.Tokenizer.from_dir(smollm2_dir(), chat_template=src)
     msgs = [{"role": "user", "content": None, "tool_calls": None, "meta": {"v": None}}]
 
     def theirs():
@@ -262,7 +254,7 @@ def test_reasoning_fields_aliased_like_transformers(smol_hf, message):
     src = (
         "{% for m in messages %}{{ m }}|{% for k, v in m.items() %}{{ k }},{% endfor %}{% endfor %}"
     )
-    tok = lightning.Tokenizer.from_dir(smol_dir(), chat_template=src)
+    tok = lightning.Tokenizer.from_dir(smollm2_dir(), chat_template=src)
     want = smol_hf.apply_chat_template([message], chat_template=src, tokenize=False)
     assert tok.render_chat([message]) == want
 
@@ -281,7 +273,7 @@ def test_filter_parity(smol_hf, src):
     # compared with transformers' render of the same template.
     src = "{% set m = messages[0] %}" + src
     msgs = [{"role": "user", "content": {"k": [1, "two"], "n": None}}]
-    tok = lightning.Tokenizer.from_dir(smol_dir(), chat_template=src)
+    tok = lightning.Tokenizer.from_dir(smollm2_dir(), chat_template=src)
     assert tok.render_chat(msgs) == smol_hf.apply_chat_template(
         msgs, chat_template=src, tokenize=False
     )
@@ -306,10 +298,9 @@ def test_corpus_protect_content_equals_sanitize(template: str):
         **TEMPLATE_INPUTS.get(template, {}).get("kwargs", {}),
     }
     try:
-        out = hf.apply_chat_template(INJECTION, tokenize=True, sanitize_control_tokens=True, **kw)
+        want = hf_ids(hf, INJECTION, sanitize_control_tokens=True, **kw)
     except Exception:  # the template rejects the conversation
         with pytest.raises(lightning.LightningError):
             ours.encode_chat(INJECTION, protect_content=True, **kw)
         return
-    want = list(out["input_ids"] if hasattr(out, "keys") else out)
     assert list(ours.encode_chat(INJECTION, protect_content=True, **kw)) == want

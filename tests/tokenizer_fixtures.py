@@ -246,6 +246,13 @@ def smollm2() -> Path:
     return smollm2_dir()
 
 
+def hf_ids(hf, messages, **kw) -> list[int]:
+    """transformers' `apply_chat_template(tokenize=True)` ids as a list
+    (it returns a BatchEncoding or a plain list depending on version)."""
+    out = hf.apply_chat_template(messages, tokenize=True, **kw)
+    return [int(x) for x in (out["input_ids"] if hasattr(out, "keys") else out)]
+
+
 if __name__ == "__main__":
     for stem, info in build_all().items():
         print(f"{stem:16} {info}")

@@ -359,7 +359,7 @@ impl Tokenizer {
     /// around an added token is that token's text, kept as text; any other
     /// marker only breaks the text.
     pub fn protected_render(&self, chat: &ChatInput<'_>) -> Result<(String, Vec<Cut>), CoreError> {
-        let ac = self.control_matcher();
+        let ac = self.control_matcher()?;
         let messages: Vec<Json> = chat.messages.iter().map(|m| mark_json(m, ac)).collect();
         let tools = chat.tools.map(|t| mark_json(t, ac));
         let kwargs: Map<String, Json> = chat

@@ -17,7 +17,7 @@
 //!   behaves like Python's `None` where minijinja's own none does not: it
 //!   cannot be iterated (select/map-style filters still give nothing for it);
 //! - messages lose their None-valued keys and get their reasoning aliased,
-//!   as transformers 5 does before rendering (`normalize_message`);
+//!   as transformers 5 does before rendering (`message_value`);
 //! - jinja2's `indent`, `trim`, `.strip()`/`.split()` whitespace, and
 //!   `tojson` refusing Undefined.
 //!
@@ -145,44 +145,52 @@ const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning
 /// template reads reasoning whatever the client called it. Key order is kept
 /// as Python's `{"thinking": r, **message, "reasoning_content": r}` builds it:
 /// it shows when a template prints or iterates a message.
-fn normalize_message(m: &Json) -> Json {
+fn message_value(m: &Json, none: &Value) -> Value {
     let Json::Object(fields) = m else {
-        return m.clone(); // `render` has refused non-objects already
+        return to_value(m, none); // `render` has refused non-objects already
     };
-    let kept = fields.iter().filter(|(_, v)| !v.is_null());
+    let kept = fields
+        .iter()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, v)| (k.as_str(), v));
     let reasoning = REASONING_FIELDS
         .iter()
         .find_map(|k| fields.get(*k).filter(|v| !v.is_null()));
-    let Some(r) = reasoning else {
-        return Json::Object(kept.map(|(k, v)| (k.clone(), v.clone())).collect());
-    };
-    let mut out = Map::new();
-    out.insert("thinking".into(), r.clone());
-    for (k, v) in kept {
-        out.insert(k.clone(), v.clone());
-    }
-    out.insert("reasoning_content".into(), r.clone());
-    Json::Object(out)
-}
-
-/// The raw text and string literals of a template, NUL-joined.
-fn literal_text(source: &str, syntax: SyntaxConfig) -> Result<String, CoreError> {
-    let mut parts: Vec<String> = Vec::new();
-    for tok in tokenize(source, false, syntax) {
-        match tok.map_err(|e| template_error(&e))?.0 {
-            Token::TemplateData(s) | Token::Str(s) => parts.push(s.to_owned()),
-            Token::String(s) => parts.push(s.into_string()),
-            _ => {}
+    let pairs: Vec<(&str, &Json)> = match reasoning {
+        None => kept.collect(),
+        Some(r) => {
+            // An existing key keeps its place and takes the later value.
+            let mut out = vec![("thinking", r)];
+            for (k, v) in kept {
+                if k == "thinking" {
+                    out[0].1 = v;
+                } else {
+                    out.push((k, v));
+                }
+            }
+            match out.iter_mut().find(|(k, _)| *k == "reasoning_content") {
+                Some(slot) => slot.1 = r,
+                None => out.push(("reasoning_content", r)),
+            }
+            out
         }
-    }
-    Ok(parts.join("\0"))
+    };
+    Value::from_pairs(
+        pairs
+            .into_iter()
+            .map(|(k, v)| (Value::from(k), to_value(v, none)))
+            .collect::<Vec<_>>(),
+    )
 }
 
 /// The global the template's `none` literals are renamed to (see `rewrite`).
 const NONE_GLOBAL: &str = "__lightning_none";
 
-/// Two token-exact rewrites, found with minijinja's own lexer so that text,
-/// strings, comments and raw blocks that merely spell them are untouched:
+/// One pass of minijinja's own lexer over the source gives the template's raw
+/// text and string literals (NUL-joined: what transformers searches for the
+/// added tokens a template writes itself) and two token-exact rewrites, so
+/// that text, strings, comments and raw blocks that merely spell them are
+/// untouched:
 /// - transformers' `{% generation %}` / `{% endgeneration %}` become
 ///   `{% if true %}` / `{% endif %}`, keeping the tag's whitespace control;
 /// - the literal `none` / `None` becomes the one shared [`PyNone`], so that
@@ -190,11 +198,12 @@ const NONE_GLOBAL: &str = "__lightning_none";
 ///   value JSON nulls are (minijinja's own none never equals an object).
 ///   Not where the word is a test (`is none`, `is not none`) or an attribute
 ///   (`x.none`).
-fn rewrite(source: &str, syntax: SyntaxConfig) -> Result<String, CoreError> {
+fn rewrite(source: &str, syntax: SyntaxConfig) -> Result<(String, String), CoreError> {
     let mut toks = Vec::new();
     for tok in tokenize(source, false, syntax) {
         toks.push(tok.map_err(|e| template_error(&e))?);
     }
+    let mut literals: Vec<&str> = Vec::new();
     let mut edits: Vec<(usize, usize, &str)> = Vec::new();
     for (i, (tok, span)) in toks.iter().enumerate() {
         let prev = |k: usize| i.checked_sub(k).map(|j| &toks[j].0);
@@ -210,6 +219,8 @@ fn rewrite(source: &str, syntax: SyntaxConfig) -> Result<String, CoreError> {
                 };
                 edits.push((range.0, range.1, with));
             }
+            Token::TemplateData(t) | Token::Str(t) => literals.push(t),
+            Token::String(t) => literals.push(t),
             Token::Ident("none" | "None") => {
                 let is_test = matches!(prev(1), Some(Token::Ident("is")))
                     || (matches!(prev(1), Some(Token::Ident("not")))
@@ -222,11 +233,12 @@ fn rewrite(source: &str, syntax: SyntaxConfig) -> Result<String, CoreError> {
             _ => {}
         }
     }
+    let literals = literals.join("\0");
     let mut out = source.to_owned();
     for &(a, b, with) in edits.iter().rev() {
         out.replace_range(a..b, with);
     }
-    Ok(out)
+    Ok((out, literals))
 }
 
 impl ChatTemplate {
@@ -237,8 +249,7 @@ impl ChatTemplate {
             .lstrip_blocks(true)
             .build()
             .map_err(|e| template_error(&e))?;
-        let literals = literal_text(source, syntax.clone())?;
-        let source = rewrite(source, syntax.clone())?;
+        let (source, literals) = rewrite(source, syntax.clone())?;
         let none = Value::from_object(PyNone);
         env.add_global(NONE_GLOBAL, none.clone());
         env.set_syntax(syntax);
@@ -355,7 +366,7 @@ impl ChatTemplate {
         let messages: Value = input
             .messages
             .iter()
-            .map(|m| to_value(&normalize_message(m), none))
+            .map(|m| message_value(m, none))
             .collect();
         let tools = input
             .tools
@@ -814,7 +825,8 @@ mod tests {
     fn rewrite_touches_only_the_tags_and_none_values() {
         let src = "{% raw %}{% generation %} == none{% endraw %}{{ x.none }}{{ y is none }}\
                    {{ y is not None }}{{ y == none }}{{ 'none' }}";
-        let out = rewrite(src, SyntaxConfig::default()).unwrap();
+        let (out, literals) = rewrite(src, SyntaxConfig::default()).unwrap();
+        assert!(literals.contains("{% generation %} == none") && literals.contains("none"));
         assert_eq!(
             out,
             "{% raw %}{% generation %} == none{% endraw %}{{ x.none }}{{ y is none }}\

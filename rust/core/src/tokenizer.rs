@@ -58,10 +58,6 @@ pub struct TokenizerConfig {
     pub chat_control_tokens: Option<Vec<String>>,
 }
 
-fn token_string_of(v: &Json) -> Option<String> {
-    token_string(Some(v))
-}
-
 fn token_string(v: Option<&Json>) -> Option<String> {
     match v? {
         Json::String(s) => Some(s.clone()),
@@ -107,7 +103,7 @@ impl TokenizerConfig {
             chat_control_tokens: v
                 .get("chat_control_tokens")
                 .and_then(Json::as_array)
-                .map(|a| a.iter().filter_map(token_string_of).collect()),
+                .map(|a| a.iter().filter_map(|t| token_string(Some(t))).collect()),
         })
     }
 }
@@ -136,8 +132,9 @@ pub enum Piece {
 /// What `protect_content` needs, computed once per tokenizer.
 #[derive(Debug)]
 struct Controls {
-    tokens: Vec<String>,
-    matcher: Option<AhoCorasick>,
+    /// None when there is no control token; an error (kept to be reported on
+    /// every protected encode, never to protect nothing) if it cannot be built.
+    matcher: Result<Option<AhoCorasick>, String>,
     added: Vec<String>,
 }
 
@@ -145,9 +142,8 @@ struct Controls {
 #[derive(Debug)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
-    /// `inner` without the split-out added tokens: encodes text so that it can
-    /// never turn into a control token (used for protected text and, being
-    /// equivalent on text without added tokens, for every segment).
+    /// `inner` without the split-out added tokens: encodes the text between
+    /// them (being equivalent there, for every segment).
     plain: tokenizers::Tokenizer,
     /// `inner` without any added token, for text that must stay text
     /// (transformers' `_encode_without_added_tokens`); `None` when `plain`
@@ -559,18 +555,19 @@ impl Tokenizer {
         self.words.is_some()
     }
 
-    /// The tokens user text must not produce under `protect_content`, as
+    /// A leftmost-longest matcher for the tokens user text must not produce
+    /// under `protect_content` (None when there are none), picked as
     /// transformers' `sanitize_control_tokens` picks them: every special added
     /// token, plus the added tokens listed in `chat_control_tokens` or, without
     /// that list, those the chat template writes in its own text (whitespace
     /// tokens excepted: templates write those as ordinary text).
-    pub fn control_tokens(&self) -> &[String] {
-        &self.controls().tokens
-    }
-
-    /// Leftmost-longest matcher for `control_tokens` (None when there are none).
-    pub fn control_matcher(&self) -> Option<&AhoCorasick> {
-        self.controls().matcher.as_ref()
+    pub fn control_matcher(&self) -> Result<Option<&AhoCorasick>, CoreError> {
+        match &self.controls().matcher {
+            Ok(m) => Ok(m.as_ref()),
+            Err(e) => Err(CoreError::Tokenize(format!(
+                "cannot match this tokenizer's control tokens: {e}"
+            ))),
+        }
     }
 
     /// Every added token's text, longest first (what a protected render's
@@ -602,20 +599,18 @@ impl Tokenizer {
                 })
                 .map(|t| t.content.clone())
                 .collect();
-            // A matcher that cannot be built (it can for any token list)
-            // leaves protection to the markers' absence: nothing is marked.
-            let matcher = (!tokens.is_empty())
-                .then(|| {
-                    AhoCorasickBuilder::new()
-                        .match_kind(MatchKind::LeftmostLongest)
-                        .build(&tokens)
-                        .ok()
-                })
-                .flatten();
+            let matcher = if tokens.is_empty() {
+                Ok(None)
+            } else {
+                AhoCorasickBuilder::new()
+                    .match_kind(MatchKind::LeftmostLongest)
+                    .build(&tokens)
+                    .map(Some)
+                    .map_err(|e| e.to_string())
+            };
             let mut texts: Vec<String> = added.into_iter().map(|(_, t)| t.content).collect();
             texts.sort_by_key(|t| std::cmp::Reverse(t.len()));
             Controls {
-                tokens,
                 matcher,
                 added: texts,
             }
