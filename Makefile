@@ -32,6 +32,8 @@ build: venv
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --quiet
 
 lint: venv
+	# A tracked symlink that leaves the repository breaks every fresh clone.
+	$(PY) .ci/check_links.py
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --release -- -D warnings
 	$(VENV)/bin/ruff check python tests benches examples
