@@ -56,7 +56,25 @@ class EngineSection(_Section):
 
     kind: Literal["embedded", "external"] = "embedded"
     urls: list[str] = Field(default_factory=list)
-    weight_sync: Literal["embedded", "sglang", "none"] = "embedded"
+    # How new weights reach external engines (lightning.weight_sync; "sglang" is
+    # the older name of "sglang-disk").
+    weight_sync: Literal[
+        "embedded",
+        "sglang",
+        "sglang-disk",
+        "sglang-distributed",
+        "sglang-tensor",
+        "vllm-disk",
+        "vllm-nccl",
+        "none",
+    ] = "embedded"
+    # For the distributed syncs: where the trainer hosts the transfer group, each
+    # engine's number of workers (TP x PP x DP; default 1 each), and for SGLang an
+    # optional pause around updates ("none": in-flight requests finish first).
+    sync_master_address: str = "127.0.0.1"
+    sync_master_port: int = 0
+    sync_world_sizes: list[int] = Field(default_factory=list)
+    sync_pause: Literal["none", "abort", "retract"] = "none"
     host: str = "127.0.0.1"
     port: int = 0
     max_batch: int = 16

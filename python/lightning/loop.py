@@ -39,6 +39,7 @@ import httpx
 
 from lightning.config import RunConfig
 from lightning.runner import RolloutResult, Runner, load_callable
+from lightning.weight_sync import WeightSync, WeightUpdate, make_weight_sync
 
 log = logging.getLogger("lightning.loop")
 
@@ -132,15 +133,6 @@ class EmbeddedEngine:
             f"embedded engine not ready after {timeout_s:g}s; see {self.log_file.name}"
         )
 
-    def load_weights(self, path: Path, version: int) -> None:
-        r = httpx.post(
-            self.root + "/admin/load_weights",
-            json={"path": str(path), "version": version},
-            timeout=600.0,
-        )
-        if r.status_code != 200:
-            raise RuntimeError(f"engine refused weights from {path}: {r.status_code} {r.text}")
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -152,24 +144,18 @@ class EmbeddedEngine:
         self.log_file.close()
 
 
-def push_weights_external(urls: Sequence[str], kind: str, path: Path, version: int) -> None:
-    """Weight sync for engines lightning did not start (DESIGN.md §7)."""
-    for url in urls:
-        root = url.rstrip("/").removesuffix("/v1")
-        if kind == "embedded":
-            r = httpx.post(
-                root + "/admin/load_weights",
-                json={"path": str(path), "version": version},
-                timeout=600.0,
-            )
-        elif kind == "sglang":
-            r = httpx.post(
-                root + "/update_weights_from_disk", json={"model_path": str(path)}, timeout=600.0
-            )
-        else:
-            return
-        if r.status_code != 200:
-            raise RuntimeError(f"{root} refused weights from {path}: {r.status_code} {r.text}")
+def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
+    """The engines' own weight-update API (lightning.weight_sync, DESIGN.md §7)."""
+    e = cfg.engine
+    kind = "embedded" if e.kind == "embedded" else e.weight_sync
+    return make_weight_sync(
+        "sglang-disk" if kind == "sglang" else kind,
+        upstreams,
+        master_address=e.sync_master_address,
+        master_port=e.sync_master_port,
+        world_sizes=e.sync_world_sizes or None,
+        pause_mode=e.sync_pause,
+    )
 
 
 @dataclass
@@ -273,6 +259,9 @@ class Run:
         else:
             self.engine = None
             upstreams = list(cfg.engine.urls)
+        self.weight_sync = _make_weight_sync(cfg, upstreams)
+        self._stack.callback(self.weight_sync.close)
+        self.weight_sync.setup()
 
         self.admin_key = cfg.gateway.admin_key or secrets.token_urlsafe(24)
         db = cfg.gateway.db or str(self.out / "lightning.db")
@@ -351,14 +340,8 @@ class Run:
         try:
             path = self.out / "weights" / f"v{version}"
             self.trainer.export_weights(str(path))
-            if self.engine is not None:
-                self.engine.load_weights(path, version)
-                upstreams = [self.engine.url]
-            else:
-                push_weights_external(
-                    self.config.engine.urls, self.config.engine.weight_sync, path, version
-                )
-                upstreams = list(self.config.engine.urls)
+            self.weight_sync.push(WeightUpdate(version=version, path=path))
+            upstreams = [self.engine.url] if self.engine is not None else self.config.engine.urls
             self.client.set_upstreams([{"url": u, "weight_version": version} for u in upstreams])
             # Only the newest weights are needed from now on.
             for old in (self.out / "weights").glob("v*"):

@@ -1,0 +1,354 @@
+"""Fake vLLM and SGLang weight-update servers: real HTTP on loopback, exact wire shapes.
+
+They stand in for the engines' RL control planes only (no generation). Each keeps a
+log of ``(route, body)`` in arrival order and refuses what the real server would
+refuse, with the real server's status: a body that does not fit the request model
+(vLLM is FastAPI: 422; SGLang answers ``{"success": false}`` with 400), a weight
+update outside the documented order (pause → start → update+ → finish → resume for
+vLLM; 400 here, where vLLM's worker raises), a transfer before the group exists.
+
+Payload models mirror, field for field:
+- vLLM ``vllm/entrypoints/rl/online/api_router.py`` (routes, ``Body(embed=True)``
+  wrappers, ``mode`` as a query parameter), ``NCCLWeightTransferInitInfo``,
+  ``NCCLWeightTransferUpdateInfo`` (``weight_transfer/nccl_engine.py``),
+  ``DiskWeightTransferUpdateInfo`` (``weight_transfer/disk_engine.py``);
+- SGLang ``python/sglang/srt/managers/io_struct.py`` (``InitWeightsUpdateGroupReqInput``,
+  ``UpdateWeightsFromDistributedReqInput``, ``UpdateWeightFromDiskReqInput``,
+  ``UpdateWeightsFromTensorReqInput``, ``PauseGenerationReqInput``).
+
+The data plane is real too: on init the fake joins the trainer's process group
+(gloo, ``lightning.weight_sync.join_group``) as ``rank_offset`` and on update
+receives one broadcast per tensor, so tests compare what arrived with what was sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import parse_qs, urlparse
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- vLLM ---------------------------------------------------------------------------
+
+
+class VllmNcclInit(_Strict):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+
+
+class VllmNcclUpdate(_Strict):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    packed: bool = False
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+
+    @model_validator(mode="after")
+    def _lengths(self) -> VllmNcclUpdate:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError("`dtype_names` and `shapes` should be of the same size as `names`")
+        return self
+
+
+class VllmDiskUpdate(_Strict):
+    path: str
+
+    @model_validator(mode="after")
+    def _dir(self) -> VllmDiskUpdate:
+        p = Path(self.path)
+        if not p.is_absolute() or not p.is_dir():
+            raise ValueError("`path` must be an absolute local directory")
+        if not any(f.suffix == ".safetensors" for f in p.iterdir()):
+            raise ValueError("Shared-disk checkpoint directory contains no safetensors files")
+        return self
+
+
+# -- SGLang -------------------------------------------------------------------------
+
+
+class SglInitGroup(_Strict):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class SglFromDistributed(_Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    torch_empty_cache: bool = False
+
+
+class SglFromDisk(_Strict):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+
+
+class SglFromTensor(_Strict):
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    disable_draft_model: bool | None = None
+    torch_empty_cache: bool = False
+
+
+class SglPause(_Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class SglContinue(_Strict):
+    torch_empty_cache: bool = True
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        self.status, self.body = status, body
+
+
+class FakeEngine:
+    """Base: a threaded HTTP server whose routes are methods ``r_<name>``."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Any]] = []
+        self.lock = threading.Lock()
+        self.weights: dict[str, Any] = {}
+        self.version: str | None = None
+        self.group: Any = None
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                url = urlparse(self.path)
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.loads(raw) if raw else None
+                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                route = url.path.strip("/").replace("/", "_")
+                with fake.lock:
+                    fake.log.append((route, body if body is not None else query))
+                handler = getattr(fake, "r_" + route, None)
+                try:
+                    if handler is None:
+                        raise _Refused(404, {"detail": "Not Found"})
+                    status, answer = 200, handler(body, query)
+                except _Refused as e:
+                    status, answer = e.status, e.body
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def routes(self) -> list[str]:
+        return [r for r, _ in self.log]
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    # -- shared data plane ------------------------------------------------------
+
+    def _join(self, address: str, port: int, rank: int, world: int, name: str) -> None:
+        from lightning.weight_sync import join_group
+
+        self.group = join_group(
+            address,
+            port,
+            rank=rank,
+            world_size=world,
+            backend="gloo",
+            group_name=name,
+            timeout_s=60.0,
+        )
+
+    def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        import torch
+
+        if self.group is None:
+            raise _Refused(400, {"error": "weight transfer not initialized"})
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            buf = torch.empty(shape, dtype=getattr(torch, dtype))
+            self.group.broadcast(buf, 0).wait()
+            self.weights[name] = buf
+
+    def _load_dir(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        for f in sorted(Path(path).glob("*.safetensors")):
+            self.weights.update(load_file(str(f)))
+
+
+def _parse(model: type[BaseModel], body: Any, status: int, shape: str = "fastapi") -> Any:
+    try:
+        return model.model_validate(body if body is not None else {})
+    except ValidationError as e:
+        if shape == "fastapi":
+            raise _Refused(status, {"detail": json.loads(e.json())}) from e
+        raise _Refused(status, {"success": False, "message": str(e)}) from e
+
+
+class FakeVllm(FakeEngine):
+    """vLLM ``--weight-transfer-config '{"backend": ...}'`` with VLLM_SERVER_DEV_MODE=1."""
+
+    def __init__(self, backend: Literal["nccl", "disk"]) -> None:
+        super().__init__()
+        self.backend = backend
+        self.paused = False
+        self.pause_modes: list[str] = []
+        self.session = False
+        self.updates_in_session = 0
+        self.initialized = False
+
+    def _embedded(self, body: Any, key: str) -> Any:
+        if not isinstance(body, dict) or set(body) != {key}:
+            raise _Refused(422, {"detail": f"body must be {{{key!r}: ...}}"})
+        return body[key]
+
+    def r_pause(self, body: Any, query: dict[str, str]) -> Any:
+        mode = query.get("mode", "abort")
+        if mode not in ("abort", "wait", "keep"):
+            raise _Refused(422, {"detail": f"invalid mode {mode!r}"})
+        self.paused = True
+        self.pause_modes.append(mode)
+        return {"status": "paused"}
+
+    def r_resume(self, body: Any, query: dict[str, str]) -> Any:
+        self.paused = False
+        return {"status": "resumed"}
+
+    def r_init_weight_transfer_engine(self, body: Any, query: dict[str, str]) -> Any:
+        info = self._embedded(body, "init_info")
+        if self.backend == "nccl":
+            init = _parse(VllmNcclInit, info, 422)
+            self._join(init.master_address, init.master_port, init.rank_offset, init.world_size, "")
+        elif info != {}:
+            raise _Refused(422, {"detail": "disk backend takes empty init_info"})
+        self.initialized = True
+        return {"message": "Weight transfer initialized"}
+
+    def r_start_weight_update(self, body: Any, query: dict[str, str]) -> Any:
+        if not self.initialized:
+            raise _Refused(400, {"error": "init_weight_transfer_engine first"})
+        if not self.paused:
+            raise _Refused(400, {"error": "weight update while generating (pause first)"})
+        if self.session:
+            raise _Refused(400, {"error": "A weight update is already active"})
+        self.session, self.updates_in_session = True, 0
+        return {"message": "Weight update started"}
+
+    def r_update_weights(self, body: Any, query: dict[str, str]) -> Any:
+        info = self._embedded(body, "update_info")
+        if not self.session:
+            raise _Refused(400, {"error": "start_weight_update must be called first"})
+        if self.backend == "nccl":
+            upd = _parse(VllmNcclUpdate, info, 422)
+            if upd.packed:
+                raise _Refused(400, {"error": "fake receives unpacked broadcasts only"})
+            self._receive(upd.names, upd.dtype_names, upd.shapes)
+        else:
+            self._load_dir(_parse(VllmDiskUpdate, info, 422).path)
+        self.updates_in_session += 1
+        return {"message": "Weights updated"}
+
+    def r_finish_weight_update(self, body: Any, query: dict[str, str]) -> Any:
+        if not isinstance(body, dict) or not set(body) <= {"weight_version"}:
+            raise _Refused(422, {"detail": "body must be {'weight_version': str | None}"})
+        if not self.session or self.updates_in_session == 0:
+            raise _Refused(400, {"error": "No checkpoint was loaded during the update session"})
+        self.session = False
+        self.version = body.get("weight_version")
+        return {"message": "Weight update finished"}
+
+
+class FakeSglang(FakeEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused: str | None = None
+        self.group_name: str | None = None
+
+    @staticmethod
+    def _ok(message: str) -> dict[str, Any]:
+        return {"success": True, "message": message}
+
+    def r_pause_generation(self, body: Any, query: dict[str, str]) -> Any:
+        self.paused = _parse(SglPause, body, 400, "sglang").mode
+        return self._ok("paused")
+
+    def r_continue_generation(self, body: Any, query: dict[str, str]) -> Any:
+        _parse(SglContinue, body, 400, "sglang")
+        self.paused = None
+        return self._ok("continued")
+
+    def r_init_weights_update_group(self, body: Any, query: dict[str, str]) -> Any:
+        req = _parse(SglInitGroup, body, 400, "sglang")
+        if req.backend != "gloo":
+            raise _Refused(400, {"success": False, "message": "fake joins gloo groups only"})
+        self._join(
+            req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name
+        )
+        self.group_name = req.group_name
+        return self._ok("Succeeded to initialize custom process group.")
+
+    def r_update_weights_from_distributed(self, body: Any, query: dict[str, str]) -> Any:
+        req = _parse(SglFromDistributed, body, 400, "sglang")
+        if req.group_name != self.group_name:
+            raise _Refused(400, {"success": False, "message": f"no group {req.group_name!r}"})
+        self._receive(req.names, req.dtypes, req.shapes)
+        self.version = req.weight_version
+        return self._ok("Succeeded to update parameter online from distributed.")
+
+    def r_update_weights_from_disk(self, body: Any, query: dict[str, str]) -> Any:
+        req = _parse(SglFromDisk, body, 400, "sglang")
+        if not os.path.isdir(req.model_path):
+            raise _Refused(400, {"success": False, "message": f"no such dir {req.model_path}"})
+        self._load_dir(req.model_path)
+        self.version = req.weight_version
+        return self._ok("Succeeded to update model weights.")
+
+    def r_update_weights_from_tensor(self, body: Any, query: dict[str, str]) -> Any:
+        req = _parse(SglFromTensor, body, 400, "sglang")
+        self.tensor_payloads = req.serialized_named_tensors
+        self.version = req.weight_version
+        return self._ok("Succeeded to update model weights.")
