@@ -104,11 +104,23 @@ class HarnessSection(_Section):
     concurrency: int = 8
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
+    # Where harness processes run: this machine, or Ray tasks on a cluster
+    # (lightning.ray_runner; needs `pip install 'lightning-rl[ray]'`).
+    backend: Literal["local", "ray"] = "local"
+    ray_address: str | None = None  # None: ray.init() defaults; "auto"; "ray://head:10001"
+    ray_num_cpus: float = Field(1.0, ge=0.0)
+    ray_resources: dict[str, float] = Field(default_factory=dict)
+    ray_schedule_timeout_s: float = Field(600.0, gt=0.0)
 
     @model_validator(mode="after")
     def _one_harness(self) -> HarnessSection:
         if (self.command is None) == (self.callable is None):
             raise ValueError("[harness] needs exactly one of `command` or `callable`")
+        if self.backend == "ray" and self.command is None:
+            raise ValueError(
+                "[harness] backend = 'ray' runs a harness `command` on the cluster; a "
+                "`callable` runs in this process (use backend = 'local')"
+            )
         if self.concurrency < 1:
             raise ValueError("[harness] concurrency must be >= 1")
         return self

@@ -144,6 +144,21 @@ class EmbeddedEngine:
         self.log_file.close()
 
 
+def _make_launcher(cfg: RunConfig) -> Any:
+    """Where harness processes run: here, or as Ray tasks (lightning.ray_runner)."""
+    h = cfg.harness
+    if h.backend == "local":
+        return None
+    from lightning.ray_runner import RayLauncher
+
+    return RayLauncher(
+        address=h.ray_address,
+        num_cpus=h.ray_num_cpus,
+        resources=h.ray_resources,
+        schedule_timeout_s=h.ray_schedule_timeout_s,
+    )
+
+
 def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
     """The engines' own weight-update API (lightning.weight_sync, DESIGN.md §7)."""
     e = cfg.engine
@@ -283,7 +298,8 @@ class Run:
 
         harness: Any
         if cfg.harness.command is not None:
-            harness = [sys.executable if a == "{python}" else a for a in cfg.harness.command]
+            # "{python}" is resolved where the harness runs (lightning.runner.resolve_argv).
+            harness = list(cfg.harness.command)
         else:
             assert cfg.harness.callable is not None
             harness = load_callable(cfg.harness.callable)
@@ -299,6 +315,7 @@ class Run:
             timeout_s=cfg.harness.timeout_s,
             env=env,
             cwd=cfg.harness.cwd,
+            launcher=_make_launcher(cfg),
         )
 
     def _say(self, text: str) -> None:

@@ -25,8 +25,9 @@ A Python-callable harness (``async def run(task, client) -> float | None``, with
 ``openai.AsyncOpenAI`` client already pointed at the rollout) runs in-process with
 the same bookkeeping, for users who prefer it.
 
-Where rollouts run is an implementation detail of ``Runner._launch``: the interface
-(environment in, status and reward out) does not care whether the process is local.
+Where harness processes run is the runner's ``launcher``: this machine by default,
+a Ray cluster with ``lightning.ray_runner.RayLauncher``. The contract (environment
+in; status, tails and reward out) is the same wherever the process runs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -185,6 +187,78 @@ async def _drain(stream: asyncio.StreamReader | None, tail: _Tail) -> None:
         tail.feed(chunk)
 
 
+@dataclass
+class ProcessOutcome:
+    """How one harness process ended, wherever it ran."""
+
+    status: RolloutStatus
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    error: str | None
+
+
+class Launcher(Protocol):
+    """Where harness processes run: here (:class:`LocalLauncher`) or on a cluster
+    (``lightning.ray_runner.RayLauncher``). The contract is the same everywhere:
+    ``env`` is laid over the environment of the machine the process runs on, the
+    process group is killed past ``timeout_s``, the tails of stdout/stderr return."""
+
+    async def launch(
+        self, argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float
+    ) -> ProcessOutcome: ...
+
+
+def resolve_argv(argv: Sequence[str]) -> list[str]:
+    """``{python}`` in a harness command is the interpreter of the machine it runs on."""
+    return [sys.executable if a == "{python}" else str(a) for a in argv]
+
+
+async def run_process(
+    argv: Sequence[str], env: Mapping[str, str], cwd: str | None, timeout_s: float
+) -> ProcessOutcome:
+    """Run one harness process here: own process group, tails kept, killed on timeout."""
+    argv = resolve_argv(argv)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env={**os.environ, **env},
+            cwd=cwd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            # Own process group, so a timeout kills the harness and its children.
+            start_new_session=True,
+        )
+    except OSError as e:
+        return ProcessOutcome("failed", None, "", "", f"cannot start harness {argv[0]!r}: {e}")
+    out, err = _Tail(), _Tail()
+    readers = asyncio.gather(_drain(proc.stdout, out), _drain(proc.stderr, err))
+    status: RolloutStatus
+    try:
+        await asyncio.wait_for(proc.wait(), timeout=timeout_s)
+        status = "succeeded" if proc.returncode == 0 else "failed"
+        error = None if proc.returncode == 0 else f"harness exited with {proc.returncode}"
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        status = "timed_out"
+        error = f"harness ran past the {timeout_s:g}s timeout and was killed"
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(readers, timeout=5.0)
+    return ProcessOutcome(status, proc.returncode, out.text(), err.text(), error)
+
+
+class LocalLauncher:
+    """Harness processes on this machine (the default)."""
+
+    async def launch(
+        self, argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float
+    ) -> ProcessOutcome:
+        return await run_process(argv, env, cwd, timeout_s)
+
+
 class Runner:
     """Runs rollouts against a gateway with bounded concurrency.
 
@@ -204,6 +278,7 @@ class Runner:
         timeout_s: float = 300.0,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         if isinstance(reward_fn, str):
             reward_fn = load_callable(reward_fn)
@@ -221,6 +296,12 @@ class Runner:
         self.timeout_s = timeout_s
         self.env = dict(env or {})
         self.cwd = cwd
+        self.launcher: Launcher = launcher or LocalLauncher()
+        if callable(harness) and not isinstance(self.launcher, LocalLauncher):
+            raise RunnerError(
+                "a Python-callable harness runs in this process; a remote launcher needs a "
+                "harness command"
+            )
 
     # -- public -----------------------------------------------------------------
 
@@ -285,8 +366,8 @@ class Runner:
     # -- internals --------------------------------------------------------------
 
     def _environment(self, rollout: _Rollout, task: Any) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.env)
+        """What the harness gets on top of the environment of the machine it runs on."""
+        env = dict(self.env)
         env.update(
             {
                 "OPENAI_BASE_URL": rollout.base_url,
@@ -305,35 +386,10 @@ class Runner:
     ) -> tuple[RolloutStatus, int | None, str, str, str | None]:
         assert not callable(self.harness)
         argv = [str(a) for a in self.harness]
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                env=self._environment(rollout, task),
-                cwd=self.cwd,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                # Own process group, so a timeout kills the harness and its children.
-                start_new_session=True,
-            )
-        except OSError as e:
-            return "failed", None, "", "", f"cannot start harness {argv[0]!r}: {e}"
-        out, err = _Tail(), _Tail()
-        readers = asyncio.gather(_drain(proc.stdout, out), _drain(proc.stderr, err))
-        status: RolloutStatus
-        try:
-            await asyncio.wait_for(proc.wait(), timeout=self.timeout_s)
-            status = "succeeded" if proc.returncode == 0 else "failed"
-            error = None if proc.returncode == 0 else f"harness exited with {proc.returncode}"
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            status = "timed_out"
-            error = f"harness ran past the {self.timeout_s:g}s timeout and was killed"
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(readers, timeout=5.0)
-        return status, proc.returncode, out.text(), err.text(), error
+        o = await self.launcher.launch(
+            argv, self._environment(rollout, task), self.cwd, self.timeout_s
+        )
+        return o.status, o.exit_code, o.stdout, o.stderr, o.error
 
     async def _run_callable(
         self, rollout: _Rollout, task: Any
