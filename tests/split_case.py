@@ -40,5 +40,7 @@ def grads_per_mode(
     for mode in modes:
         tr.config = tr.config.model_copy(update={"aggregation": mode, **step_kw})
         tr.step(samples, rewards, groups)
-        out[mode] = torch.cat([p.grad.reshape(-1) for p in tr.params if p.grad is not None])
+        # FSDP2 keeps gradients as DTensor shards: gather each whole (a collective).
+        grads = [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in tr.params]
+        out[mode] = torch.cat([g.reshape(-1) for g in grads if g is not None])
     return out

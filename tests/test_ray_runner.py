@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is the optional extra lightning-rl[ray]")
+import ray  # the optional extra lightning-rl[ray], part of the dev extra
 
 from fake_vllm import FakeEngine  # noqa: E402
 from lightning import Gateway, GatewayClient, GatewayConfig  # noqa: E402

@@ -122,6 +122,8 @@ class TrainerConfig(BaseModel):
     autocast: Literal["auto", "none", "bfloat16", "float16"] = "auto"
     gradient_checkpointing: bool = False
     lora: LoraSettings | None = None
+    # Under torchrun: "ddp" replicates the model, "fsdp2" shards it (lightning.fsdp).
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
 
     # optimizer
     lr: float = Field(1e-6, gt=0)
@@ -177,6 +179,8 @@ class TrainerConfig(BaseModel):
             raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_len (Dr. GRPO's L)")
         if self.lr_schedule != "constant" and self.total_steps is None:
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps")
+        if self.parallel == "fsdp2" and self.lora is not None:
+            raise ValueError("parallel 'fsdp2' does not support lora yet; use parallel = 'ddp'")
         return self
 
     @classmethod
@@ -259,7 +263,12 @@ class Trainer:
         model.train()
         self.model: torch.nn.Module = model
         self.ddp: torch.nn.Module | None = None
-        if self.world > 1:
+        self.fsdp = self.world > 1 and cfg.parallel == "fsdp2"
+        if self.fsdp:  # FSDP2 hook: shard in place (lightning.fsdp)
+            from lightning import fsdp
+
+            fsdp.shard(model)
+        elif self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -408,6 +417,10 @@ class Trainer:
         mini_mbs = [
             micro_batches(m, cfg.micro_batch_tokens, mode=cfg.batching) if m else [] for m in minis
         ]
+        if self.fsdp:  # FSDP2 hook: every rank runs as many forwards as the busiest
+            from lightning import fsdp
+
+            mini_mbs = fsdp.balance(mini_mbs, self.device)
         all_mbs = [mb for mbs in mini_mbs for mb in mbs]
         forward_tokens = sum(mb.forward_tokens for mb in all_mbs)
 
@@ -446,7 +459,7 @@ class Trainer:
                 gn = torch.nn.utils.clip_grad_norm_(
                     self.params, cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
                 )
-                grad_norms.append(float(gn))
+                grad_norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
                 self.optimizer.step()
                 self.scheduler.step()
                 loss_total += step_loss
@@ -605,13 +618,20 @@ class Trainer:
         and the engine's ``/admin/load_weights``. LoRA adapters are merged into a
         copy. The directory appears atomically (written aside, then renamed)."""
         target = Path(path)
+        full: dict[str, torch.Tensor] | None = None
+        if self.fsdp:  # FSDP2 hook: gather the shards (all ranks) onto rank 0's CPU
+            from lightning import fsdp
+
+            full = fsdp.full_state_dict(self.model)
         if self.rank == 0:
             model = self.model
             if self.config.lora is not None:
                 model = copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
             target.parent.mkdir(parents=True, exist_ok=True)
             build = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-            model.save_pretrained(build, safe_serialization=True)  # type: ignore[operator]
+            model.save_pretrained(  # type: ignore[operator]
+                build, safe_serialization=True, state_dict=full
+            )
             self.tokenizer.save_pretrained(build)
             if target.exists():
                 old = target.with_name(target.name + f".old-{os.getpid()}")
@@ -629,12 +649,16 @@ class Trainer:
         (``adapter/``) if any, optimizer + scheduler state and the config."""
         root = Path(directory)
         self.export_weights(root / "model")
+        if self.fsdp:  # FSDP2 hook: model + optimizer shards, one file per rank
+            from lightning import fsdp
+
+            fsdp.save_sharded(root / "sharded", self.model, self.optimizer)
         if self.rank == 0:
             if self.config.lora is not None:
                 self.model.save_pretrained(root / "adapter")  # type: ignore[operator]
             torch.save(
                 {
-                    "optimizer": self.optimizer.state_dict(),
+                    "optimizer": None if self.fsdp else self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
                     "step": self.step_count,
                 },
@@ -650,7 +674,11 @@ class Trainer:
         from safetensors.torch import load_file
 
         root = Path(directory)
-        if self.config.lora is not None:
+        if self.fsdp:  # FSDP2 hook: shards of model and optimizer
+            from lightning import fsdp
+
+            fsdp.load_sharded(root / "sharded", self.model, self.optimizer)
+        elif self.config.lora is not None:
             from peft import set_peft_model_state_dict
 
             state = load_file(root / "adapter" / "adapter_model.safetensors")
@@ -667,7 +695,8 @@ class Trainer:
                     f"unexpected {unexpected}"
                 )
         blob = torch.load(root / "trainer_state.pt", map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(blob["optimizer"])
+        if not self.fsdp:
+            self.optimizer.load_state_dict(blob["optimizer"])
         self.scheduler.load_state_dict(blob["scheduler"])
         self.step_count = int(blob["step"])
 
