@@ -334,3 +334,24 @@ def token_logprobs(model, tokens: Sequence[int], temperature: float = 1.0) -> li
         logits = model(torch.tensor([list(tokens)])).logits[0].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
     return [float(lp[t - 1, tokens[t]]) for t in range(1, len(tokens))]
+
+
+def decoupled_ppo_token_loss(
+    logp: Any,
+    prox: float,
+    behav: float,
+    adv: float,
+    clip_low: float,
+    clip_high: float,
+    cap: float,
+) -> Any:
+    """Off-policy PPO for one token, written out: the ratio against the proximal
+    policy (the trainer's current weights, ``prox``), times the truncated importance
+    weight ``min(π_prox / π_behav, cap)`` of the behaviour policy that generated the
+    token (``behav``, the recorded rollout log-prob). ``logp`` may be a torch scalar."""
+    import torch
+
+    is_weight = min(math.exp(prox - behav), cap)
+    ratio = torch.exp(logp - prox)
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return -is_weight * torch.minimum(ratio * adv, clipped * adv)

@@ -13,13 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 import ray  # the optional extra lightning-rl[ray], part of the dev extra
 
-from fake_vllm import FakeEngine  # noqa: E402
-from lightning import Gateway, GatewayClient, GatewayConfig  # noqa: E402
-from lightning.ray_runner import RayLauncher  # noqa: E402
-from lightning.runner import Runner, RunnerError  # noqa: E402
+from fake_vllm import FakeEngine
+from lightning import Gateway, GatewayClient, GatewayConfig
+from lightning.ray_runner import RayLauncher
+from lightning.runner import Runner, RunnerError
 
 
 @pytest.fixture(scope="module")

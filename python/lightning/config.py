@@ -151,6 +151,12 @@ class AlgorithmSection(_Section):
     eval_temperature: float = Field(0.0, ge=0.0)
     eval_samples: int = Field(1, ge=1, description="rollouts per held-out task at each eval")
     drop_failed_rollouts: bool = True
+    # Asynchronous training (lightning.async_loop): rollouts may start on weights up
+    # to k versions older than the weights they train; 0 = synchronous.
+    max_staleness: int = Field(0, ge=0)
+    # A rollout found beyond the bound when its step trains: drop it, or run its
+    # task again on the current weights. Either is counted in the step's metrics.
+    on_stale: Literal["drop", "regenerate"] = "drop"
 
 
 class RunConfig(_Section):

@@ -203,6 +203,9 @@ class Run:
         if resume and self.state_path.exists():
             self.state = json.loads(self.state_path.read_text())
         self._stack = contextlib.ExitStack()
+        from lightning.async_loop import PhaseLog
+
+        self.phases = PhaseLog()
 
     # -- setup ----------------------------------------------------------------
 
@@ -219,6 +222,7 @@ class Run:
 
     def _setup(self) -> None:
         from lightning import Gateway, GatewayClient, GatewayConfig, Tokenizer, UpstreamConfig
+        from lightning.async_loop import trainer_defaults
         from lightning.trainer import Trainer, TrainerConfig
 
         cfg = self.config
@@ -238,6 +242,8 @@ class Run:
                 # sampled from: softmax(logits / train_temperature).
                 "temperature": cfg.algorithm.train_temperature or 1.0,
                 "seed": cfg.seed,
+                # Asynchronous runs correct for staleness (lightning.async_loop).
+                **trainer_defaults(cfg.algorithm.max_staleness),
                 **cfg.trainer,
             }
         )
@@ -330,7 +336,9 @@ class Run:
         temp = self.config.algorithm.eval_temperature
         k = self.config.algorithm.eval_samples
         jobs = [({**t, "temperature": temp}, None) for t in self.eval_tasks for _ in range(k)]
+        t0 = time.monotonic()
         results = self.runner.run(jobs, mode="eval")
+        self.phases.record("generate", t0, time.monotonic())
         reward = _eval_reward(results)
         self._say(
             f"eval ({label}): mean reward {reward:.3f} over {len(self.eval_tasks)} held-out "
@@ -339,6 +347,10 @@ class Run:
         return reward
 
     def _rollouts(self, step: int) -> list[RolloutResult]:
+        return self.runner.run(self._jobs(step), mode="train")
+
+    def _jobs(self, step: int) -> list[tuple[dict[str, Any], str]]:
+        """The rollouts of one step: ``group_size`` per sampled task (one group each)."""
         cfg = self.config
         rng = random.Random(cfg.seed * 1_000_003 + step)
         chosen = rng.sample(
@@ -349,11 +361,19 @@ class Run:
             group = f"step{step}-task{i}-{task.get('id', i)}"
             for _ in range(cfg.algorithm.group_size):
                 jobs.append(({**task, "temperature": cfg.algorithm.train_temperature}, group))
-        return self.runner.run(jobs, mode="train")
+        return jobs
 
     def _sync_weights(self, version: int) -> None:
-        """Pause the gateway, drain in-flight calls, push weights, resume (DESIGN.md §7)."""
-        self.client.pause(drain=True, timeout_s=120.0)
+        """Pause the gateway, drain in-flight calls, push weights, resume (DESIGN.md §7).
+
+        Asynchronous runs skip the gateway drain: calls in flight finish on the old
+        weights (each engine's own update waits for them) and keep the version the
+        gateway recorded when they started; the version is bumped only after the
+        engines hold the new weights, so a recorded version is never newer than the
+        weights that served the call."""
+        drain = self.config.algorithm.max_staleness == 0
+        if drain:
+            self.client.pause(drain=True, timeout_s=120.0)
         try:
             path = self.out / "weights" / f"v{version}"
             self.trainer.export_weights(str(path))
@@ -365,7 +385,8 @@ class Run:
                 if old != path:
                     shutil.rmtree(old, ignore_errors=True)
         finally:
-            self.client.resume()
+            if drain:
+                self.client.resume()
 
     def _write_traces(
         self, step: int, results: Sequence[RolloutResult], merged: Any, rewards: dict[str, float]
@@ -402,22 +423,29 @@ class Run:
                 )
 
     def step(self, step: int) -> dict[str, Any]:
-        from lightning import merge_calls
-
         t0 = time.monotonic()
         results = self._rollouts(step)
+        self.phases.record("generate", t0, time.monotonic())
+        return self.train_on(step, results, t0=t0)
+
+    def train_on(self, step: int, results: list[RolloutResult], *, t0: float) -> dict[str, Any]:
+        """Merge, train and push the weights of one step from its finished rollouts."""
+        from lightning import merge_calls
+        from lightning.async_loop import enforce_at_use, step_metrics
+
         status = Counter(r.status for r in results)
         usable = [
             r
             for r in results
             if r.status == "succeeded" or not self.config.algorithm.drop_failed_rollouts
         ]
+        # trace() already leaves out what the harness never saw whole.
+        traces = {r.rollout_id: self.client.trace(r.rollout_id) for r in usable}
+        # Asynchronous hook: the staleness bound, checked again at use.
+        usable, traces, stale = enforce_at_use(self, step, usable, traces)
         rewards = {r.rollout_id: (r.reward if r.reward is not None else 0.0) for r in usable}
         groups = {r.rollout_id: str(r.group) for r in usable}
-        calls = []
-        for r in usable:
-            # trace() already leaves out what the harness never saw whole.
-            calls.extend(self.client.trace(r.rollout_id))
+        calls = [c for r in usable for c in traces[r.rollout_id]]
         merged = merge_calls(calls, tokenizer=self.tokenizer)
         t_rollout = time.monotonic() - t0
         if not merged.samples:
@@ -426,9 +454,12 @@ class Run:
                 f"(statuses {dict(status)}); see the stderr events in the store "
                 f"({self.out / 'lightning.db'}) and {self.out / 'engine.log'}"
             )
+        t_train = time.monotonic()
         metrics: dict[str, Any] = dict(self.trainer.step(merged.samples, rewards, groups))
         version = step + 1
         self._sync_weights(version)
+        self.phases.record("train", t_train, time.monotonic())
+        metrics.update(step_metrics(self, step, calls, stale))
         lengths = [len(c.completion_ids) for c in calls]
         per_rollout = Counter(s.rollout_id for s in merged.samples)
         metrics.update(
@@ -462,9 +493,13 @@ class Run:
             self._append_metrics({"step": -1, "eval_reward": summary["eval_before"]})
         else:
             self._say(f"resuming at step {start}")
-        with _progress(cfg.steps, start, quiet=self.quiet) as tick:
+        from lightning.async_loop import RolloutPipeline
+
+        pipeline = RolloutPipeline.for_run(self, start)  # None when max_staleness = 0
+        self.phases.mark()
+        with _progress(cfg.steps, start, quiet=self.quiet) as tick, pipeline or _nothing():
             for step in range(start, cfg.steps):
-                metrics = self.step(step)
+                metrics = self.step(step) if pipeline is None else pipeline.step(step)
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                     metrics["eval_reward"] = self.evaluate(f"after step {step + 1}")
                 self._append_metrics(metrics)
@@ -492,6 +527,11 @@ class Run:
         final = self.out / "checkpoints" / "latest"
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 @contextlib.contextmanager
