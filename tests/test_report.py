@@ -45,6 +45,9 @@ def make_run(run_dir: Path, *, steps: int = 30, keys_missing: tuple[str, ...] = 
             "samples_per_rollout": rng.choice([1.0, 1.0, 1.25]),
             "divergences": {"retokenization": rng.randint(0, 2), "template": rng.randint(0, 1)},
             "step_time_s": rng.uniform(9, 11),
+            "engine_idle_frac": rng.uniform(0.05, 0.2),
+            "trainer_idle_frac": rng.uniform(0.3, 0.5),
+            "e2e_tokens_per_s": rng.uniform(20, 30),
         }
         if step % 10 == 0 or step == steps - 1:
             row["eval_reward"] = 0.25 + step / steps * 0.5

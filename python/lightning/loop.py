@@ -144,6 +144,26 @@ class EmbeddedEngine:
         self.log_file.close()
 
 
+def trainer_config(cfg: RunConfig, model_dir: Path) -> Any:
+    """The trainer's configuration for a run (every rank builds the same)."""
+    from lightning.async_loop import trainer_defaults
+    from lightning.trainer import TrainerConfig
+
+    return TrainerConfig.model_validate(
+        {
+            "model_path": str(model_dir),
+            "estimator": cfg.algorithm.estimator,
+            # The trainer scores rollouts under the distribution they were
+            # sampled from: softmax(logits / train_temperature).
+            "temperature": cfg.algorithm.train_temperature or 1.0,
+            "seed": cfg.seed,
+            # Asynchronous runs correct for staleness (lightning.async_loop).
+            **trainer_defaults(cfg.algorithm.max_staleness),
+            **cfg.trainer,
+        }
+    )
+
+
 def _make_launcher(cfg: RunConfig) -> Any:
     """Where harness processes run: here, or as Ray tasks (lightning.ray_runner)."""
     h = cfg.harness
@@ -222,8 +242,7 @@ class Run:
 
     def _setup(self) -> None:
         from lightning import Gateway, GatewayClient, GatewayConfig, Tokenizer, UpstreamConfig
-        from lightning.async_loop import trainer_defaults
-        from lightning.trainer import Trainer, TrainerConfig
+        from lightning.trainer import Trainer
 
         cfg = self.config
         (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
@@ -234,20 +253,12 @@ class Run:
 
         self.model_dir = cfg.model.resolve()
         self.tokenizer = Tokenizer.from_dir(str(self.model_dir))
-        trainer_cfg = TrainerConfig.model_validate(
-            {
-                "model_path": str(self.model_dir),
-                "estimator": cfg.algorithm.estimator,
-                # The trainer scores rollouts under the distribution they were
-                # sampled from: softmax(logits / train_temperature).
-                "temperature": cfg.algorithm.train_temperature or 1.0,
-                "seed": cfg.seed,
-                # Asynchronous runs correct for staleness (lightning.async_loop).
-                **trainer_defaults(cfg.algorithm.max_staleness),
-                **cfg.trainer,
-            }
-        )
+        trainer_cfg = trainer_config(cfg, self.model_dir)
         self.trainer = Trainer(trainer_cfg, log_dir=str(self.out))
+        if self.trainer.world > 1:  # under torchrun: rank 0 leads (lightning.dist_train)
+            from lightning.dist_train import LeaderTrainer
+
+            self.trainer = LeaderTrainer(self.trainer)  # type: ignore[assignment]
         if hasattr(self.trainer, "close"):
             self._stack.callback(self.trainer.close)
         start_weights: Path | None = None
@@ -593,6 +604,12 @@ def train_main(argv: list[str]) -> int:
     if args.steps is not None:
         overrides["steps"] = args.steps
     config = RunConfig.load(args.config, overrides)
+    from lightning.dist_train import follower_main, init_from_env
+
+    rank, _ = init_from_env()  # torchrun: rank 0 runs the loop, the others train
+    if rank > 0:
+        follower_main(config, resume=args.resume)
+        return 0
     summary = train(config, resume=args.resume, quiet=args.quiet)
     print(json.dumps(summary, indent=2))
     return 0

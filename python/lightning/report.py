@@ -190,6 +190,13 @@ PLOTS: tuple[PlotSpec, ...] = (
              _lines(("grad_norm", "grad norm"))),
     PlotSpec("throughput", "Training throughput", ("tokens_per_s",), "tokens/s",
              _lines(("tokens_per_s", "tokens/s"))),
+    # lightning.async_loop: max_staleness = 0 (sync) vs > 0 (async); benches/async_loop.py
+    # draws both modes of one machine side by side.
+    PlotSpec("idle", "Idle fractions (engine, trainer)", ("engine_idle_frac", "trainer_idle_frac"),
+             "fraction of wall time", _lines(("engine_idle_frac", "engine idle"),
+                                             ("trainer_idle_frac", "trainer idle"))),
+    PlotSpec("e2e_throughput", "End-to-end throughput", ("e2e_tokens_per_s",),
+             "trained tokens/s", _lines(("e2e_tokens_per_s", "trained tokens per wall second"))),
 )
 # fmt: on
 

@@ -1,0 +1,114 @@
+"""`lightning train` under torchrun: one run, a trainer on every rank.
+
+    torchrun --nproc-per-node 8 -m lightning.cli train run.toml
+
+Rank 0 is the run (engines, gateway, harness runner, store, metrics: everything
+`lightning train` does on one process); every rank holds a shard of the trainer
+(DDP, or FSDP2 with ``[trainer] parallel = "fsdp2"``). Rank 0's trainer is a
+:class:`LeaderTrainer`: each call the run makes (``step``, ``export_weights``,
+``save_checkpoint``, ``load_checkpoint``, ``close``) is first broadcast to the
+other ranks, which run :func:`follow` and make the same call on their trainer,
+so the collectives inside line up. Samples cross as plain numpy records.
+
+The process group is ``nccl`` when CUDA is available (each rank on the GPU
+``LOCAL_RANK``), else ``gloo``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class PlainSample:
+    """A ``lightning.Sample``'s training fields, picklable."""
+
+    rollout_id: str
+    group: str | None
+    tokens: np.ndarray
+    weights: np.ndarray
+    logprobs: np.ndarray
+    call_index: np.ndarray
+
+
+def plain(sample: Any) -> PlainSample:
+    return PlainSample(
+        sample.rollout_id,
+        sample.group,
+        np.asarray(sample.tokens),
+        np.asarray(sample.weights),
+        np.asarray(sample.logprobs),
+        np.asarray(sample.call_index),
+    )
+
+
+def init_from_env() -> tuple[int, int]:
+    """Join torchrun's process group when started by it; ``(rank, world)``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or dist.is_initialized():
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _broadcast(message: Any) -> Any:
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class LeaderTrainer:
+    """Rank 0's trainer: mirrors every call to the follower ranks first."""
+
+    MIRRORED = ("step", "export_weights", "save_checkpoint", "load_checkpoint")
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if name not in self.MIRRORED:
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if name == "step":
+                args = ([plain(s) for s in args[0]], *args[1:])
+            _broadcast((name, args, kwargs))
+            return value(*args, **kwargs)
+
+        return call
+
+    def close(self) -> None:
+        _broadcast(("close", (), {}))
+        if hasattr(self.inner, "close"):
+            self.inner.close()
+
+
+def follow(trainer: Any) -> None:
+    """Ranks > 0: make the calls rank 0's trainer makes, until it closes."""
+    while True:
+        name, args, kwargs = _broadcast(None)
+        if name == "close":
+            if hasattr(trainer, "close"):
+                trainer.close()
+            return
+        getattr(trainer, name)(*args, **kwargs)
+
+
+def follower_main(config: Any, *, resume: bool) -> None:
+    """What a rank > 0 runs for `lightning train`."""
+    from lightning.loop import trainer_config
+    from lightning.trainer import Trainer
+
+    trainer = Trainer(trainer_config(config, config.model.resolve()))
+    follow(trainer)
