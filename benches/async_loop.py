@@ -64,6 +64,8 @@ def run_mode(
         "tasks.eval_limit": args.eval_tasks,
         "algorithm.eval_samples": 1,
         "algorithm.max_staleness": k,
+        "algorithm.tasks_per_step": args.tasks_per_step,
+        "algorithm.group_size": args.group_size,
         "seed": args.seed,
     }
     config = RunConfig.load(EXAMPLES / "demo.toml", overrides)
@@ -141,6 +143,8 @@ def main() -> None:
     )
     p.add_argument("--budget-s", type=float, default=300.0, help="training wall clock per mode")
     p.add_argument("--eval-tasks", type=int, default=8)
+    p.add_argument("--tasks-per-step", type=int, default=4, help="demo: 4")
+    p.add_argument("--group-size", type=int, default=8, help="demo: 8")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for runs, JSON and PNG")
     args = p.parse_args()
@@ -152,6 +156,7 @@ def main() -> None:
         f"machine: {platform.machine()} {platform.processor() or ''} cpus={__import__('os').cpu_count()}"
     )
     print(f"commit: {commit}  model: {args.model}  budget: {args.budget_s:g}s per mode  out: {out}")
+    print(f"batch: {args.tasks_per_step} tasks x {args.group_size} rollouts per step")
     tasks = _tasks(out / "tasks", args.seed)
     results = [run_mode(k, args, tasks, out / f"k{k}") for k in (0, 1)]
     summary = [summarize(r) for r in results]
@@ -162,6 +167,7 @@ def main() -> None:
         "commit": commit,
         "model": args.model,
         "budget_s": args.budget_s,
+        "batch": [args.tasks_per_step, args.group_size],
         "modes": summary,
         "measured_steps_per_hour_ratio": async_["steps_per_hour"] / sync["steps_per_hour"],
         "modelled_separate_devices_ratio": modelled,

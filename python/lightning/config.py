@@ -159,6 +159,16 @@ class AlgorithmSection(_Section):
     on_stale: Literal["drop", "regenerate"] = "drop"
 
 
+class TrackingSection(_Section):
+    """Where else the per-step metrics and a few traces go (lightning.tracking)."""
+
+    backends: list[Literal["wandb", "mlflow"]] = Field(default_factory=list)
+    project: str = "lightning"
+    run_name: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None  # None: WANDB_MODE
+    mlflow_tracking_uri: str | None = None  # default: sqlite:///RUN_DIR/mlflow.db
+
+
 class RunConfig(_Section):
     model: ModelSection
     engine: EngineSection = Field(default_factory=EngineSection)
@@ -167,6 +177,7 @@ class RunConfig(_Section):
     tasks: TasksSection
     reward: RewardSection = Field(default_factory=RewardSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
     # Validated by lightning.trainer.TrainerConfig when the run starts (that module
     # imports torch, which loading a config should not).
     trainer: dict[str, Any] = Field(default_factory=dict)

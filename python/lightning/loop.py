@@ -246,6 +246,10 @@ class Run:
 
         cfg = self.config
         (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
+        from lightning.tracking import open_trackers
+
+        self.tracking = open_trackers(cfg.tracking, self.out, cfg.model_dump(mode="json"))
+        self._stack.callback(self.tracking.close)
         self.train_tasks = read_tasks(cfg.tasks.train)
         self.eval_tasks = read_tasks(cfg.tasks.eval) if cfg.tasks.eval else []
         if cfg.tasks.eval_limit is not None:
@@ -414,24 +418,24 @@ class Run:
         for d in merged.divergences:
             divs.setdefault(d.rollout_id, []).append({"position": int(d.position), "kind": d.kind})
         tasks = {r.rollout_id: r.task for r in results}
+        rows = []
         with open(self.out / "traces.jsonl", "a") as f:
             for rid in list(by_rollout)[:n]:
                 sample = by_rollout[rid][0]
                 pieces = decode_pieces([int(t) for t in sample.tokens], self.tokenizer.decode)
-                f.write(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "rollout_id": rid,
-                            "reward": rewards.get(rid),
-                            "pieces": pieces,
-                            "weights": [float(w) for w in sample.weights],
-                            "divergences": divs.get(rid, []),
-                            "task": tasks.get(rid),
-                        }
-                    )
-                    + "\n"
+                rows.append(
+                    {
+                        "step": step,
+                        "rollout_id": rid,
+                        "reward": rewards.get(rid),
+                        "pieces": pieces,
+                        "weights": [float(w) for w in sample.weights],
+                        "divergences": divs.get(rid, []),
+                        "task": tasks.get(rid),
+                    }
                 )
+                f.write(json.dumps(rows[-1]) + "\n")
+        self.tracking.traces(step, rows)
 
     def step(self, step: int) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -494,6 +498,7 @@ class Run:
     def _append_metrics(self, metrics: dict[str, Any]) -> None:
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics, default=float) + "\n")
+        self.tracking.metrics(metrics)
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
