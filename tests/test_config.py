@@ -54,6 +54,10 @@ def test_overrides_and_defaults(tmp_path: Path) -> None:
         ('[reward]\nsource = "function"\n', "needs `function"),
         ("unknown_key = 1\n", "Extra inputs are not permitted"),
         ('[algorithm]\nestimator = "ppo"\n', "grpo"),
+        ("[algorithm]\nmax_staleness = -1\n", "greater than or equal to 0"),
+        ('[algorithm]\non_stale = "keep"\n', "'drop' or 'regenerate'"),
+        ('[engine]\nweight_sync = "vllm-lora"\n', "vllm-nccl"),
+        ('[tracking]\nbackends = ["tensorboard"]\n', "'wandb' or 'mlflow'"),
     ],
 )
 def test_bad_configs_name_the_problem(tmp_path: Path, extra: str, message: str) -> None:
@@ -65,6 +69,17 @@ def test_harness_needs_exactly_one_kind(tmp_path: Path) -> None:
     text = BASE.replace('command = ["true"]', 'command = ["true"]\ncallable = "m:f"')
     with pytest.raises(ValidationError, match="exactly one of `command` or `callable`"):
         RunConfig.load(write(tmp_path, text))
+
+
+def test_ray_backend_runs_a_command(tmp_path: Path) -> None:
+    ray = BASE.replace(
+        'command = ["true"]', 'command = ["true"]\nbackend = "ray"\nray_resources = { sandbox = 1 }'
+    )
+    config = RunConfig.load(write(tmp_path, ray))
+    assert config.harness.backend == "ray" and config.harness.ray_resources == {"sandbox": 1.0}
+    callable_ = BASE.replace('command = ["true"]', 'callable = "m:f"\nbackend = "ray"')
+    with pytest.raises(ValidationError, match="runs a harness `command` on the cluster"):
+        RunConfig.load(write(tmp_path, callable_))
 
 
 def test_missing_and_malformed_files(tmp_path: Path) -> None:
