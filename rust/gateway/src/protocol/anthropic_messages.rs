@@ -101,8 +101,10 @@ impl Protocol for AnthropicMessages {
 
     fn answer(&self, status: StatusCode, engine: &Bytes, ctx: &Ctx) -> (Answer, Option<Kept>) {
         if !status.is_success() {
-            let body = error_json(status.as_u16(), &engine_message(engine));
-            return (json_answer(status, &body), None);
+            return (
+                json_answer(status, &engine_error(status.as_u16(), engine)),
+                None,
+            );
         }
         let message = serde_json::from_slice::<Value>(engine)
             .map_err(|e| format!("the engine's answer is not JSON: {e}"))
@@ -159,6 +161,11 @@ pub fn error_type(status: u16) -> &'static str {
 /// `{"type": "error", "error": {"type", "message"}}`.
 pub fn error_json(status: u16, message: &str) -> Value {
     json!({"type": "error", "error": {"type": error_type(status), "message": message}})
+}
+
+/// An engine's error answer, in Anthropic's shape with the same status.
+pub fn engine_error(status: u16, body: &[u8]) -> Value {
+    error_json(status, &engine_message(body))
 }
 
 /// The message of an engine's error body (vLLM: `{"error": {"message"}}` or
