@@ -88,17 +88,22 @@ def smollm2_dir() -> Path:
 
 
 def tiny_model_dir(
-    *, hidden_size: int = 64, layers: int = 2, heads: int = 4, seed: int = 0
+    *, hidden_size: int = 64, layers: int = 2, heads: int = 4, seed: int = 0, context: int = 2048
 ) -> Path:
     """A tiny randomly initialized Llama model with SmolLM2's real tokenizer.
 
     Fast enough for unit tests while keeping a real vocabulary and chat template,
     so everything token-related is exercised exactly as with the real model.
+    ``context`` (max_position_embeddings) must hold the longest prompt a test
+    sends: coding harnesses such as Codex CLI send ~6-10k tokens of instructions
+    and tools.
     """
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     name = f"tiny-llama-h{hidden_size}-l{layers}-a{heads}-s{seed}"
+    if context != 2048:  # the default keeps its old name, so existing caches stay valid
+        name += f"-c{context}"
     target = cache_dir() / "models" / name
     if (target / "config.json").exists():
         return target
@@ -111,7 +116,7 @@ def tiny_model_dir(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        max_position_embeddings=2048,
+        max_position_embeddings=context,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
