@@ -394,6 +394,23 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _tool_delta(
+    parser: tools.StreamParser, text: str, finish_reason: str | None, parsed: Parsed
+) -> tuple[dict[str, Any] | None, str | None]:
+    """A streamed chat delta with tool-call parsing, as vLLM sends it, and the finish reason.
+
+    None: send no chunk (vLLM sends none for a token that adds nothing sendable yet,
+    unless the chunk must carry the token's id, its logprob or the finish).
+    """
+    delta = parser.feed(text, finish_reason is not None)
+    if parser.called and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    if delta is None and finish_reason is None:
+        if parsed.params[0].logprobs is None and not parsed.return_token_ids:
+            return None, None
+    return delta or {}, finish_reason
+
+
 class Api:
     def __init__(self, engine: Engine, admin_key: str | None = None) -> None:
         self.engine = engine
@@ -724,23 +741,17 @@ class Api:
                     yield first
                 if event.token is not None:
                     completion_tokens += 1
-                finish_reason = event.finish_reason
                 if parsers is None:
-                    delta = {"content": event.text} if event.text or event.token else {}
+                    delta: dict[str, Any] | None = (
+                        {"content": event.text} if event.text or event.token else {}
+                    )
+                    finish_reason = event.finish_reason
                 else:
-                    tool_delta = parsers[index].feed(results[index].text, finish_reason is not None)
-                    if parsers[index].called and finish_reason == "stop":
-                        finish_reason = "tool_calls"
-                    # Like vLLM: a token that adds nothing sendable yet gives no chunk,
-                    # unless the chunk must carry its id, its logprob or the finish.
-                    if (
-                        tool_delta is None
-                        and finish_reason is None
-                        and parsed.params[0].logprobs is None
-                        and not parsed.return_token_ids
-                    ):
+                    delta, finish_reason = _tool_delta(
+                        parsers[index], results[index].text, event.finish_reason, parsed
+                    )
+                    if delta is None:
                         continue
-                    delta = tool_delta or {}
                 choice: dict[str, Any] = {"index": index, "delta": delta}
                 if event.token is not None:
                     if parsed.params[0].logprobs is not None:
