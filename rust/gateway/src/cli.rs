@@ -1,74 +1,117 @@
-//! Command-line parsing shared by the `lightning-gateway` binary and the
-//! `lightning-gateway` console command the Python wheel installs.
+//! Command-line parsing (`clap`) shared by the `lightning-gateway` binary and
+//! the `lightning-gateway` console command the Python wheel installs.
 
-use crate::config::{Config, UpstreamConfig};
+use clap::Parser;
+use std::path::PathBuf;
 
-pub const USAGE: &str = "usage: lightning-gateway [--config FILE.toml] [--listen HOST:PORT] [--upstream URL[@VERSION]]... \
-[--db PATH] [--sync full|normal] [--admin-key KEY] [--public-url URL] [--threads N]
-The admin key may also come from $LIGHTNING_ADMIN_KEY. Logs: $RUST_LOG (default info).";
+use crate::config::{Config, SyncMode, UpstreamConfig};
 
-pub fn parse_args(args: &[String]) -> Result<(Config, usize), String> {
-    let mut cfg = Config::default();
-    let mut threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(2);
-    // The config file first, so flags override it.
-    if let Some(i) = args.iter().position(|a| a == "--config") {
-        let path = args.get(i + 1).ok_or("--config needs a file")?;
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
-        cfg = Config::from_toml(&text).map_err(|e| e.to_string())?;
-    }
-    let mut upstreams = Vec::new();
-    let mut i = 0;
-    while i < args.len() {
-        let flag = args[i].as_str();
-        let val = || {
-            args.get(i + 1)
-                .cloned()
-                .ok_or(format!("{flag} needs a value"))
-        };
-        match flag {
-            "--config" => {}
-            "--listen" => cfg.listen = val()?,
-            "--db" => cfg.db = val()?.into(),
-            "--admin-key" => cfg.admin_key = Some(val()?),
-            "--public-url" => cfg.public_url = Some(val()?),
-            "--sync" => {
-                cfg.sync = match val()?.as_str() {
-                    "full" => crate::config::SyncMode::Full,
-                    "normal" => crate::config::SyncMode::Normal,
-                    other => return Err(format!("--sync {other:?}: use full or normal")),
-                }
-            }
-            "--threads" => threads = val()?.parse().map_err(|_| "--threads needs a number")?,
-            "--upstream" => {
-                let v = val()?;
-                let (url, version) = match v.rsplit_once('@') {
-                    Some((u, n)) if n.chars().all(|c| c.is_ascii_digit()) && !n.is_empty() => {
-                        (u.to_string(), n.parse().unwrap_or(0))
-                    }
-                    _ => (v, 0),
-                };
-                upstreams.push(UpstreamConfig {
-                    url,
-                    weight_version: version,
-                    engine: Default::default(),
-                });
-            }
-            "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unknown option {other:?}")),
+/// The recording gateway: harnesses call `/rollouts/{id}/v1/...` (OpenAI chat,
+/// completions, Responses) and every call is stored with exact token ids.
+#[derive(Debug, Parser)]
+#[command(
+    name = "lightning-gateway",
+    version,
+    about,
+    after_help = "Logs: $RUST_LOG (default info)."
+)]
+pub struct Args {
+    /// TOML config file; flags given on the command line override it.
+    #[arg(long, value_name = "FILE.toml")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub listen: Option<String>,
+    /// Engine base URL with its API prefix, optionally `@VERSION` (weight version); repeatable.
+    #[arg(long = "upstream", value_name = "URL[@VERSION]")]
+    pub upstreams: Vec<String>,
+    /// SQLite file of the trace store.
+    #[arg(long, value_name = "PATH")]
+    pub db: Option<PathBuf>,
+    /// `full` fsyncs every group commit; `normal` survives a killed process only.
+    #[arg(long, value_enum)]
+    pub sync: Option<SyncArg>,
+    /// Guards rollout creation and /admin routes.
+    #[arg(long, env = "LIGHTNING_ADMIN_KEY", hide_env_values = true)]
+    pub admin_key: Option<String>,
+    /// Base URL handed to harnesses in `POST /rollouts`.
+    #[arg(long, value_name = "URL")]
+    pub public_url: Option<String>,
+    /// Tokio worker threads (default: the number of CPUs).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum SyncArg {
+    Full,
+    Normal,
+}
+
+/// `URL@N` → (URL, N); a trailing `@` part that is not a number stays in the URL.
+fn upstream(v: &str) -> UpstreamConfig {
+    let (url, version) = match v.rsplit_once('@') {
+        Some((u, n)) if !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()) => {
+            (u.to_string(), n.parse().unwrap_or(0))
         }
-        i += 2;
+        _ => (v.to_string(), 0),
+    };
+    UpstreamConfig {
+        url,
+        weight_version: version,
+        engine: Default::default(),
     }
-    if !upstreams.is_empty() {
-        cfg.upstreams = upstreams;
+}
+
+impl Args {
+    /// The config this command line asks for: the file first, then the flags over it.
+    pub fn into_config(self) -> Result<(Config, usize), String> {
+        let mut cfg = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                Config::from_toml(&text).map_err(|e| e.to_string())?
+            }
+            None => Config::default(),
+        };
+        if let Some(l) = self.listen {
+            cfg.listen = l;
+        }
+        if let Some(db) = self.db {
+            cfg.db = db;
+        }
+        if let Some(s) = self.sync {
+            cfg.sync = match s {
+                SyncArg::Full => SyncMode::Full,
+                SyncArg::Normal => SyncMode::Normal,
+            };
+        }
+        if let Some(k) = self.admin_key.filter(|k| !k.is_empty()) {
+            cfg.admin_key = Some(k);
+        }
+        if let Some(u) = self.public_url {
+            cfg.public_url = Some(u);
+        }
+        if !self.upstreams.is_empty() {
+            cfg.upstreams = self.upstreams.iter().map(|u| upstream(u)).collect();
+        }
+        let threads = self.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
+        });
+        Ok((cfg, threads))
     }
-    if cfg.admin_key.is_none() {
-        cfg.admin_key = std::env::var("LIGHTNING_ADMIN_KEY")
-            .ok()
-            .filter(|k| !k.is_empty());
-    }
-    Ok((cfg, threads))
+}
+
+/// Parses `args` (without the program name). `Err` carries clap's own error,
+/// which also renders `--help` and `--version`.
+pub fn parse_args(args: &[String]) -> Result<(Config, usize), clap::Error> {
+    let argv = std::iter::once("lightning-gateway".to_string()).chain(args.iter().cloned());
+    let parsed = Args::try_parse_from(argv)?;
+    parsed
+        .into_config()
+        .map_err(|msg| clap::Error::raw(clap::error::ErrorKind::ValueValidation, msg + "\n"))
 }
 
 /// Structured logs to stderr, filtered by `RUST_LOG` (default `info`). Safe to
@@ -90,19 +133,58 @@ pub fn main_with_args(args: &[String]) -> i32 {
     init_logging();
     let (cfg, threads) = match parse_args(args) {
         Ok(x) => x,
-        Err(msg) => {
-            if !msg.is_empty() {
-                eprintln!("lightning-gateway: {msg}");
-            }
-            eprintln!("{USAGE}");
-            return if msg.is_empty() { 0 } else { 2 };
+        Err(e) => {
+            let _ = e.print();
+            return e.exit_code();
         }
     };
-    match crate::server::serve_blocking(cfg, threads) {
+    match crate::routes::serve_blocking(cfg, threads) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("lightning-gateway: {e}");
             1
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn flags_fill_the_config() {
+        let (cfg, threads) = parse_args(&args(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            "http://a:1/v1@3",
+            "--upstream",
+            "http://b:1/v1",
+            "--sync",
+            "normal",
+            "--admin-key",
+            "k12345678",
+            "--threads",
+            "1",
+        ]))
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cfg.listen, "127.0.0.1:0");
+        assert_eq!(cfg.upstreams.len(), 2);
+        assert_eq!(cfg.upstreams[0].url, "http://a:1/v1");
+        assert_eq!(cfg.upstreams[0].weight_version, 3);
+        assert_eq!(cfg.upstreams[1].weight_version, 0);
+        assert_eq!(cfg.sync, SyncMode::Normal);
+        assert_eq!(threads, 1);
+    }
+
+    #[test]
+    fn unknown_flags_and_bad_values_are_errors() {
+        assert!(parse_args(&args(&["--bogus"])).is_err());
+        assert!(parse_args(&args(&["--sync", "sometimes"])).is_err());
+        assert!(parse_args(&args(&["--threads", "x"])).is_err());
     }
 }

@@ -6,6 +6,31 @@ use std::path::PathBuf;
 
 use crate::error::GatewayError;
 
+/// `http://host:port/prefix` split for request building.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseUrl {
+    pub authority: String,
+    /// Path prefix without a trailing slash (e.g. `/v1`).
+    pub prefix: String,
+}
+
+pub fn parse_base_url(url: &str) -> Result<BaseUrl, String> {
+    let rest = url.strip_prefix("http://").ok_or_else(|| {
+        format!("upstream URL {url:?} must start with http:// (TLS upstreams are not supported; put the engine on a local address)")
+    })?;
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, ""),
+    };
+    if authority.is_empty() {
+        return Err(format!("upstream URL {url:?} has no host"));
+    }
+    Ok(BaseUrl {
+        authority: authority.to_string(),
+        prefix: path.trim_end_matches('/').to_string(),
+    })
+}
+
 /// Which wire dialect an upstream speaks; decides how ids are requested and read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -128,7 +153,7 @@ impl Config {
             Some(_) => {}
         }
         for u in &self.upstreams {
-            crate::upstream::parse_base_url(&u.url).map_err(GatewayError::Config)?;
+            parse_base_url(&u.url).map_err(GatewayError::Config)?;
         }
         if self.upstream_timeout_s.is_nan() || self.upstream_timeout_s <= 0.0 {
             return Err(GatewayError::Config(format!(
@@ -140,5 +165,23 @@ impl Config {
             return Err(GatewayError::Config("max_body_bytes must be > 0".into()));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_base_urls() {
+        assert_eq!(
+            parse_base_url("http://127.0.0.1:8000/v1/"),
+            Ok(BaseUrl {
+                authority: "127.0.0.1:8000".into(),
+                prefix: "/v1".into()
+            })
+        );
+        assert!(parse_base_url("https://x/v1").is_err());
+        assert!(parse_base_url("http:///v1").is_err());
     }
 }

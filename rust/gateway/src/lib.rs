@@ -1,23 +1,33 @@
-//! lightning-gateway: the recording OpenAI-compatible proxy and its SQLite store.
+//! lightning-gateway: the recording proxy in front of inference engines and
+//! its SQLite store.
 //!
-//! A harness points its OpenAI base URL at `/rollouts/{id}/v1`; every call is
-//! forwarded to an inference engine with exact token ids and logprobs switched
-//! on, the harness gets the engine's answer unchanged, and the captured call is
-//! committed to the store before the answer's last byte leaves the gateway.
+//! A harness points its SDK's base URL at `/rollouts/{id}/v1`; every call is
+//! translated by its protocol's adapter (`protocol`) into a vLLM-wire engine
+//! request with exact token ids and logprobs switched on, forwarded
+//! (`proxy::forward`), recorded (`proxy::record`, `store`), and answered in
+//! the harness's protocol, streamed as the engine generates; the call is
+//! committed before the answer's final frame leaves the gateway.
+//!
+//! Modules: `routes` (HTTP server and routing) → `proxy` (pipeline) →
+//! `protocol` (adapters, pure) and `wire` (engine formats, pure); `state`,
+//! `http`, `auth`, `config`, `upstream`, `store`, `metrics`, `columnar`
+//! underneath. No module imports one above it.
 
 pub mod auth;
-pub mod capture;
 pub mod cli;
 pub mod columnar;
 pub mod config;
 pub mod error;
+pub mod http;
 pub mod metrics;
+pub mod protocol;
 pub mod proxy;
-pub mod server;
-pub mod sse;
+pub mod routes;
+pub mod state;
 pub mod store;
 pub mod upstream;
+pub mod wire;
 
 pub use config::{Config, Engine, SyncMode, UpstreamConfig};
 pub use error::{ApiError, GatewayError};
-pub use server::{serve_blocking, shutdown_signal, Server};
+pub use routes::{serve_blocking, shutdown_signal, Server};

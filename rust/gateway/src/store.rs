@@ -21,6 +21,7 @@ use tokio::sync::oneshot;
 
 use crate::config::SyncMode;
 use crate::error::GatewayError;
+use crate::protocol::Kept;
 
 const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
@@ -71,7 +72,42 @@ CREATE TABLE IF NOT EXISTS events (
     created REAL NOT NULL
 );
 CREATE UNIQUE INDEX IF NOT EXISTS events_rollout_seq ON events(rollout_id, seq);
+CREATE TABLE IF NOT EXISTS kept (
+    id TEXT PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    protocol TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    object TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created REAL NOT NULL
+);
 "#;
+
+/// Columns added after the first release, with their definitions: a database
+/// created by an older gateway gets them on open (`ALTER TABLE ADD COLUMN`;
+/// rows written before read as the defaults). Existing columns never change name.
+const MIGRATIONS: [(&str, &str, &str); 2] = [
+    // The protocol the harness spoke (`openai_chat`, `openai_responses`, …);
+    // old rows were all chat completions or completions, told apart by `kind`.
+    ("calls", "protocol", "TEXT"),
+    // The harness's own request body, before translation (`request` holds
+    // the engine request). Stored on the first choice, like `request`.
+    ("calls", "harness_request", "TEXT"),
+];
+
+fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    for (table, column, decl) in MIGRATIONS {
+        let exists: bool = conn.query_row(
+            &format!("SELECT COUNT(*) > 0 FROM pragma_table_info('{table}') WHERE name = ?1"),
+            params![column],
+            |r| r.get(0),
+        )?;
+        if !exists {
+            conn.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {column} {decl}"))?;
+        }
+    }
+    Ok(())
+}
 
 /// Most writes folded into one transaction.
 const MAX_BATCH: usize = 4096;
@@ -135,9 +171,14 @@ pub struct CallRecord {
     pub rollout_id: String,
     pub request_id: String,
     pub choice_index: i64,
-    /// `chat` or `completion`.
+    /// `chat` or `completion`: the engine endpoint the call went to.
     pub kind: &'static str,
+    /// The protocol the harness spoke (`Protocol::name`).
+    pub protocol: &'static str,
+    /// The engine request (JSON).
     pub request: String,
+    /// The harness's own request body, before translation.
+    pub harness_request: String,
     pub prompt_ids: Option<Vec<u32>>,
     pub completion_ids: Option<Vec<u32>>,
     pub logprobs: Option<Vec<f32>>,
@@ -188,6 +229,7 @@ enum Op {
     InsertCalls {
         records: Vec<CallRecord>,
         mark_running: bool,
+        kept: Option<Kept>,
     },
     InsertEvent {
         rollout_id: String,
@@ -257,6 +299,7 @@ impl Store {
         }
         let conn = open_conn(path, sync)?;
         conn.execute_batch(SCHEMA)
+            .and_then(|()| migrate(&conn))
             .map_err(|e| GatewayError::store(path.display(), e))?;
         let secret =
             load_or_create_secret(&conn).map_err(|e| GatewayError::store(path.display(), e))?;
@@ -329,16 +372,19 @@ impl Store {
         }
     }
 
-    /// Inserts the calls of one request (one per choice) with consecutive seqs.
+    /// Inserts the calls of one request (one per choice) with consecutive seqs,
+    /// and the protocol's kept object, in one transaction.
     pub async fn insert_calls(
         &self,
         records: Vec<CallRecord>,
         mark_running: bool,
+        kept: Option<Kept>,
     ) -> Result<Vec<i64>, GatewayError> {
         match self
             .submit(Op::InsertCalls {
                 records,
                 mark_running,
+                kept,
             })
             .await?
         {
@@ -471,6 +517,30 @@ impl Store {
                 }))
             })?;
             rows.collect()
+        })
+    }
+
+    /// A kept protocol object (`Kept`) of this rollout: `(object, state)`.
+    pub fn kept(
+        &self,
+        rollout_id: &str,
+        id: &str,
+    ) -> Result<Option<(serde_json::Value, serde_json::Value)>, GatewayError> {
+        self.read(|c| {
+            c.query_row(
+                "SELECT object, state FROM kept WHERE id = ?1 AND rollout_id = ?2",
+                params![id, rollout_id],
+                |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)),
+            )
+            .optional()
+        })
+        .map(|row| {
+            row.map(|(o, s)| {
+                (
+                    serde_json::from_str(&o).unwrap_or(serde_json::Value::Null),
+                    serde_json::from_str(&s).unwrap_or(serde_json::Value::Null),
+                )
+            })
         })
     }
 
@@ -646,18 +716,20 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
         Op::InsertCalls {
             records,
             mark_running,
+            kept,
         } => {
             let mut out = Vec::with_capacity(records.len());
             let mut stmt = conn.prepare_cached(
                 "INSERT INTO calls(rollout_id, seq, request_id, choice_index, kind, request, prompt_ids,
                     completion_ids, logprobs, finish_reason, text, status, flags, delivered, retry_count,
-                    weight_version, upstream, http_status, latency_ms, usage, created)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21)",
+                    weight_version, upstream, http_status, latency_ms, usage, created, protocol, harness_request)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)",
             )?;
             for (i, c) in records.iter().enumerate() {
                 let seq = next_seq(conn, &mut seqs.calls, "calls", &c.rollout_id)?;
                 // The full request body is stored once per request, on its first choice.
                 let request = if i == 0 { c.request.as_str() } else { "" };
+                let harness_request = (i == 0).then_some(c.harness_request.as_str());
                 stmt.execute(params![
                     c.rollout_id,
                     seq,
@@ -680,6 +752,8 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
                     c.latency_ms,
                     c.usage,
                     c.created,
+                    c.protocol,
+                    harness_request,
                 ])?;
                 out.push(seq);
             }
@@ -690,6 +764,21 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
                         params![first.rollout_id, now()],
                     )?;
                 }
+            }
+            if let (Some(k), Some(first)) = (kept, records.first()) {
+                conn.execute(
+                    "INSERT OR REPLACE INTO kept(id, rollout_id, protocol, request_id, object, state, created)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                    params![
+                        k.id,
+                        first.rollout_id,
+                        first.protocol,
+                        first.request_id,
+                        k.object.to_string(),
+                        k.state.to_string(),
+                        now()
+                    ],
+                )?;
             }
             Ok(OpResult::Seqs(out))
         }

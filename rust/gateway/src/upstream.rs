@@ -10,32 +10,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::config::{Engine, UpstreamConfig};
-
-/// `http://host:port/prefix` split for request building.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BaseUrl {
-    pub authority: String,
-    /// Path prefix without a trailing slash (e.g. `/v1`).
-    pub prefix: String,
-}
-
-pub fn parse_base_url(url: &str) -> Result<BaseUrl, String> {
-    let rest = url.strip_prefix("http://").ok_or_else(|| {
-        format!("upstream URL {url:?} must start with http:// (TLS upstreams are not supported; put the engine on a local address)")
-    })?;
-    let (authority, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, ""),
-    };
-    if authority.is_empty() {
-        return Err(format!("upstream URL {url:?} has no host"));
-    }
-    Ok(BaseUrl {
-        authority: authority.to_string(),
-        prefix: path.trim_end_matches('/').to_string(),
-    })
-}
+use crate::config::{parse_base_url, BaseUrl, Engine, UpstreamConfig};
 
 #[derive(Debug)]
 pub struct Upstream {
@@ -198,19 +173,6 @@ mod tests {
                 engine: Engine::Vllm,
             })
             .collect()
-    }
-
-    #[test]
-    fn parses_base_urls() {
-        assert_eq!(
-            parse_base_url("http://127.0.0.1:8000/v1/"),
-            Ok(BaseUrl {
-                authority: "127.0.0.1:8000".into(),
-                prefix: "/v1".into()
-            })
-        );
-        assert!(parse_base_url("https://x/v1").is_err());
-        assert!(parse_base_url("http:///v1").is_err());
     }
 
     #[test]

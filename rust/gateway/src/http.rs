@@ -1,0 +1,199 @@
+//! HTTP helpers shared by the routes and the proxy: body type, JSON and error
+//! responses, body reading with a size limit, credentials, query strings.
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{
+    HeaderMap, HeaderValue, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER,
+};
+use hyper::{Request, Response, StatusCode};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+
+use crate::error::ApiError;
+
+pub type Body = BoxBody<Bytes, std::io::Error>;
+
+pub fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).map_err(|never| match never {}).boxed()
+}
+
+pub fn json_response(status: u16, v: &Value) -> Response<Body> {
+    json_bytes_response(
+        StatusCode::from_u16(status).unwrap_or(StatusCode::OK),
+        Bytes::from(v.to_string()),
+    )
+}
+
+pub fn json_bytes_response(status: StatusCode, body: Bytes) -> Response<Body> {
+    let mut r = Response::new(full(body));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// An error in OpenAI's shape (the gateway's own routes and chat/completions).
+pub fn error_response(e: &ApiError) -> Response<Body> {
+    error_response_with(e, Bytes::from(e.body()))
+}
+
+/// An error with a body in some protocol's own shape; status and `Retry-After` from `e`.
+pub fn error_response_with(e: &ApiError, body: Bytes) -> Response<Body> {
+    let mut r = json_bytes_response(
+        StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        body,
+    );
+    if let Some(s) = e.retry_after {
+        if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
+            r.headers_mut().insert(RETRY_AFTER, v);
+        }
+    }
+    r
+}
+
+/// The credential a client sent: `Authorization: Bearer <key>` (OpenAI SDKs)
+/// or `x-api-key: <key>` (Anthropic SDKs). Bearer wins when both are present.
+pub fn api_key(headers: &HeaderMap) -> Option<&str> {
+    bearer(headers).or_else(|| {
+        let v = headers.get("x-api-key")?.to_str().ok()?.trim();
+        (!v.is_empty()).then_some(v)
+    })
+}
+
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(AUTHORIZATION)?.to_str().ok()?;
+    let t = v
+        .strip_prefix("Bearer ")
+        .or_else(|| v.strip_prefix("bearer "))?
+        .trim();
+    if t.is_empty() {
+        None
+    } else {
+        Some(t)
+    }
+}
+
+/// Reads a request body, refusing more than `limit` bytes (413).
+pub async fn read_body(
+    limit: usize,
+    req: Request<Incoming>,
+) -> Result<(hyper::http::request::Parts, Bytes), ApiError> {
+    let too_big = || {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            "request_too_large",
+            format!("request body exceeds {limit} bytes; send less, or raise max_body_bytes in the gateway config"),
+        )
+    };
+    if let Some(len) = req
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.parse::<u64>().ok())
+    {
+        if len > limit as u64 {
+            return Err(too_big());
+        }
+    }
+    let (parts, body) = req.into_parts();
+    match Limited::new(body, limit).collect().await {
+        Ok(c) => Ok((parts, c.to_bytes())),
+        Err(e) => {
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
+                Err(too_big())
+            } else {
+                Err(ApiError::bad_request(
+                    "body_read_failed",
+                    format!("could not read the request body: {e}"),
+                ))
+            }
+        }
+    }
+}
+
+/// A JSON request body; an empty body reads as `{}`.
+pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+    if body.is_empty() {
+        return Ok(json!({}));
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(
+            "invalid_json",
+            format!("request body is not valid JSON: {e}"),
+        )
+    })
+}
+
+/// `a=1&b=x%20y` → map (application/x-www-form-urlencoded, `+` is a space).
+pub fn query_params(q: Option<&str>) -> HashMap<String, String> {
+    form_urlencoded::parse(q.unwrap_or("").as_bytes())
+        .into_owned()
+        .collect()
+}
+
+/// Copies an engine's response headers, except hop-by-hop ones (RFC 9110
+/// §7.6.1) and the length, which belong to each connection.
+pub fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    const HOP: [&str; 8] = [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "content-length",
+    ];
+    for (k, v) in from {
+        if !HOP.contains(&k.as_str()) {
+            to.append(k.clone(), v.clone());
+        }
+    }
+}
+
+/// The engine's whole JSON answer as the harness receives it: its status, its
+/// headers (minus hop-by-hop ones) and its body, unchanged.
+pub fn engine_json(status: StatusCode, headers: &HeaderMap, bytes: Bytes) -> Response<Body> {
+    let mut r = Response::new(full(bytes));
+    *r.status_mut() = status;
+    copy_headers(headers, r.headers_mut());
+    r.headers_mut()
+        .insert(CONTENT_TYPE, copy_content_type(headers, "application/json"));
+    r
+}
+
+pub fn copy_content_type(from: &HeaderMap, default: &'static str) -> HeaderValue {
+    from.get(CONTENT_TYPE)
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static(default))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_strings_decode() {
+        let q = query_params(Some("status=running&group=a%2Fb+c&x"));
+        assert_eq!(q.get("status").map(String::as_str), Some("running"));
+        assert_eq!(q.get("group").map(String::as_str), Some("a/b c"));
+        assert_eq!(q.get("x").map(String::as_str), Some(""));
+        assert!(query_params(None).is_empty());
+    }
+
+    #[test]
+    fn api_key_from_either_header() {
+        let mut h = HeaderMap::new();
+        assert_eq!(api_key(&h), None);
+        h.insert("x-api-key", HeaderValue::from_static("k1"));
+        assert_eq!(api_key(&h), Some("k1"));
+        h.insert(AUTHORIZATION, HeaderValue::from_static("Bearer k2"));
+        assert_eq!(api_key(&h), Some("k2"));
+    }
+}

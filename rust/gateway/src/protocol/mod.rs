@@ -1,0 +1,165 @@
+//! Protocol adapters: how a harness's API maps onto the one engine dialect that
+//! returns exact token ids (DESIGN.md §9).
+//!
+//! Engines are always asked in vLLM-wire chat completions (or completions)
+//! with `return_token_ids` and `logprobs` on; a harness may speak OpenAI chat
+//! completions, completions, the Responses API or Anthropic Messages. Each
+//! protocol is one adapter between the protocol-free *forward* step
+//! (`proxy::forward`: pool, affinity, retries before the first byte, timeouts)
+//! and the *record* step (`proxy::record`: call records, commit). The adapter
+//! never does I/O: every method is a pure function of bytes and values, so it
+//! can be unit-tested and fuzzed on its own.
+//!
+//! The pipeline (`proxy::call`) drives an adapter like this:
+//!
+//! 1. parse the harness's body as JSON (400 in the protocol's shape if not);
+//! 2. [`Protocol::history_key`]: if the request continues stored state (the
+//!    Responses API's `previous_response_id`), the pipeline loads it from the
+//!    store into [`Ctx::history`] (404 in the protocol's shape if unknown);
+//! 3. [`Protocol::engine_request`] → the engine request (which endpoint, the
+//!    JSON body, streamed or not). Unsupported features are refused here with
+//!    a 400 [`ApiError`];
+//! 4. forward; the engine's answer is captured (ids, logprobs) by
+//!    `wire::engine` whatever the protocol;
+//! 5. not streamed: [`Protocol::answer`] turns the engine's whole answer into
+//!    the protocol's (or passes it through unchanged), plus anything to keep
+//!    ([`Kept`]); the call and the kept object commit in one transaction, then
+//!    the answer goes out;
+//! 6. streamed: a [`StreamTranslator`] gets every engine SSE event the moment
+//!    it is complete and returns the protocol's frames to send *now*;
+//!    [`StreamTranslator::finish`] returns the final frame(s) that the
+//!    pipeline holds back until the call has committed (chat's `[DONE]`,
+//!    Responses' `response.completed`), so a harness that saw the end of an
+//!    answer can rely on it being on disk. [`StreamTranslator::fail`] ends a
+//!    stream that broke (engine cut, timeout, store failure) with the
+//!    protocol's error frame(s);
+//! 7. errors the gateway answers itself go out in [`Protocol::error_body`]'s shape.
+//!
+//! To add a protocol: implement [`Protocol`] (and its translator) in a new
+//! file here and give it a route in `routes::protocol_for`.
+
+use bytes::Bytes;
+use hyper::StatusCode;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+use crate::wire::engine::Kind;
+use crate::wire::sse::Event;
+
+pub mod openai_chat;
+pub mod openai_completions;
+
+/// What the pipeline tells an adapter about one call.
+#[derive(Debug, Clone, Default)]
+pub struct Ctx {
+    /// Ask the engine for token ids and logprobs (train rollouts; eval rollouts
+    /// when `eval_capture` is on).
+    pub want_ids: bool,
+    /// Temperature forced by the rollout's mode (`None`: the harness's own).
+    pub temperature: Option<f64>,
+    /// The gateway's id of this call (`call-…`); adapters derive the ids they
+    /// hand out (`resp_…`, `msg_…`) from it, so they are unique and traceable.
+    pub call_id: String,
+    /// Unix seconds when the call arrived.
+    pub created: u64,
+    /// The stored object [`Protocol::history_key`] asked for, if any.
+    pub history: Option<Value>,
+}
+
+/// The request to send to the engine.
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    /// Chat completions or completions (decides the engine path and how ids are read).
+    pub kind: Kind,
+    pub body: Map<String, Value>,
+    /// Whether to stream the engine's answer (and the harness's).
+    pub stream: bool,
+}
+
+/// A protocol's answer to a whole (non-streamed) engine answer.
+#[derive(Debug, Clone)]
+pub enum Answer {
+    /// Send the engine's answer unchanged: its status, headers and body
+    /// (chat and completions: the harness speaks the engine's dialect).
+    Passthrough,
+    /// Send this JSON body with this status.
+    Json { status: StatusCode, body: Bytes },
+}
+
+/// An object a protocol keeps in the store beside the call, committed in the
+/// same transaction (the Responses API's response objects, for
+/// `GET /v1/responses/{id}` and `previous_response_id`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Kept {
+    /// The id the harness knows it by (`resp_…`).
+    pub id: String,
+    /// The protocol's public object (what `GET` returns).
+    pub object: Value,
+    /// Whatever the adapter needs to continue from it (for Responses: the
+    /// whole conversation as input items); handed back in [`Ctx::history`].
+    pub state: Value,
+}
+
+/// A protocol adapter. Implementations are stateless statics; all per-call
+/// state lives in [`Ctx`] and in the [`StreamTranslator`].
+pub trait Protocol: Send + Sync + std::fmt::Debug {
+    /// Stored with every call (`calls.protocol`): `openai_chat`, `openai_completions`, …
+    fn name(&self) -> &'static str;
+
+    /// The id of stored state this request continues from, if any.
+    fn history_key(&self, _body: &Value) -> Option<String> {
+        None
+    }
+
+    /// The harness's request → the engine request. Refuses what the adapter
+    /// cannot translate faithfully with a 400.
+    fn engine_request(&self, body: Value, ctx: &Ctx) -> Result<EngineRequest, ApiError>;
+
+    /// The engine's whole answer (`status`, `body`) → the protocol's answer,
+    /// and what to keep in the store.
+    fn answer(&self, status: StatusCode, engine: &Bytes, ctx: &Ctx) -> (Answer, Option<Kept>);
+
+    /// A fresh stream translator for one streamed call.
+    fn translator(&self, ctx: &Ctx) -> Box<dyn StreamTranslator>;
+
+    /// The body of an error the gateway answers with, in the protocol's shape.
+    fn error_body(&self, e: &ApiError) -> Bytes;
+}
+
+/// Turns one engine SSE stream into the protocol's SSE frames as it arrives.
+pub trait StreamTranslator: Send {
+    /// One complete engine event (`[DONE]` included). Appends the frames to
+    /// send right away to `out` (nothing, if it has nothing to say yet).
+    fn on_event(&mut self, ev: &Event, out: &mut Vec<u8>);
+
+    /// The engine's stream ended well. Returns the final frame(s), which the
+    /// pipeline sends only after the call has committed, and what to keep.
+    fn finish(&mut self) -> (Vec<u8>, Option<Kept>);
+
+    /// The call failed after the stream began (engine cut off, timeout, store
+    /// failure): the frame(s) that end the stream with this error.
+    fn fail(&mut self, e: &ApiError) -> Vec<u8>;
+}
+
+/// The JSON object a harness sent, or a 400 saying so.
+pub fn object(body: Value) -> Result<Map<String, Value>, ApiError> {
+    match body {
+        Value::Object(m) => Ok(m),
+        _ => Err(ApiError::bad_request(
+            "invalid_json",
+            "request body must be a JSON object",
+        )),
+    }
+}
+
+/// One SSE frame: `event: NAME` (when given) and one `data:` line.
+pub fn sse_frame(out: &mut Vec<u8>, event: Option<&str>, data: &[u8]) {
+    if let Some(name) = event {
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(name.as_bytes());
+        out.push(b'\n');
+    }
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\n\n");
+}

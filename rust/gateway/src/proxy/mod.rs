@@ -1,0 +1,529 @@
+//! The proxy pipeline: harness request → protocol adapter → forward → record
+//! → protocol answer, streamed event by event, with the call committed before
+//! the answer's final frame leaves the gateway (DESIGN.md §4).
+//!
+//! The pipeline knows no protocol: it parses the harness's JSON, asks the
+//! adapter (`crate::protocol`) for the engine request, forwards it
+//! (`forward`), captures ids and logprobs from the engine's vLLM-wire answer
+//! (`wire::engine`), records the call (`record`) and hands the answer or
+//! each stream event to the adapter to translate.
+
+pub mod forward;
+pub mod record;
+
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::header::{HeaderMap, HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::{Response, StatusCode};
+use serde_json::Value;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::auth;
+use crate::config::Engine;
+use crate::error::ApiError;
+use crate::http::{copy_content_type, copy_headers, engine_json, json_bytes_response, Body};
+use crate::protocol::{Answer, Ctx, Protocol, StreamTranslator};
+use crate::state::{Mode, RolloutInfo, State};
+use crate::store::CallStatus;
+use crate::upstream::Upstream;
+use crate::wire::engine::{self as capture, Kind, StreamCapture};
+use crate::wire::sse;
+use forward::{plain_body, send_with_retries, Sent};
+use record::{build_records, commit, ms, CallMeta, InFlight};
+
+/// A response body fed by a channel: each batch of SSE frames is one body
+/// frame, sent the moment it is ready. Dropping it (client gone) closes the channel.
+struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+}
+
+impl HttpBody for ChannelBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(b)) => Poll::Ready(Some(Ok(Frame::data(b)))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+type Reply = oneshot::Sender<Result<Response<Body>, ApiError>>;
+
+/// One call in flight: what it records, how its protocol speaks.
+struct Call {
+    st: Arc<State>,
+    meta: CallMeta,
+    proto: &'static dyn Protocol,
+    ctx: Ctx,
+    stream: bool,
+}
+
+/// Proxies one call in protocol `proto` and records it. Errors come back as
+/// [`ApiError`]; the caller renders them in the protocol's shape.
+pub async fn call(
+    st: &Arc<State>,
+    rollout: Arc<RolloutInfo>,
+    proto: &'static dyn Protocol,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response<Body>, ApiError> {
+    let started = Instant::now();
+    let v: Value = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::bad_request(
+            "invalid_json",
+            format!("request body is not valid JSON: {e}"),
+        )
+    })?;
+    let want_ids = rollout.mode == Mode::Train || st.cfg.eval_capture;
+    let request_id = format!("call-{}", auth::random_hex(8));
+    let mut ctx = Ctx {
+        want_ids,
+        temperature: match rollout.mode {
+            Mode::Train => st.cfg.train_temperature,
+            Mode::Eval => st.cfg.eval_temperature,
+        },
+        call_id: request_id.clone(),
+        created: crate::store::now() as u64,
+        history: None,
+    };
+    if let Some(key) = proto.history_key(&v) {
+        ctx.history = Some(load_history(st, &rollout.id, &key).await?);
+    }
+    let er = proto.engine_request(v, &ctx)?;
+    let request = Value::Object(er.body).to_string();
+    let retry_count = headers
+        .get("x-stainless-retry-count")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .unwrap_or(0);
+    st.metrics.proxied_calls.fetch_add(1, Ordering::Relaxed);
+    let meta = CallMeta {
+        rollout,
+        kind: er.kind,
+        protocol: proto.name(),
+        request_id,
+        request,
+        // Parsed as JSON above, so it is UTF-8.
+        harness_request: String::from_utf8_lossy(&body).into_owned(),
+        retry_count,
+        want_ids,
+        started,
+    };
+    // The work runs in its own task so that a harness hanging up is noticed
+    // (the reply channel closes), the upstream request is cancelled, and the
+    // call is still recorded as aborted.
+    let (reply_tx, reply_rx) = oneshot::channel::<Result<Response<Body>, ApiError>>();
+    let c = Call {
+        st: st.clone(),
+        meta,
+        proto,
+        ctx,
+        stream: er.stream,
+    };
+    let guard = InFlight::new(st);
+    tokio::spawn(async move {
+        run_call(c, reply_tx, guard).await;
+    });
+    match reply_rx.await {
+        Ok(r) => r,
+        Err(_) => Err(ApiError::internal("the call task ended without an answer")),
+    }
+}
+
+/// The state a protocol continues from (`Kept::state`), or 404.
+async fn load_history(st: &Arc<State>, rollout: &str, key: &str) -> Result<Value, ApiError> {
+    let st2 = st.clone();
+    let (r, k) = (rollout.to_string(), key.to_string());
+    let row = tokio::task::spawn_blocking(move || st2.store.kept(&r, &k))
+        .await
+        .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    match row {
+        Some((_, state)) => Ok(state),
+        None => Err(ApiError::not_found(
+            "previous_response_not_found",
+            format!("no stored response {key:?} in this rollout; send the whole conversation as input, or an id this rollout's calls returned"),
+        )),
+    }
+}
+
+async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
+    let Call {
+        st,
+        meta,
+        proto,
+        ctx,
+        stream,
+    } = c;
+    let path = match meta.kind {
+        Kind::Chat => "/chat/completions",
+        Kind::Completion => "/completions",
+    };
+    let body = Bytes::from(meta.request.clone());
+    // Only pay for the second body when an id-less engine is configured.
+    let plain = if st.pool.all().iter().any(|u| u.engine == Engine::Openai) {
+        plain_body(&meta.request)
+            .map(Bytes::from)
+            .unwrap_or_else(|| body.clone())
+    } else {
+        body.clone()
+    };
+    let sent = tokio::select! {
+        s = send_with_retries(&st, &meta.rollout.id, path, body, plain) => s,
+        _ = reply.closed() => {
+            let records = build_records(&meta, None, false, CallStatus::Aborted, false, None, 0, ms(meta.started));
+            let _ = commit(&st, records, &meta.rollout, None).await;
+            return;
+        }
+    };
+    let (resp, upstream, sent_at) = match sent {
+        Sent::Answer {
+            resp,
+            upstream,
+            sent,
+        } => (resp, upstream, sent),
+        Sent::Failed { err, upstream } => {
+            let records = build_records(
+                &meta,
+                None,
+                false,
+                CallStatus::UpstreamError,
+                false,
+                upstream.as_deref(),
+                err.status,
+                ms(meta.started),
+            );
+            let res = commit(&st, records, &meta.rollout, None).await;
+            let _ = reply.send(res.and(Err(err)));
+            return;
+        }
+    };
+    let status = resp.status();
+    if stream && status == StatusCode::OK {
+        let translator = proto.translator(&ctx);
+        stream_call(st, meta, resp, upstream, sent_at, reply, guard, translator).await;
+        return;
+    }
+    // Whole answer: read it, record it, then answer.
+    let deadline = sent_at + Duration::from_secs_f64(st.cfg.upstream_timeout_s);
+    let (parts, incoming) = resp.into_parts();
+    let collected = tokio::select! {
+        r = tokio::time::timeout_at(deadline.into(), incoming.collect()) => r,
+        _ = reply.closed() => {
+            let records = build_records(&meta, None, false, CallStatus::Aborted, false, Some(&upstream), status.as_u16(), ms(meta.started));
+            let _ = commit(&st, records, &meta.rollout, None).await;
+            return;
+        }
+    };
+    let upstream_s = sent_at.elapsed().as_secs_f64();
+    st.metrics.upstream_latency.observe(upstream_s);
+    let bytes = match collected {
+        Ok(Ok(c)) => c.to_bytes(),
+        Ok(Err(e)) => {
+            let err = ApiError::new(
+                502,
+                "server_error",
+                "upstream_failed",
+                format!("upstream {} broke off its answer: {e}", upstream.url),
+            );
+            finish_failed(&st, &meta, &upstream, err, reply).await;
+            return;
+        }
+        Err(_) => {
+            let err = ApiError::new(
+                504,
+                "server_error",
+                "upstream_timeout",
+                format!(
+                    "upstream {} did not finish within {}s; raise upstream_timeout_s",
+                    upstream.url, st.cfg.upstream_timeout_s
+                ),
+            );
+            finish_failed(&st, &meta, &upstream, err, reply).await;
+            return;
+        }
+    };
+    let (cap, parse_error, call_status) = if status.is_success() {
+        match capture::parse_answer(&bytes) {
+            Ok(c) => (Some(c), false, CallStatus::Ok),
+            Err(_) => (None, true, CallStatus::Ok),
+        }
+    } else {
+        (None, false, CallStatus::UpstreamError)
+    };
+    let (answer, kept) = proto.answer(status, &bytes, &ctx);
+    let aborted = reply.is_closed();
+    let records = build_records(
+        &meta,
+        cap,
+        parse_error,
+        if aborted {
+            CallStatus::Aborted
+        } else {
+            call_status
+        },
+        !aborted,
+        Some(&upstream),
+        status.as_u16(),
+        ms(meta.started),
+    );
+    let res = commit(&st, records, &meta.rollout, kept).await;
+    st.metrics
+        .added_latency
+        .observe((meta.started.elapsed().as_secs_f64() - upstream_s).max(0.0));
+    drop(guard);
+    let answer = res.map(|()| match answer {
+        Answer::Passthrough => engine_json(status, &parts.headers, bytes),
+        Answer::Json { status, body } => json_bytes_response(status, body),
+    });
+    let _ = reply.send(answer);
+}
+
+async fn finish_failed(
+    st: &Arc<State>,
+    meta: &CallMeta,
+    upstream: &Arc<Upstream>,
+    err: ApiError,
+    reply: Reply,
+) {
+    st.pool.record_failure(upstream);
+    let records = build_records(
+        meta,
+        None,
+        false,
+        CallStatus::UpstreamError,
+        false,
+        Some(upstream),
+        err.status,
+        ms(meta.started),
+    );
+    let res = commit(st, records, &meta.rollout, None).await;
+    let _ = reply.send(Err(res.err().unwrap_or(err)));
+}
+
+/// How reading an engine stream ended.
+struct Pumped {
+    status: CallStatus,
+    /// What went wrong, for the harness (`None`: nothing to tell it).
+    failure: Option<ApiError>,
+    saw_done: bool,
+}
+
+/// The per-stream readers: SSE framing, id capture, protocol translation.
+struct Reading {
+    parser: sse::Parser,
+    cap: StreamCapture,
+    translator: Box<dyn StreamTranslator>,
+}
+
+/// Reads the engine's stream: every event is captured and translated, and
+/// the frames one upstream read completes go out together, at once.
+async fn pump(
+    st: &State,
+    upstream: &Upstream,
+    body: &mut Incoming,
+    deadline: Instant,
+    tx: &mpsc::Sender<Bytes>,
+    s: &mut Reading,
+) -> Pumped {
+    let fail = |code: &'static str, message: String| Pumped {
+        status: CallStatus::UpstreamError,
+        failure: Some(ApiError::new(502, "server_error", code, message)),
+        saw_done: false,
+    };
+    let mut saw_done = false;
+    loop {
+        let frame = tokio::select! {
+            _ = tx.closed() => {
+                return Pumped { status: CallStatus::Aborted, failure: None, saw_done };
+            }
+            f = tokio::time::timeout_at(deadline.into(), body.frame()) => f,
+        };
+        let data = match frame {
+            Err(_) => {
+                return fail(
+                    "upstream_timeout",
+                    format!(
+                        "upstream {} did not finish within {}s",
+                        upstream.url, st.cfg.upstream_timeout_s
+                    ),
+                )
+            }
+            Ok(None) => {
+                return Pumped {
+                    status: CallStatus::Ok,
+                    failure: None,
+                    saw_done,
+                }
+            }
+            Ok(Some(Err(e))) => {
+                return fail(
+                    "upstream_failed",
+                    format!("upstream {} broke off the stream: {e}", upstream.url),
+                )
+            }
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(d) => d,
+                Err(_) => continue,
+            },
+        };
+        let events = match s.parser.feed(&data) {
+            Ok(ev) => ev,
+            Err(e) => return fail("upstream_bad_stream", e),
+        };
+        let mut out: Vec<u8> = Vec::new();
+        for ev in &events {
+            if ev.is_done() {
+                saw_done = true;
+            } else {
+                s.cap.feed(&ev.data);
+            }
+            s.translator.on_event(ev, &mut out);
+        }
+        if !out.is_empty() && tx.send(Bytes::from(out)).await.is_err() {
+            return Pumped {
+                status: CallStatus::Aborted,
+                failure: None,
+                saw_done,
+            };
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn stream_call(
+    st: Arc<State>,
+    meta: CallMeta,
+    resp: Response<Incoming>,
+    upstream: Arc<Upstream>,
+    sent_at: Instant,
+    reply: Reply,
+    guard: InFlight,
+    translator: Box<dyn StreamTranslator>,
+) {
+    let (parts, mut body) = resp.into_parts();
+    let (tx, rx) = mpsc::channel::<Bytes>(64);
+    let mut r = Response::new(ChannelBody { rx }.boxed());
+    copy_headers(&parts.headers, r.headers_mut());
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        copy_content_type(&parts.headers, "text/event-stream"),
+    );
+    r.headers_mut()
+        .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    if reply.send(Ok(r)).is_err() {
+        let records = build_records(
+            &meta,
+            None,
+            false,
+            CallStatus::Aborted,
+            false,
+            Some(&upstream),
+            200,
+            ms(meta.started),
+        );
+        let _ = commit(&st, records, &meta.rollout, None).await;
+        return;
+    }
+    let deadline = sent_at + Duration::from_secs_f64(st.cfg.upstream_timeout_s);
+    let mut reading = Reading {
+        parser: sse::Parser::new(),
+        cap: StreamCapture::new(),
+        translator,
+    };
+    let Pumped {
+        mut status,
+        mut failure,
+        saw_done,
+    } = pump(&st, &upstream, &mut body, deadline, &tx, &mut reading).await;
+    let Reading {
+        parser,
+        cap,
+        mut translator,
+    } = reading;
+    // Drop the upstream body now: on abort this closes the connection, which
+    // makes the engine cancel the generation.
+    drop(body);
+    let upstream_s = sent_at.elapsed().as_secs_f64();
+    st.metrics.upstream_latency.observe(upstream_s);
+    if status == CallStatus::Ok {
+        if cap.engine_error.is_some() {
+            // The engine's error event already went out, translated.
+            status = CallStatus::UpstreamError;
+        } else if !saw_done && (!parser.remainder().trim_ascii().is_empty() || !cap.all_finished())
+        {
+            // No `[DONE]` and a choice without finish_reason: the engine went
+            // away mid-answer (a close-delimited body ends "cleanly" on a cut).
+            status = CallStatus::UpstreamError;
+            failure = Some(ApiError::new(
+                502,
+                "server_error",
+                "upstream_failed",
+                format!(
+                    "upstream {} ended the stream before it finished",
+                    upstream.url
+                ),
+            ));
+        }
+    }
+    if failure.is_some() {
+        st.pool.record_failure(&upstream);
+    }
+    let bad_chunks = cap.bad_chunks;
+    let (held, kept) = if status == CallStatus::Ok {
+        translator.finish()
+    } else {
+        (Vec::new(), None)
+    };
+    let mut records = build_records(
+        &meta,
+        Some(cap.finish()),
+        false,
+        status,
+        status == CallStatus::Ok,
+        Some(&upstream),
+        200,
+        ms(meta.started),
+    );
+    if bad_chunks > 0 {
+        records
+            .iter_mut()
+            .for_each(|r| r.flags.push("unparseable_chunk".into()));
+    }
+    let res = commit(&st, records, &meta.rollout, kept).await;
+    st.metrics
+        .added_latency
+        .observe((meta.started.elapsed().as_secs_f64() - upstream_s).max(0.0));
+    match (status, res) {
+        (CallStatus::Ok, Ok(())) => {
+            if !held.is_empty() {
+                let _ = tx.send(Bytes::from(held)).await;
+            }
+        }
+        (CallStatus::Ok, Err(e)) => {
+            let _ = tx.send(Bytes::from(translator.fail(&e))).await;
+        }
+        (CallStatus::UpstreamError, _) => {
+            if let Some(e) = failure {
+                tracing::warn!(rollout = %meta.rollout.id, code = e.code, "stream failed mid-way");
+                let _ = tx.send(Bytes::from(translator.fail(&e))).await;
+            }
+        }
+        (CallStatus::Aborted, _) => {
+            tracing::debug!(rollout = %meta.rollout.id, "harness hung up mid-stream");
+        }
+    }
+    drop(guard);
+}

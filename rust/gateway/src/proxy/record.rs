@@ -1,0 +1,142 @@
+//! The protocol-free record step: the call records of one proxied request
+//! (one per choice, exact ids and logprobs, consistency flags) and their commit.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::error::ApiError;
+use crate::protocol::Kept;
+use crate::state::{RolloutInfo, State};
+use crate::store::{self, CallRecord, CallStatus};
+use crate::upstream::Upstream;
+use crate::wire::engine::{self as capture, Capture, Kind};
+
+/// Decrements the in-flight gauge however the call ends.
+#[derive(Debug)]
+pub struct InFlight(Arc<State>);
+
+impl InFlight {
+    pub fn new(st: &Arc<State>) -> Self {
+        st.metrics.in_flight.fetch_add(1, Ordering::SeqCst);
+        InFlight(st.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.metrics.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Everything about one proxied request that ends up in its records.
+#[derive(Debug)]
+pub struct CallMeta {
+    pub rollout: Arc<RolloutInfo>,
+    /// The engine endpoint (chat or completions).
+    pub kind: Kind,
+    /// `Protocol::name` of the harness's protocol.
+    pub protocol: &'static str,
+    pub request_id: String,
+    /// The engine request as sent.
+    pub request: String,
+    /// The harness's own body.
+    pub harness_request: String,
+    pub retry_count: u32,
+    pub want_ids: bool,
+    pub started: Instant,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn build_records(
+    meta: &CallMeta,
+    cap: Option<Capture>,
+    parse_error: bool,
+    status: CallStatus,
+    delivered: bool,
+    upstream: Option<&Upstream>,
+    http_status: u16,
+    latency_ms: f64,
+) -> Vec<CallRecord> {
+    let cap = cap.unwrap_or_default();
+    let flags = capture::check(meta.kind, &cap, meta.want_ids && status == CallStatus::Ok);
+    let usage = cap.usage.as_ref().map(|u| u.to_string());
+    let base = |idx: i64| CallRecord {
+        rollout_id: meta.rollout.id.clone(),
+        request_id: meta.request_id.clone(),
+        choice_index: idx,
+        kind: meta.kind.as_str(),
+        protocol: meta.protocol,
+        request: meta.request.clone(),
+        harness_request: meta.harness_request.clone(),
+        prompt_ids: cap.prompt_ids.clone(),
+        completion_ids: None,
+        logprobs: None,
+        finish_reason: None,
+        text: None,
+        status,
+        flags: if parse_error {
+            vec!["unparseable_answer".to_string()]
+        } else {
+            Vec::new()
+        },
+        delivered,
+        retry_count: meta.retry_count,
+        weight_version: upstream.map(|u| u.weight_version).unwrap_or(0),
+        upstream: upstream.map(|u| u.url.clone()).unwrap_or_default(),
+        http_status,
+        latency_ms,
+        usage: usage.clone(),
+        created: store::now(),
+    };
+    if cap.choices.is_empty() {
+        return vec![base(0)];
+    }
+    cap.choices
+        .iter()
+        .zip(flags)
+        .map(|(c, f)| {
+            let mut r = base(c.index);
+            if meta.kind == Kind::Completion || r.prompt_ids.is_none() {
+                r.prompt_ids = c.prompt_ids.clone().or(r.prompt_ids);
+            }
+            r.completion_ids = c.completion_ids.clone();
+            r.logprobs = c.logprobs.clone();
+            r.finish_reason = c.finish_reason.clone();
+            r.text = c.text.clone();
+            r.flags.extend(f);
+            r
+        })
+        .collect()
+}
+
+pub async fn commit(
+    st: &State,
+    records: Vec<CallRecord>,
+    rollout: &RolloutInfo,
+    kept: Option<Kept>,
+) -> Result<(), ApiError> {
+    let status = records.first().map(|r| r.status);
+    let flagged = records.iter().any(|r| !r.flags.is_empty());
+    let mark_running = rollout.queued.swap(false, Ordering::Relaxed);
+    let res = st.store.insert_calls(records, mark_running, kept).await;
+    if res.is_err() && mark_running {
+        rollout.queued.store(true, Ordering::Relaxed);
+    }
+    res?;
+    let m = &st.metrics;
+    match status {
+        Some(CallStatus::Ok) => m.calls_ok.fetch_add(1, Ordering::Relaxed),
+        Some(CallStatus::UpstreamError) => m.calls_upstream_error.fetch_add(1, Ordering::Relaxed),
+        Some(CallStatus::Aborted) => m.calls_aborted.fetch_add(1, Ordering::Relaxed),
+        None => 0,
+    };
+    if flagged {
+        m.flagged_calls.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+pub fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1000.0
+}

@@ -1,0 +1,292 @@
+//! The HTTP server: routing, the protocol routes, graceful shutdown.
+//!
+//! Harness routes exist twice: under `/rollouts/{id}/v1/...` (authorized by
+//! the rollout's token or the admin key) and under `/v1/...` (the rollout is
+//! the one whose token is the key). Keys come as `Authorization: Bearer` or
+//! `x-api-key`. Errors on a protocol route are answered in that protocol's
+//! error shape; everything else in OpenAI's.
+
+pub mod admin;
+pub mod rollouts;
+
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+use crate::config::Config;
+use crate::error::{ApiError, GatewayError};
+use crate::http::{error_response, error_response_with, full, json_response, query_params, Body};
+use crate::protocol::openai_chat::OpenAiChat;
+use crate::protocol::openai_completions::OpenAiCompletions;
+use crate::protocol::Protocol;
+use crate::proxy;
+use crate::state::{RolloutInfo, State};
+
+static CHAT: OpenAiChat = OpenAiChat;
+static COMPLETIONS: OpenAiCompletions = OpenAiCompletions;
+
+/// What a path under `.../v1/` asks for.
+#[derive(Debug, Clone, Copy)]
+enum V1 {
+    /// Proxy one call in this protocol.
+    Call(&'static dyn Protocol),
+    /// `GET /v1/models`: the engine's model list.
+    Models,
+}
+
+/// The route under `.../v1/` and the protocol whose error shape it answers in.
+fn v1_route(method: &Method, rest: &[&str]) -> Option<(V1, &'static dyn Protocol)> {
+    let call = |p: &'static dyn Protocol| Some((V1::Call(p), p));
+    match (method, rest) {
+        (&Method::POST, ["chat", "completions"]) => call(&CHAT),
+        (&Method::POST, ["completions"]) => call(&COMPLETIONS),
+        (&Method::GET, ["models"]) => Some((V1::Models, &CHAT as &dyn Protocol)),
+        _ => None,
+    }
+}
+
+async fn handle(st: Arc<State>, req: Request<Incoming>) -> Response<Body> {
+    st.metrics.http_requests.fetch_add(1, Ordering::Relaxed);
+    // The protocol of a harness route decides the error shape, auth errors included.
+    let segs: Vec<&str> = req.uri().path().trim_matches('/').split('/').collect();
+    let proto = match segs.as_slice() {
+        ["rollouts", _, "v1", rest @ ..] | ["v1", rest @ ..] => {
+            v1_route(req.method(), rest).map(|(_, p)| p)
+        }
+        _ => None,
+    };
+    match route(&st, req).await {
+        Ok(r) => r,
+        Err(e) => {
+            st.metrics.error(e.code);
+            if e.status >= 500 {
+                tracing::warn!(status = e.status, code = e.code, message = %e.message, "request failed");
+            } else {
+                tracing::debug!(status = e.status, code = e.code, message = %e.message, "request refused");
+            }
+            match proto {
+                Some(p) => error_response_with(&e, p.error_body(&e)),
+                None => error_response(&e),
+            }
+        }
+    }
+}
+
+async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let query = query_params(req.uri().query());
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let not_found = || {
+        ApiError::not_found(
+            "route_not_found",
+            format!(
+                "no route {method} {path}; harness calls go to /rollouts/{{id}}/v1/chat/completions (or /completions)"
+            ),
+        )
+    };
+    match (&method, segs.as_slice()) {
+        (&Method::GET, ["healthz"]) => Ok(json_response(
+            200,
+            &json!({"status": "ok", "paused": st.paused.load(Ordering::Relaxed), "weight_version": st.pool.weight_version()}),
+        )),
+        (&Method::GET, ["metrics"]) => {
+            let text = st.metrics.render(
+                &st.store.stats,
+                st.paused.load(Ordering::Relaxed),
+                st.pool.weight_version(),
+            );
+            let mut r = Response::new(full(text));
+            r.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            Ok(r)
+        }
+        // Harness routes.
+        (_, ["rollouts", id, "v1", rest @ ..]) => {
+            let info = st.authorize(req.headers(), id).await?;
+            let (v1, _) = v1_route(&method, rest).ok_or_else(not_found)?;
+            harness_route(st, info, v1, req).await
+        }
+        (_, ["v1", rest @ ..]) => {
+            let info = st.rollout_from_key(req.headers()).await?;
+            let (v1, _) = v1_route(&method, rest).ok_or_else(not_found)?;
+            harness_route(st, info, v1, req).await
+        }
+        // Rollout API.
+        (&Method::POST, ["rollouts"]) => rollouts::create(st, req).await,
+        (&Method::GET, ["rollouts"]) => rollouts::list(st, req, &query).await,
+        (&Method::GET, ["rollouts", id]) => rollouts::get(st, id, req).await,
+        (&Method::POST, ["rollouts", id, "status"]) => rollouts::set_status(st, id, req).await,
+        (&Method::POST, ["rollouts", id, "reward"]) => rollouts::reward(st, id, req).await,
+        (&Method::POST, ["rollouts", id, "events"]) => rollouts::post_event(st, id, req).await,
+        (&Method::GET, ["rollouts", id, "events"]) => rollouts::events(st, id, req).await,
+        (&Method::GET, ["rollouts", id, "trace"]) => rollouts::trace(st, id, req, &query).await,
+        // Admin.
+        (&Method::POST, ["admin", "pause"]) => admin::pause(st, req).await,
+        (&Method::POST, ["admin", "resume"]) => admin::resume(st, req).await,
+        (&Method::GET, ["admin", "state"]) => admin::state(st, req).await,
+        (&Method::GET, ["admin", "upstreams"]) => admin::upstreams(st, req).await,
+        (&Method::POST, ["admin", "upstreams"]) => admin::replace_upstreams(st, req).await,
+        _ => Err(not_found()),
+    }
+}
+
+async fn harness_route(
+    st: &Arc<State>,
+    info: Arc<RolloutInfo>,
+    v1: V1,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    match v1 {
+        V1::Models => proxy::forward::models(st).await,
+        V1::Call(proto) => {
+            st.check_not_paused()?;
+            let (parts, body) = st.read_body(req).await?;
+            proxy::call(st, info, proto, &parts.headers, body).await
+        }
+    }
+}
+
+/// A bound, not yet running server.
+#[derive(Debug)]
+pub struct Server {
+    state: Arc<State>,
+    listener: TcpListener,
+    addr: SocketAddr,
+}
+
+impl Server {
+    /// Opens the store and binds the listener (must run inside a tokio runtime).
+    pub async fn bind(cfg: Config) -> Result<Server, GatewayError> {
+        cfg.validate()?;
+        let listener = TcpListener::bind(&cfg.listen)
+            .await
+            .map_err(|e| GatewayError::Bind {
+                addr: cfg.listen.clone(),
+                source: e,
+            })?;
+        let addr = listener.local_addr()?;
+        let public_url = cfg
+            .public_url
+            .clone()
+            .map(|u| u.trim_end_matches('/').to_string())
+            .unwrap_or_else(|| format!("http://{addr}"));
+        let state = Arc::new(State::new(cfg, public_url)?);
+        Ok(Server {
+            state,
+            listener,
+            addr,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn state(&self) -> Arc<State> {
+        self.state.clone()
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting, lets in-flight
+    /// calls finish (up to `drain_timeout_s`) and flushes the store.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), GatewayError> {
+        let Server {
+            state,
+            listener,
+            addr,
+        } = self;
+        tracing::info!(%addr, db = %state.store.path().display(), upstreams = state.cfg.upstreams.len(), "gateway listening");
+        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let (stream, _) = match accepted {
+                        Ok(x) => x,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accept failed");
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            continue;
+                        }
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let st = state.clone();
+                    let svc = service_fn(move |req| {
+                        let st = st.clone();
+                        async move { Ok::<_, Infallible>(handle(st, req).await) }
+                    });
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(true)
+                        .serve_connection(TokioIo::new(stream), svc);
+                    let conn = graceful.watch(conn);
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!(error = %e, "connection ended with an error");
+                        }
+                    });
+                }
+                _ = &mut shutdown => break,
+            }
+        }
+        drop(listener);
+        tracing::info!("shutting down: draining in-flight calls");
+        let drain = Duration::from_secs_f64(state.cfg.drain_timeout_s.max(0.0));
+        if tokio::time::timeout(drain, graceful.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!("drain timed out; closing remaining connections");
+        }
+        let _ = state.store.barrier().await;
+        let store = state.store.clone();
+        let _ = tokio::task::spawn_blocking(move || store.close()).await;
+        tracing::info!("gateway stopped; store flushed");
+        Ok(())
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+/// Builds a multi-threaded runtime and serves until SIGINT/SIGTERM.
+pub fn serve_blocking(cfg: Config, threads: usize) -> Result<(), GatewayError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads.max(1))
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let server = Server::bind(cfg).await?;
+        server.run(shutdown_signal()).await
+    })
+}

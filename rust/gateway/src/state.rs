@@ -1,0 +1,238 @@
+//! Shared server state: configuration, the store, the upstream pool, the HTTP
+//! client, the pause flag, metrics and the in-memory rollout cache, plus the
+//! credential checks every route uses.
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::header::HeaderMap;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use crate::auth;
+use crate::config::Config;
+use crate::error::{ApiError, GatewayError};
+use crate::http::api_key;
+use crate::metrics::Metrics;
+use crate::store::Store;
+use crate::upstream::Pool;
+
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Train,
+    Eval,
+}
+
+/// What the hot path needs to know about a rollout, cached in memory.
+#[derive(Debug)]
+pub struct RolloutInfo {
+    pub id: String,
+    pub mode: Mode,
+    pub token_hash: String,
+    /// Still `queued`: the first call flips it to `running` in the same commit.
+    pub queued: AtomicBool,
+}
+
+#[derive(Debug)]
+pub struct State {
+    pub cfg: Config,
+    pub store: Arc<Store>,
+    pub pool: Pool,
+    pub client: HttpClient,
+    pub paused: AtomicBool,
+    pub metrics: Metrics,
+    pub public_url: String,
+    rollouts: RwLock<HashMap<String, Arc<RolloutInfo>>>,
+    tokens: RwLock<HashMap<String, String>>,
+}
+
+impl State {
+    pub fn new(cfg: Config, public_url: String) -> Result<State, GatewayError> {
+        cfg.validate()?;
+        let store = Arc::new(Store::open(&cfg.db, cfg.sync)?);
+        let pool = Pool::new(
+            &cfg.upstreams,
+            cfg.mark_down_after,
+            Duration::from_secs_f64(cfg.down_for_s.max(0.0)),
+        )
+        .map_err(GatewayError::Config)?;
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(1024)
+            .build(connector);
+        Ok(State {
+            cfg,
+            store,
+            pool,
+            client,
+            paused: AtomicBool::new(false),
+            metrics: Metrics::default(),
+            public_url,
+            rollouts: RwLock::new(HashMap::new()),
+            tokens: RwLock::new(HashMap::new()),
+        })
+    }
+
+    /// Reads a request body up to `max_body_bytes` (413 above).
+    pub async fn read_body(
+        &self,
+        req: hyper::Request<hyper::body::Incoming>,
+    ) -> Result<(hyper::http::request::Parts, Bytes), ApiError> {
+        crate::http::read_body(self.cfg.max_body_bytes, req).await
+    }
+
+    /// 503 with `Retry-After` while paused for a weight update.
+    pub fn check_not_paused(&self) -> Result<(), ApiError> {
+        if !self.paused.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        let mut e = ApiError::new(
+            503,
+            "server_error",
+            "paused",
+            "the gateway is paused for a weight update; retry after the Retry-After seconds",
+        );
+        e.retry_after = Some(1);
+        Err(e)
+    }
+
+    fn cached(&self, id: &str) -> Option<Arc<RolloutInfo>> {
+        self.rollouts.read().ok().and_then(|m| m.get(id).cloned())
+    }
+
+    pub(crate) fn cache(&self, row: &crate::store::RolloutRow) -> Arc<RolloutInfo> {
+        let info = Arc::new(RolloutInfo {
+            id: row.rollout_id.clone(),
+            mode: if row.mode == "eval" {
+                Mode::Eval
+            } else {
+                Mode::Train
+            },
+            token_hash: row.token_hash.clone(),
+            queued: AtomicBool::new(row.status == "queued"),
+        });
+        if let Ok(mut m) = self.rollouts.write() {
+            m.insert(info.id.clone(), info.clone());
+        }
+        if let Ok(mut m) = self.tokens.write() {
+            m.insert(info.token_hash.clone(), info.id.clone());
+        }
+        info
+    }
+
+    pub(crate) fn forget(&self, id: &str) {
+        if let Ok(mut m) = self.rollouts.write() {
+            m.remove(id);
+        }
+    }
+
+    /// The rollout with this id, from memory or the store.
+    pub async fn rollout(self: &Arc<Self>, id: &str) -> Result<Arc<RolloutInfo>, ApiError> {
+        if let Some(r) = self.cached(id) {
+            return Ok(r);
+        }
+        let st = self.clone();
+        let key = id.to_string();
+        let row = tokio::task::spawn_blocking(move || st.store.get_rollout(&key))
+            .await
+            .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+        match row {
+            Some(row) => Ok(self.cache(&row)),
+            None => Err(ApiError::not_found(
+                "rollout_not_found",
+                format!("rollout {id:?} does not exist; create it with POST /rollouts first"),
+            )),
+        }
+    }
+
+    async fn rollout_by_token(
+        self: &Arc<Self>,
+        hash: &str,
+    ) -> Result<Option<Arc<RolloutInfo>>, ApiError> {
+        let id = self.tokens.read().ok().and_then(|m| m.get(hash).cloned());
+        if let Some(id) = id {
+            return self.rollout(&id).await.map(Some);
+        }
+        let st = self.clone();
+        let key = hash.to_string();
+        let row = tokio::task::spawn_blocking(move || st.store.rollout_by_token_hash(&key))
+            .await
+            .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+        Ok(row.map(|r| self.cache(&r)))
+    }
+
+    pub fn is_admin(&self, headers: &HeaderMap) -> bool {
+        match (api_key(headers), &self.cfg.admin_key) {
+            (Some(t), Some(k)) => auth::constant_time_eq(t.as_bytes(), k.as_bytes()),
+            _ => false,
+        }
+    }
+
+    pub fn require_admin(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        if self.is_admin(headers) {
+            return Ok(());
+        }
+        if api_key(headers).is_none() {
+            return Err(ApiError::unauthorized(
+                "missing admin key; send 'Authorization: Bearer <admin key>' (or 'x-api-key')",
+            ));
+        }
+        Err(ApiError::unauthorized(
+            "wrong admin key; use the key the gateway was started with",
+        ))
+    }
+
+    /// Authorizes a rollout-scoped route: the admin key or this rollout's token.
+    pub async fn authorize(
+        self: &Arc<Self>,
+        headers: &HeaderMap,
+        id: &str,
+    ) -> Result<Arc<RolloutInfo>, ApiError> {
+        let token = api_key(headers).ok_or_else(|| {
+            ApiError::unauthorized("missing rollout token; send 'Authorization: Bearer <rollout token>' or 'x-api-key: <rollout token>' (the SDK's api_key)")
+        })?;
+        let info = self.rollout(id).await?;
+        if self.is_admin(headers) {
+            return Ok(info);
+        }
+        let hash = auth::token_hash(token);
+        if auth::constant_time_eq(hash.as_bytes(), info.token_hash.as_bytes()) {
+            return Ok(info);
+        }
+        if self.rollout_by_token(&hash).await?.is_some() {
+            return Err(ApiError::forbidden(format!(
+                "this token belongs to another rollout, not {id:?}; use the token returned when {id:?} was created"
+            )));
+        }
+        Err(ApiError::unauthorized(format!(
+            "invalid token for rollout {id:?}; use the token returned by POST /rollouts"
+        )))
+    }
+
+    /// For `/v1/...`: the rollout whose token is the bearer key.
+    pub async fn rollout_from_key(
+        self: &Arc<Self>,
+        headers: &HeaderMap,
+    ) -> Result<Arc<RolloutInfo>, ApiError> {
+        let token = api_key(headers).ok_or_else(|| {
+            ApiError::unauthorized(
+                "missing rollout token; set the SDK api_key to the rollout token",
+            )
+        })?;
+        match self.rollout_by_token(&auth::token_hash(token)).await? {
+            Some(r) => Ok(r),
+            None => Err(ApiError::unauthorized(
+                "unknown rollout token; set the SDK api_key to a token from POST /rollouts, or use base_url /rollouts/{id}/v1",
+            )),
+        }
+    }
+}
