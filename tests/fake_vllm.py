@@ -31,6 +31,21 @@ The "tokenizer" is byte-level (id = byte + 10) so texts and ids map exactly; the
 chat template is ChatML-like. Message markers steer the answer: ``[[tool]]`` makes a
 tool call, ``[[len:N]]`` sets the answer length in tokens, ``[[slow:S]]`` sleeps S
 seconds between streamed tokens.
+
+Scripted answers (``--script JSON_OR_FILE``, ``FakeEngine(script=...)`` or ``POST
+/_script`` with the list): a list of steps; a chat request whose conversation holds
+k assistant messages gets step k (the last step once the list runs out), so each
+harness conversation plays the script from its start, whatever else runs at the
+same time. A step is ``{"content": "text"}`` and/or ``{"tool_calls": [{"name": ...,
+"arguments": {...}}]}``. The model "writes" Hermes tool calls, as Qwen models do
+(``content<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>``, calls
+joined by a newline), and the answer is that text parsed the way vLLM's ``hermes``
+tool parser serves it (lightning.engine.tools implements that shape, streamed and
+not): ``tool_calls`` with ``chatcmpl-tool-...`` ids and ``arguments`` as a JSON
+string, ``finish_reason: tool_calls``, ``token_ids`` the ids of the whole text. In
+script mode the template renders tools in a system turn, an assistant's tool calls
+back into exactly that text and tool results as ``<tool_response>`` user turns, so
+a tool conversation's prompts extend each other (it merges into one sample).
 """
 
 from __future__ import annotations
@@ -49,13 +64,16 @@ LOCK = threading.Lock()
 LOG: list[dict[str, Any]] = []
 CONTROL: dict[str, Any] = {}
 STATE = {"requests": 0}
+SCRIPT: list[dict[str, Any]] = []
 
 
 def encode(text: str) -> list[int]:
     return [b + ID_OFFSET for b in text.encode("utf-8")]
 
 
-def render_chat(messages: list[dict[str, Any]]) -> str:
+def render_chat(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+    if SCRIPT:
+        return render_hermes(messages, tools)
     out = []
     for m in messages:
         content = m.get("content")
@@ -66,6 +84,61 @@ def render_chat(messages: list[dict[str, Any]]) -> str:
         out.append(f"<|im_start|>{m.get('role', 'user')}\n{content or ''}<|im_end|>\n")
     out.append("<|im_start|>assistant\n")
     return "".join(out)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def hermes_calls_text(calls: list[dict[str, Any]]) -> str:
+    """The text a Hermes/Qwen model writes for these calls ({"name", "arguments": object})."""
+    return "\n".join(
+        "<tool_call>\n"
+        + json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False)
+        + "\n</tool_call>"
+        for c in calls
+    )
+
+
+def render_hermes(messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    out = []
+    if tools:
+        out.append(f"<|im_start|>system\n<tools>\n{json.dumps(tools)}\n</tools><|im_end|>\n")
+    for m in messages:
+        role, content = m.get("role", "user"), _text(m.get("content"))
+        if role == "tool":
+            out.append(
+                f"<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n"
+            )
+            continue
+        calls = [
+            {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+            for c in m.get("tool_calls") or []
+        ]
+        out.append(f"<|im_start|>{role}\n{content}{hermes_calls_text(calls)}<|im_end|>\n")
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+def scripted(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The scripted answer to this conversation: text, ids, parsed calls, finish reason."""
+    from lightning.engine import tools as hermes
+
+    turn = sum(1 for m in messages if m.get("role") == "assistant")
+    with LOCK:
+        step = SCRIPT[min(turn, len(SCRIPT) - 1)]
+    text = step.get("content", "") + hermes_calls_text(step.get("tool_calls", []))
+    found = hermes.extract(text)
+    return {
+        "text": text,
+        "ids": encode(text),
+        "tool": None,
+        "content": found.content if found else text,
+        "calls": found.tool_calls if found else [],
+        "finish": "tool_calls" if found else "stop",
+    }
 
 
 def logprob_of(token_id: int, position: int) -> float:
@@ -137,6 +210,11 @@ class Handler(BaseHTTPRequestHandler):
     def _post(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
+        if self.path == "/_script":
+            with LOCK:
+                SCRIPT[:] = json.loads(raw or b"[]")
+            self._json(200, {"ok": True})
+            return
         if self.path == "/_control":
             with LOCK:
                 CONTROL.clear()
@@ -251,11 +329,14 @@ class Handler(BaseHTTPRequestHandler):
     # --- chat ---------------------------------------------------------------
 
     def chat(self, req: dict[str, Any]) -> None:
-        prompt_text = render_chat(req.get("messages") or [])
+        prompt_text = render_chat(req.get("messages") or [], req.get("tools"))
         prompt_ids = encode(prompt_text)
         ids_on = bool(req.get("return_token_ids")) and not self.server.no_ids  # type: ignore[attr-defined]
         want_lp = bool(req.get("logprobs"))
-        choices = self._choices(prompt_text, req)
+        if SCRIPT:
+            choices = [scripted(req.get("messages") or [])]
+        else:
+            choices = self._choices(prompt_text, req)
         self._log("chat", [prompt_ids], choices, want_lp)
         usage = {
             "prompt_tokens": len(prompt_ids),
@@ -275,6 +356,8 @@ class Handler(BaseHTTPRequestHandler):
                 if c["tool"]:
                     msg["content"] = None
                     msg["tool_calls"] = [c["tool"]]
+                elif "calls" in c:
+                    msg["content"], msg["tool_calls"] = c["content"], c["calls"]
                 ch: dict[str, Any] = {
                     "index": i,
                     "message": msg,
@@ -367,6 +450,11 @@ class Handler(BaseHTTPRequestHandler):
                             if frag
                             else {}
                         )
+                elif "calls" in c:
+                    delta = self._scripted_delta(c, pos)
+                    if delta is None and not ids_on:
+                        continue  # vLLM sends no chunk for a token with nothing to say
+                    delta = delta or {}
                 else:
                     delta = {"content": bytes([t - ID_OFFSET]).decode("utf-8", errors="replace")}
                 chunk = dict(base)
@@ -410,6 +498,15 @@ class Handler(BaseHTTPRequestHandler):
             chunk["usage"] = usage
             self._sse(chunk)
         self._sse("[DONE]")
+
+    @staticmethod
+    def _scripted_delta(c: dict[str, Any], pos: int) -> dict[str, Any] | None:
+        """vLLM's hermes-parser delta after token ``pos`` of a scripted answer."""
+        from lightning.engine import tools as hermes
+
+        parser = c.setdefault("parser", hermes.StreamParser())
+        so_far = bytes(t - ID_OFFSET for t in c["ids"][: pos + 1]).decode("utf-8", errors="ignore")
+        return parser.feed(so_far, finished=pos == len(c["ids"]) - 1)
 
     # --- completions --------------------------------------------------------
 
@@ -507,12 +604,16 @@ class Handler(BaseHTTPRequestHandler):
 class FakeEngine:
     """Runs this file as a subprocess server; ``.url`` is its OpenAI base URL (``.../v1``)."""
 
-    def __init__(self, name: str = "fake", no_ids: bool = False) -> None:
+    def __init__(
+        self, name: str = "fake", no_ids: bool = False, script: list[dict[str, Any]] | None = None
+    ) -> None:
         import subprocess
 
         cmd = [sys.executable, __file__, "--name", name]
         if no_ids:
             cmd.append("--no-ids")
+        if script is not None:
+            cmd += ["--script", json.dumps(script)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.startswith("READY "):
@@ -539,6 +640,17 @@ class FakeEngine:
         with urllib.request.urlopen(self.root + "/_log", timeout=5) as r:
             return json.loads(r.read())
 
+    def script(self, steps: list[dict[str, Any]]) -> None:
+        """Answer chat requests from ``steps`` (see the module doc); ``[]`` turns it off."""
+        import urllib.request
+
+        req = urllib.request.Request(
+            self.root + "/_script", data=json.dumps(steps).encode(), method="POST"
+        )
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            r.read()
+
     def reset(self) -> None:
         self.control(reset_log=True)
 
@@ -562,7 +674,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-ids", action="store_true", help="behave like an engine without return_token_ids"
     )
+    ap.add_argument(
+        "--script",
+        default=None,
+        help="scripted chat answers: a JSON list, or a file holding one (see the module doc)",
+    )
     args = ap.parse_args(argv)
+    if args.script is not None:
+        text = args.script
+        if not text.lstrip().startswith("["):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        SCRIPT[:] = json.loads(text)
     handler = type("H", (Handler,), {"server_name": args.name})
     server = ThreadingHTTPServer((args.host, args.port), handler)
     server.daemon_threads = True

@@ -334,3 +334,28 @@ def token_logprobs(model, tokens: Sequence[int], temperature: float = 1.0) -> li
         logits = model(torch.tensor([list(tokens)])).logits[0].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
     return [float(lp[t - 1, tokens[t]]) for t in range(1, len(tokens))]
+
+
+def hermes_tool_calls(text: str) -> tuple[str | None, list[tuple[str, Any]]] | None:
+    """Hermes tool calls, from the definition: ``<tool_call>JSON</tool_call>`` regions
+    (the last may run to the end of the text), each a JSON object with a string
+    ``name`` and an ``arguments`` value; content is the text before the first tag.
+    None when there is no tag or any region is not such an object (the text stays text)."""
+    import json
+
+    head, sep, rest = text.partition("<tool_call>")
+    if not sep:
+        return None
+    calls = []
+    for region in rest.split("<tool_call>"):
+        body = region.split("</tool_call>")[0] if "</tool_call>" in region else region
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        if "arguments" not in obj:
+            return None
+        calls.append((obj["name"], obj["arguments"]))
+    return (head or None), calls

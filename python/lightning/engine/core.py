@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lightning.engine import kv
+from lightning.engine import kv, tools
 from lightning.engine.sampling import (
     LOGPROBS_MODES,
     Choice,
@@ -209,7 +209,12 @@ class Engine:
         logprobs_mode: LogprobsMode = "raw_logprobs",
         num_threads: int | None = None,
         max_model_len: int | None = None,
+        chat_template: str | os.PathLike[str] | None = None,
+        tool_call_parser: str = "auto",
     ) -> None:
+        """``chat_template``: a Jinja file used instead of the model's own template
+        (vLLM's ``--chat-template``); ``tool_call_parser``: ``auto`` (from the
+        template, see ``tools.py``), ``hermes`` or ``none``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if logprobs_mode not in LOGPROBS_MODES:
@@ -257,6 +262,9 @@ class Engine:
             self.tokenizer = AutoTokenizer.from_pretrained(source)
             self.model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
             default_name = source.name
+        if chat_template is not None:
+            self.tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
+        self.tool_parser = tools.resolve_parser(tool_call_parser, self.tokenizer.chat_template)
         layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
             raise ValueError(
@@ -649,9 +657,13 @@ class Engine:
             reason, stop_reason = "stop", token
         elif not params.ignore_eos and token in self.eos_ids:
             reason = "stop"
+        # Like vLLM V1's detokenizer, the token that ended the sequence (EOS or a stop
+        # token id) is kept in the ids but never detokenized, even with
+        # skip_special_tokens off (as tool-call parsing sets it).
+        shown = seq.output_ids if reason is None else seq.output_ids[:-1]
         with self._tok_lock:
             text = self.tokenizer.decode(
-                seq.output_ids,
+                shown,
                 skip_special_tokens=params.skip_special_tokens,
                 clean_up_tokenization_spaces=False,
             )

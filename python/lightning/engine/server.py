@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -48,6 +48,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lightning.engine import tools
 from lightning.engine.core import Engine, EngineError, Event
 from lightning.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -111,6 +112,7 @@ class Parsed:
     continuous_usage: bool
     return_token_ids: bool
     tokens_as_ids: bool
+    tool_calls: bool = False  # parse the answer for tool calls (see tools.py)
 
 
 def parse_common(
@@ -241,6 +243,84 @@ def _message_text(content: Any) -> Any:
     return content
 
 
+def parses_tool_calls(body: dict[str, Any], engine: Engine) -> bool:
+    """Validate ``tools``/``tool_choice``; whether the answer is parsed for tool calls.
+
+    Like vLLM, ``tool_choice`` defaults to ``auto`` when tools are given. ``required``
+    and named choices need constrained decoding, which this engine does not do: 400.
+    """
+    given = body.get("tools")
+    choice = body.get("tool_choice")
+    if given is None:
+        if choice not in (None, "none"):
+            raise RequestError("tool_choice needs tools", param="tool_choice")
+        return False
+    if not isinstance(given, list) or not all(_is_function_tool(t) for t in given):
+        raise RequestError(
+            "tools must be a list of {type: function, function: {name, description, parameters}}",
+            param="tools",
+        )
+    if choice in (None, "auto"):
+        if given and engine.tool_parser is None:
+            raise RequestError(
+                "this model's chat template has no tool-call format the engine parses "
+                "(supported: Hermes/Qwen `<tool_call>` JSON); serve it with --chat-template "
+                "naming a tool-aware template (e.g. lightning's chatml_tools.jinja), or send "
+                'tool_choice: "none"',
+                param="tools",
+            )
+        return bool(given)
+    if choice == "none":
+        return False
+    raise RequestError(
+        f"tool_choice {choice!r} is not supported: this engine does not constrain decoding; "
+        'use "auto" or "none"',
+        param="tool_choice",
+    )
+
+
+def _is_function_tool(tool: Any) -> bool:
+    return (
+        isinstance(tool, dict)
+        and tool.get("type", "function") == "function"
+        and isinstance(tool.get("function"), dict)
+        and isinstance(tool["function"].get("name"), str)
+    )
+
+
+def _template_message(m: dict[str, Any]) -> dict[str, Any]:
+    """One message as chat templates expect it (vLLM's conversion, chat_utils.py).
+
+    Content parts join into one string and a null content becomes ""; an
+    assistant's tool call ``arguments`` (a JSON string on the wire) become the
+    object tool-aware templates render with ``tojson``.
+    """
+    m = dict(m)
+    m["content"] = "" if m.get("content") is None else _message_text(m["content"])
+    calls = m.get("tool_calls")
+    if m["role"] == "assistant" and isinstance(calls, list):
+        m["tool_calls"] = [_template_tool_call(c) for c in calls]
+    return m
+
+
+def _template_tool_call(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestError(
+            "each tool call needs function.name and function.arguments", param="messages"
+        )
+    arguments = function.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise RequestError(
+                f"tool call {function['name']!r} has arguments that are not JSON: {arguments!r}",
+                param="messages",
+            ) from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def chat_prompt(body: dict[str, Any], engine: Engine) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -249,10 +329,7 @@ def chat_prompt(body: dict[str, Any], engine: Engine) -> list[int]:
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise RequestError("each message must be an object with a role", param="messages")
-        m = dict(m)
-        if "content" in m:
-            m["content"] = _message_text(m["content"])
-        clean.append(m)
+        clean.append(_template_message(m))
     try:
         return engine.chat_prompt_ids(
             clean,
@@ -315,6 +392,23 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def _tool_delta(
+    parser: tools.StreamParser, text: str, finish_reason: str | None, parsed: Parsed
+) -> tuple[dict[str, Any] | None, str | None]:
+    """A streamed chat delta with tool-call parsing, as vLLM sends it, and the finish reason.
+
+    None: send no chunk (vLLM sends none for a token that adds nothing sendable yet,
+    unless the chunk must carry the token's id, its logprob or the finish).
+    """
+    delta = parser.feed(text, finish_reason is not None)
+    if parser.called and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    if delta is None and finish_reason is None:
+        if parsed.params[0].logprobs is None and not parsed.return_token_ids:
+            return None, None
+    return delta or {}, finish_reason
 
 
 class Api:
@@ -455,6 +549,11 @@ class Api:
             prompt = chat_prompt(body, self.engine)
             default_max = max(self.engine.max_model_len - len(prompt), 1)
             parsed = parse_common(body, chat=True, default_max=default_max, engine=self.engine)
+            if parses_tool_calls(body, self.engine):
+                # Tool-call markers may be special tokens; vLLM's hermes parser keeps
+                # them in the text for the same reason.
+                parsed.params = [replace(p, skip_special_tokens=False) for p in parsed.params]
+                parsed.tool_calls = True
             queue, seqs, results = self._submit_all([prompt], parsed)
         except RequestError as exc:
             return exc.response()
@@ -468,14 +567,20 @@ class Api:
             return exc.response()
         choices = []
         for i, r in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": r.text, "tool_calls": []}
+            finish_reason = r.finish_reason
+            found = tools.extract(r.text) if parsed.tool_calls else None
+            if found is not None:
+                message["content"], message["tool_calls"] = found.content, found.tool_calls
+                finish_reason = "tool_calls"
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": r.text, "tool_calls": []},
+                    "message": message,
                     "logprobs": self._chat_logprobs(r.events, parsed.tokens_as_ids)
                     if parsed.params[0].logprobs is not None
                     else None,
-                    "finish_reason": r.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": r.stop_reason,
                     "token_ids": r.token_ids if parsed.return_token_ids else None,
                 }
@@ -610,6 +715,7 @@ class Api:
         }
         completion_tokens = 0
         started: set[int] = set()
+        parsers = [tools.StreamParser() for _ in results] if parsed.tool_calls else None
         try:
             async for index, event in self._stream_events(queue, seqs, results):
                 version = seqs[index].weight_version
@@ -633,18 +739,27 @@ class Api:
                         first["usage"] = _usage(len(prompt), completion_tokens)
                     first["weight_version"] = version
                     yield first
-                choice: dict[str, Any] = {
-                    "index": index,
-                    "delta": {"content": event.text} if event.text or event.token else {},
-                }
                 if event.token is not None:
                     completion_tokens += 1
+                if parsers is None:
+                    delta: dict[str, Any] | None = (
+                        {"content": event.text} if event.text or event.token else {}
+                    )
+                    finish_reason = event.finish_reason
+                else:
+                    delta, finish_reason = _tool_delta(
+                        parsers[index], results[index].text, event.finish_reason, parsed
+                    )
+                    if delta is None:
+                        continue
+                choice: dict[str, Any] = {"index": index, "delta": delta}
+                if event.token is not None:
                     if parsed.params[0].logprobs is not None:
                         choice["logprobs"] = self._chat_logprobs([event], parsed.tokens_as_ids)
                     if parsed.return_token_ids:
                         choice["token_ids"] = [event.token.token]
                 # vLLM sets finish_reason on every chunk (null until the last).
-                choice["finish_reason"] = event.finish_reason
+                choice["finish_reason"] = finish_reason
                 if event.finish_reason is not None:
                     choice["stop_reason"] = event.stop_reason
                 chunk: dict[str, Any] = {**base, "choices": [choice]}
@@ -797,6 +912,18 @@ def serve(argv: list[str]) -> int:
     parser.add_argument(
         "--admin-key", default=None, help="require this bearer token on /admin routes"
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file used instead of the model's (as vLLM's flag); "
+        f"for ChatML models without tool support: {tools.CHATML_TOOLS_TEMPLATE}",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=tools.PARSERS,
+        help="how tool calls are read from generated text (auto: from the chat template)",
+    )
     args = parser.parse_args(argv)
     if args.model_dir is None and args.gguf is None:
         parser.error("give MODEL_DIR or --gguf FILE")
@@ -815,6 +942,8 @@ def serve(argv: list[str]) -> int:
         logprobs_mode=args.logprobs_mode,
         num_threads=args.threads,
         max_model_len=args.max_model_len,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
     ).start()
     sock = _bind(args.host, args.port)
     port = sock.getsockname()[1]
