@@ -120,6 +120,24 @@ fn a_one_block_list_and_a_string_translate_alike() {
 }
 
 #[test]
+fn tool_input_keeps_its_key_order() {
+    // The template renders the arguments back; a reordered object would break
+    // the token prefix the next turn shares with this one.
+    let b = chat_of(json!({"max_tokens": 5, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {"zeta": 1, "alpha": {"y": 2, "b": 3}}},
+    ]}]}));
+    assert_eq!(
+        b["messages"][0]["tool_calls"][0]["function"]["arguments"],
+        json!(r#"{"zeta":1,"alpha":{"y":2,"b":3}}"#)
+    );
+    let m = whole_message(&EngineAnswer {
+        calls: vec![("c".into(), "f".into(), r#"{"zeta": 1, "alpha": 2}"#.into())],
+        ..sample_answer()
+    });
+    assert_eq!(m["content"][2]["input"].to_string(), r#"{"zeta":1,"alpha":2}"#);
+}
+
+#[test]
 fn sampling_stop_and_tool_choice() {
     let tool = json!({"name": "f", "input_schema": {"type": "object"}});
     let b = chat_of(json!({
