@@ -9,6 +9,8 @@ engine's exact ids and logprobs.
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,8 +92,9 @@ def assert_exact(records: list[lightning.CallRecord], answers: list[dict[str, An
 
 
 def test_create_is_translated_and_recorded_exactly(
-    client: GatewayClient, engine: FakeEngine
+    client: GatewayClient, engine: FakeEngine, tmp_path: Path
 ) -> None:
+    db = tmp_path / "gw.db"
     r = client.create_rollout({"q": "hi"})
     msg = sdk(r).messages.create(
         model="m",
@@ -112,6 +115,14 @@ def test_create_is_translated_and_recorded_exactly(
     assert msg.usage.input_tokens == len(ans["prompt_ids"][0])
     assert msg.usage.output_tokens == len(ans["choices"][0]["ids"])
     assert_exact(client.records(r.id), [ans])
+    # The store keeps the protocol and the harness's own body beside the engine request.
+    with sqlite3.connect(db) as conn:
+        protocol, original, request = conn.execute(
+            "SELECT protocol, harness_request, request FROM calls"
+        ).fetchone()
+    assert protocol == "anthropic_messages"
+    assert json.loads(original)["metadata"] == {"user_id": "u1"}
+    assert json.loads(request)["messages"][0] == {"role": "system", "content": "Be terse."}
 
 
 def test_stream_equals_create(client: GatewayClient, engine: FakeEngine) -> None:
@@ -128,11 +139,18 @@ def test_stream_equals_create(client: GatewayClient, engine: FakeEngine) -> None
             events.append(ev.type)
         final = s.get_final_message()
     assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
-    # The raw event order (the SDK adds its own `text` events beside the raw ones).
-    raw = [e for e in events if e not in ("text", "thinking", "input_json", "signature")]
-    assert raw[:3] == ["message_start", "ping", "content_block_start"]
-    assert raw[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    assert set(raw[3:-3]) == {"content_block_delta"}
+    # The SDK adds its own events (`text`, ...) and drops `ping`: read the wire too.
+    wire = httpx.post(
+        r.anthropic_base_url + "/v1/messages",
+        json={**req, "stream": True},
+        headers={"x-api-key": r.token, "anthropic-version": "2023-06-01"},
+    )
+    assert wire.headers["content-type"].startswith("text/event-stream")
+    names = [line[7:] for line in wire.text.splitlines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    assert [e for e in events if e in names] == [n for n in names if n != "ping"]
     assert_exact(client.records(r.id), engine.log()["answers"])
 
 

@@ -743,3 +743,130 @@ fn json_strategy() -> impl Strategy<Value = Value> {
         ]
     })
 }
+
+// ------------------------------------------------------------------ conversations
+
+/// One item of a conversation as the engine sees it.
+#[derive(Debug, Clone, PartialEq)]
+enum Item {
+    System(String),
+    User(String),
+    Tool(String, String),
+    /// (text, reasoning, calls as (id, name, input))
+    Assistant(Option<String>, Option<String>, Vec<(String, String, Value)>),
+}
+
+/// What a random Messages conversation must become, computed block by block
+/// (the plain reference the adapter is checked against).
+fn expected(turns: &[Value]) -> Vec<Item> {
+    let mut out = Vec::new();
+    for t in turns {
+        let blocks = t["content"].as_array().cloned().unwrap_or_default();
+        let joined = |kind: &str, field: &str| -> Vec<String> {
+            blocks
+                .iter()
+                .filter(|b| b["type"] == kind)
+                .map(|b| b[field].as_str().unwrap_or("").to_string())
+                .collect()
+        };
+        match t["role"].as_str() {
+            Some("system") => out.push(Item::System(joined("text", "text").join("\n"))),
+            Some("user") => {
+                let mut run: Vec<String> = Vec::new();
+                for b in &blocks {
+                    if b["type"] == "text" {
+                        run.push(b["text"].as_str().unwrap_or("").into());
+                        continue;
+                    }
+                    if !run.is_empty() {
+                        out.push(Item::User(run.join("\n")));
+                        run.clear();
+                    }
+                    let id = b["tool_use_id"].as_str().unwrap_or("").to_string();
+                    out.push(Item::Tool(id, b["content"].as_str().unwrap_or("").into()));
+                }
+                if !run.is_empty() {
+                    out.push(Item::User(run.join("\n")));
+                }
+            }
+            _ => {
+                let texts = joined("text", "text");
+                let thoughts = joined("thinking", "thinking");
+                let calls: Vec<_> = blocks
+                    .iter()
+                    .filter(|b| b["type"] == "tool_use")
+                    .map(|b| (b["id"].as_str().unwrap_or("").to_string(), b["name"].as_str().unwrap_or("").to_string(), b["input"].clone()))
+                    .collect();
+                let text = if texts.is_empty() && !calls.is_empty() { None } else { Some(texts.join("\n")) };
+                let reasoning = (!thoughts.is_empty()).then(|| thoughts.join("\n"));
+                out.push(Item::Assistant(text, reasoning, calls));
+            }
+        }
+    }
+    out
+}
+
+/// The chat messages the adapter produced, read back as items.
+fn items_of(chat: &Value) -> Vec<Item> {
+    let s = |v: &Value| v.as_str().unwrap_or("").to_string();
+    chat.as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| match m["role"].as_str() {
+            Some("system") => Item::System(s(&m["content"])),
+            Some("user") => Item::User(s(&m["content"])),
+            Some("tool") => Item::Tool(s(&m["tool_call_id"]), s(&m["content"])),
+            _ => Item::Assistant(
+                m["content"].as_str().map(str::to_string),
+                m["reasoning"].as_str().map(str::to_string),
+                m["tool_calls"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|c| {
+                        let args = c["function"]["arguments"].as_str().unwrap_or("");
+                        (s(&c["id"]), s(&c["function"]["name"]), serde_json::from_str(args).unwrap_or(Value::Null))
+                    })
+                    .collect(),
+            ),
+        })
+        .collect()
+}
+
+fn block_strategy(role: &'static str) -> BoxedStrategy<Value> {
+    let text = "[a-z \\n\"é]{0,8}";
+    let input = proptest::collection::btree_map("[a-z]{1,3}", "[a-z]{0,3}", 0..3)
+        .prop_map(|m| json!(m));
+    match role {
+        "user" => prop_oneof![
+            text.prop_map(|t| json!({"type": "text", "text": t, "cache_control": {"type": "ephemeral"}})),
+            ("[a-z]{1,4}", text).prop_map(|(id, c)| json!({"type": "tool_result", "tool_use_id": id, "content": c, "is_error": false})),
+        ]
+        .boxed(),
+        "system" => text.prop_map(|t| json!({"type": "text", "text": t})).boxed(),
+        _ => prop_oneof![
+            text.prop_map(|t| json!({"type": "text", "text": t})),
+            text.prop_map(|t| json!({"type": "thinking", "thinking": t, "signature": "s"})),
+            ("[a-z]{1,4}", "[A-Za-z]{1,5}", input).prop_map(|(id, n, i)| json!({"type": "tool_use", "id": id, "name": n, "input": i})),
+        ]
+        .boxed(),
+    }
+}
+
+fn turn_strategy() -> impl Strategy<Value = Value> {
+    prop_oneof![Just("user"), Just("assistant"), Just("system")].prop_flat_map(|role| {
+        proptest::collection::vec(block_strategy(role), 0..4)
+            .prop_map(move |blocks| json!({"role": role, "content": blocks}))
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// A random conversation keeps every item, in order, through the translation.
+    #[test]
+    fn conversations_keep_every_item(turns in proptest::collection::vec(turn_strategy(), 0..6)) {
+        let chat = chat_of(json!({"max_tokens": 8, "messages": turns}));
+        prop_assert_eq!(items_of(&chat["messages"]), expected(&turns));
+    }
+}
