@@ -123,9 +123,11 @@ fn a_one_block_list_and_a_string_translate_alike() {
 fn tool_input_keeps_its_key_order() {
     // The template renders the arguments back; a reordered object would break
     // the token prefix the next turn shares with this one.
-    let b = chat_of(json!({"max_tokens": 5, "messages": [{"role": "assistant", "content": [
-        {"type": "tool_use", "id": "t", "name": "f", "input": {"zeta": 1, "alpha": {"y": 2, "b": 3}}},
-    ]}]}));
+    let b = chat_of(
+        json!({"max_tokens": 5, "messages": [{"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": {"zeta": 1, "alpha": {"y": 2, "b": 3}}},
+        ]}]}),
+    );
     assert_eq!(
         b["messages"][0]["tool_calls"][0]["function"]["arguments"],
         json!(r#"{"zeta":1,"alpha":{"y":2,"b":3}}"#)
@@ -134,7 +136,10 @@ fn tool_input_keeps_its_key_order() {
         calls: vec![("c".into(), "f".into(), r#"{"zeta": 1, "alpha": 2}"#.into())],
         ..sample_answer()
     });
-    assert_eq!(m["content"][2]["input"].to_string(), r#"{"zeta":1,"alpha":2}"#);
+    assert_eq!(
+        m["content"][2]["input"].to_string(),
+        r#"{"zeta":1,"alpha":2}"#
+    );
 }
 
 #[test]
@@ -795,9 +800,19 @@ fn expected(turns: &[Value]) -> Vec<Item> {
                 let calls: Vec<_> = blocks
                     .iter()
                     .filter(|b| b["type"] == "tool_use")
-                    .map(|b| (b["id"].as_str().unwrap_or("").to_string(), b["name"].as_str().unwrap_or("").to_string(), b["input"].clone()))
+                    .map(|b| {
+                        (
+                            b["id"].as_str().unwrap_or("").to_string(),
+                            b["name"].as_str().unwrap_or("").to_string(),
+                            b["input"].clone(),
+                        )
+                    })
                     .collect();
-                let text = if texts.is_empty() && !calls.is_empty() { None } else { Some(texts.join("\n")) };
+                let text = if texts.is_empty() && !calls.is_empty() {
+                    None
+                } else {
+                    Some(texts.join("\n"))
+                };
                 let reasoning = (!thoughts.is_empty()).then(|| thoughts.join("\n"));
                 out.push(Item::Assistant(text, reasoning, calls));
             }
@@ -825,7 +840,11 @@ fn items_of(chat: &Value) -> Vec<Item> {
                     .flatten()
                     .map(|c| {
                         let args = c["function"]["arguments"].as_str().unwrap_or("");
-                        (s(&c["id"]), s(&c["function"]["name"]), serde_json::from_str(args).unwrap_or(Value::Null))
+                        (
+                            s(&c["id"]),
+                            s(&c["function"]["name"]),
+                            serde_json::from_str(args).unwrap_or(Value::Null),
+                        )
                     })
                     .collect(),
             ),
@@ -835,8 +854,8 @@ fn items_of(chat: &Value) -> Vec<Item> {
 
 fn block_strategy(role: &'static str) -> BoxedStrategy<Value> {
     let text = "[a-z \\n\"é]{0,8}";
-    let input = proptest::collection::btree_map("[a-z]{1,3}", "[a-z]{0,3}", 0..3)
-        .prop_map(|m| json!(m));
+    let input =
+        proptest::collection::btree_map("[a-z]{1,3}", "[a-z]{0,3}", 0..3).prop_map(|m| json!(m));
     match role {
         "user" => prop_oneof![
             text.prop_map(|t| json!({"type": "text", "text": t, "cache_control": {"type": "ephemeral"}})),
