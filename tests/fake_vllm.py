@@ -65,6 +65,7 @@ LOG: list[dict[str, Any]] = []
 CONTROL: dict[str, Any] = {}
 STATE = {"requests": 0}
 SCRIPT: list[dict[str, Any]] = []
+MAX_MODEL_LEN = 1 << 20
 
 
 def encode(text: str) -> list[int]:
@@ -256,6 +257,8 @@ class Handler(BaseHTTPRequestHandler):
             self.chat(req)
         elif self.path == "/v1/completions":
             self.completion(req)
+        elif self.path == "/tokenize":
+            self.tokenize(req)
         else:
             self._json(
                 404,
@@ -325,6 +328,20 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError) as e:
             # The client (the gateway) hung up: vLLM aborts the request here.
             raise ClientGone from e
+
+    def tokenize(self, req: dict[str, Any]) -> None:
+        """vLLM's ``POST /tokenize`` (server root, not ``/v1``): ``TokenizeChatRequest``
+        (``messages``, ``tools``, ``add_generation_prompt``) or ``TokenizeCompletionRequest``
+        (``prompt``) → ``TokenizeResponse{count, max_model_len, tokens}``
+        (``vllm/entrypoints/openai/protocol.py``)."""
+        if "messages" in req:
+            text = render_chat(req.get("messages") or [], req.get("tools"))
+            if not req.get("add_generation_prompt", True):
+                text = text.removesuffix("<|im_start|>assistant\n")
+        else:
+            text = str(req.get("prompt", ""))
+        ids = encode(text)
+        self._json(200, {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids})
 
     # --- chat ---------------------------------------------------------------
 

@@ -69,6 +69,22 @@ def test_health_and_models(server: RunningServer, client: openai.OpenAI) -> None
     assert [m.id for m in models.data] == [server.engine.model_name]
 
 
+def test_tokenize_counts_the_chat_prompt(server: RunningServer, tokenizer) -> None:
+    """vLLM's ``POST /tokenize`` (at the server root): the ids ``/v1/chat/completions``
+    would prompt with, generation prompt included; or a plain prompt's ids."""
+    r = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()
+    want = template_ids(tokenizer, MESSAGES)
+    assert r == {"count": len(want), "max_model_len": server.engine.max_model_len, "tokens": want}
+    bare = httpx.post(
+        server.url + "/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}
+    ).json()
+    assert bare["count"] < r["count"] and r["tokens"][: bare["count"]] == bare["tokens"]
+    text = httpx.post(server.url + "/tokenize", json={"prompt": "Hello"}).json()
+    assert text["tokens"] == server.engine.text_prompt_ids("Hello")
+    bad = httpx.post(server.url + "/tokenize", json={"model": "nope", "prompt": "x"})
+    assert bad.status_code == 404
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_chat_ids_and_logprobs_match_trainer(
     client: openai.OpenAI, tokenizer, model_dir: Path, temperature: float

@@ -47,6 +47,15 @@ class Rollout:
         """Environment variables the ``openai`` SDK reads."""
         return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.token}
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """The base URL for Anthropic clients, which append ``/v1/messages`` themselves."""
+        return self.base_url.removesuffix("/v1")
+
+    def anthropic_env(self) -> dict[str, str]:
+        """Environment variables the ``anthropic`` SDK and Claude Code read."""
+        return {"ANTHROPIC_BASE_URL": self.anthropic_base_url, "ANTHROPIC_API_KEY": self.token}
+
 
 @dataclass
 class CallRecord:

@@ -81,6 +81,13 @@ class EngineSection(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int | None = None
     startup_timeout_s: float = 600.0
+    # Embedded engine only. A Jinja chat template used instead of the model's (for
+    # tool-using harnesses on a model whose own template ignores tools, e.g. the
+    # ChatML tool template `lightning serve --help` names); how tool calls are read
+    # back (see lightning.engine.tools); the context length (default: the model's).
+    chat_template: str | None = None
+    tool_call_parser: Literal["auto", "hermes", "none"] = "auto"
+    max_model_len: int | None = None
 
     @model_validator(mode="after")
     def _urls(self) -> EngineSection:
@@ -219,6 +226,7 @@ class RunConfig(_Section):
         data.tasks.eval = fix(data.tasks.eval)
         if data.model.path is not None:
             data.model.path = fix(data.model.path)
+        data.engine.chat_template = fix(data.engine.chat_template)
         if data.harness.cwd is not None:
             data.harness.cwd = fix(data.harness.cwd)
         else:

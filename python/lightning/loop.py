@@ -79,6 +79,9 @@ class EmbeddedEngine:
         dtype: str,
         threads: int | None,
         log_path: Path,
+        chat_template: str | None = None,
+        tool_call_parser: str = "auto",
+        max_model_len: int | None = None,
     ) -> None:
         self.host = host
         self.port = port or _free_port(host)
@@ -106,6 +109,11 @@ class EmbeddedEngine:
         ]
         if threads:
             argv += ["--threads", str(threads)]
+        if chat_template is not None:
+            argv += ["--chat-template", chat_template]
+        if max_model_len is not None:
+            argv += ["--max-model-len", str(max_model_len)]
+        argv += ["--tool-call-parser", tool_call_parser]
         self.log_file = open(log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT)
 
@@ -286,6 +294,9 @@ class Run:
                 dtype=cfg.engine.dtype,
                 threads=cfg.engine.threads,
                 log_path=self.out / "engine.log",
+                chat_template=cfg.engine.chat_template,
+                tool_call_parser=cfg.engine.tool_call_parser,
+                max_model_len=cfg.engine.max_model_len,
             )
             self._stack.callback(engine.stop)
             self._say(f"starting embedded engine on {engine.url} (log: {self.out / 'engine.log'})")

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -88,17 +89,33 @@ def smollm2_dir() -> Path:
 
 
 def tiny_model_dir(
-    *, hidden_size: int = 64, layers: int = 2, heads: int = 4, seed: int = 0
+    *,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    seed: int = 0,
+    context: int = 2048,
+    answer_tokens: int | None = None,
 ) -> Path:
     """A tiny randomly initialized Llama model with SmolLM2's real tokenizer.
 
     Fast enough for unit tests while keeping a real vocabulary and chat template,
     so everything token-related is exercised exactly as with the real model.
+    ``context`` (max_position_embeddings) must hold the longest prompt a test
+    sends: coding harnesses such as Codex CLI send ~6-10k tokens of instructions
+    and tools. A random model almost never samples EOS, so its answers run to the
+    token limit; ``answer_tokens`` makes it end them after about that many tokens
+    at temperature 1 (see ``_end_answers``), for harnesses that treat a cut-off
+    answer as an error (Codex CLI exits 1 on an incomplete response).
     """
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     name = f"tiny-llama-h{hidden_size}-l{layers}-a{heads}-s{seed}"
+    if context != 2048:  # the default keeps its old name, so existing caches stay valid
+        name += f"-c{context}"
+    if answer_tokens is not None:
+        name += f"-eos{answer_tokens}"
     target = cache_dir() / "models" / name
     if (target / "config.json").exists():
         return target
@@ -111,7 +128,7 @@ def tiny_model_dir(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        max_position_embeddings=2048,
+        max_position_embeddings=context,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -119,8 +136,36 @@ def tiny_model_dir(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    if answer_tokens is not None:
+        _end_answers(model, tokenizer.eos_token_id, answer_tokens)
     target.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=target.name + ".build-", dir=target.parent))
     model.save_pretrained(build, safe_serialization=True)
     tokenizer.save_pretrained(build)
     return _publish(build, target)
+
+
+def _end_answers(model: Any, eos: int, answer_tokens: int) -> None:
+    """Give a random model an EOS probability of about 1/answer_tokens at every step.
+
+    Embedding dimension 0 becomes a large constant C for every token and the layers
+    stop writing into it, so the final hidden state is ~C along dimension 0 and
+    RMSNorm maps it to ~sqrt(hidden) there. With tied embeddings every logit then
+    gets the same C*sqrt(hidden) except EOS, whose row is C + delta: EOS leads all
+    other tokens by delta*sqrt(hidden), chosen so that softmax gives it 1/answer_tokens.
+    """
+    import math
+
+    import torch
+
+    hidden = model.config.hidden_size
+    vocab = model.config.vocab_size
+    p = 1.0 / answer_tokens
+    lead = math.log(p * (vocab - 1) / (1.0 - p))
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = 10.0
+        emb[eos, 0] = 10.0 + lead / math.sqrt(hidden)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()

@@ -115,9 +115,7 @@ class Parsed:
     tool_calls: bool = False  # parse the answer for tool calls (see tools.py)
 
 
-def parse_common(
-    body: dict[str, Any], *, chat: bool, default_max: int | None, engine: Engine
-) -> Parsed:
+def check_model(body: dict[str, Any], engine: Engine) -> None:
     model = body.get("model")
     if model not in (None, "", engine.model_name, engine.model_path):
         raise RequestError(
@@ -127,6 +125,12 @@ def parse_common(
             code="model_not_found",
             param="model",
         )
+
+
+def parse_common(
+    body: dict[str, Any], *, chat: bool, default_max: int | None, engine: Engine
+) -> Parsed:
+    check_model(body, engine)
     for name, neutral in (
         ("frequency_penalty", 0.0),
         ("presence_penalty", 0.0),
@@ -297,6 +301,10 @@ def _template_message(m: dict[str, Any]) -> dict[str, Any]:
     """
     m = dict(m)
     m["content"] = "" if m.get("content") is None else _message_text(m["content"])
+    # vLLM's input field is `reasoning`; templates (Qwen3's) read `reasoning_content`,
+    # so vLLM hands the template both (chat_utils.py, "interleaved thinking").
+    if isinstance(m.get("reasoning"), str):
+        m.setdefault("reasoning_content", m["reasoning"])
     calls = m.get("tool_calls")
     if m["role"] == "assistant" and isinstance(calls, list):
         m["tool_calls"] = [_template_tool_call(c) for c in calls]
@@ -392,6 +400,23 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def _tool_delta(
+    parser: tools.StreamParser, text: str, finish_reason: str | None, parsed: Parsed
+) -> tuple[dict[str, Any] | None, str | None]:
+    """A streamed chat delta with tool-call parsing, as vLLM sends it, and the finish reason.
+
+    None: send no chunk (vLLM sends none for a token that adds nothing sendable yet,
+    unless the chunk must carry the token's id, its logprob or the finish).
+    """
+    delta = parser.feed(text, finish_reason is not None)
+    if parser.called and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    if delta is None and finish_reason is None:
+        if parsed.params[0].logprobs is None and not parsed.return_token_ids:
+            return None, None
+    return delta or {}, finish_reason
 
 
 class Api:
@@ -525,6 +550,26 @@ class Api:
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         return body
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: a chat request's ``messages`` (+ ``tools``,
+        ``add_generation_prompt``, ``chat_template_kwargs``) rendered as ``/v1/chat/completions``
+        renders them, or a ``prompt`` as ``/v1/completions`` does; answers vLLM's
+        ``TokenizeResponse{count, max_model_len, tokens}`` (vllm/entrypoints/openai/protocol.py)."""
+        try:
+            body = await self._body(request)
+            check_model(body, self.engine)
+            if "messages" in body:
+                ids = chat_prompt(body, self.engine)
+            elif isinstance(body.get("prompt"), str):
+                ids = self.engine.text_prompt_ids(body["prompt"])
+            else:
+                raise RequestError("send `messages` (a chat) or `prompt` (a string) to tokenize")
+        except RequestError as exc:
+            return exc.response()
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        )
 
     async def chat(self, request: Request) -> Response:
         try:
@@ -724,23 +769,17 @@ class Api:
                     yield first
                 if event.token is not None:
                     completion_tokens += 1
-                finish_reason = event.finish_reason
                 if parsers is None:
-                    delta = {"content": event.text} if event.text or event.token else {}
+                    delta: dict[str, Any] | None = (
+                        {"content": event.text} if event.text or event.token else {}
+                    )
+                    finish_reason = event.finish_reason
                 else:
-                    tool_delta = parsers[index].feed(results[index].text, finish_reason is not None)
-                    if parsers[index].called and finish_reason == "stop":
-                        finish_reason = "tool_calls"
-                    # Like vLLM: a token that adds nothing sendable yet gives no chunk,
-                    # unless the chunk must carry its id, its logprob or the finish.
-                    if (
-                        tool_delta is None
-                        and finish_reason is None
-                        and parsed.params[0].logprobs is None
-                        and not parsed.return_token_ids
-                    ):
+                    delta, finish_reason = _tool_delta(
+                        parsers[index], results[index].text, event.finish_reason, parsed
+                    )
+                    if delta is None:
                         continue
-                    delta = tool_delta or {}
                 choice: dict[str, Any] = {"index": index, "delta": delta}
                 if event.token is not None:
                     if parsed.params[0].logprobs is not None:
@@ -821,6 +860,7 @@ def build_app(engine: Engine, *, admin_key: str | None = None) -> Starlette:
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/admin/load_weights", api.load_weights, methods=["POST"]),
     ]
     return Starlette(routes=routes)

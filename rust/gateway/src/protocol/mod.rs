@@ -46,6 +46,7 @@ use crate::error::ApiError;
 use crate::wire::engine::Kind;
 use crate::wire::sse::Event;
 
+pub mod anthropic_messages;
 pub mod openai_chat;
 pub mod openai_completions;
 pub mod openai_responses;

@@ -176,22 +176,64 @@ pub async fn send_with_retries(
 /// `GET /v1/models`: the first upstream's answer, unchanged.
 pub async fn models(st: &Arc<State>) -> Result<Response<Body>, ApiError> {
     let all = st.pool.all();
-    let u = all.first().cloned().ok_or_else(|| {
-        ApiError::new(
-            503,
-            "server_error",
-            "no_upstream",
-            "no upstream engine is configured; POST /admin/upstreams",
-        )
-    })?;
-    let mut b = Request::get(u.uri("/models"));
+    let u = all.first().cloned().ok_or_else(no_upstream)?;
+    let req = Request::get(u.uri("/models"));
+    let (status, headers, bytes) = fetch(st, &u, req, Bytes::new()).await?;
+    Ok(engine_json(status, &headers, bytes))
+}
+
+/// `POST /tokenize` on the rollout's engine (vLLM serves it at the server
+/// root, beside `/v1`: `vllm/entrypoints/openai/api_server.py`), for
+/// Anthropic's `count_tokens`. Not retried and not recorded: it generates nothing.
+pub async fn tokenize(
+    st: &Arc<State>,
+    key: &str,
+    body: Bytes,
+) -> Result<(hyper::StatusCode, Bytes), ApiError> {
+    let u = st
+        .pool
+        .candidates(key)
+        .first()
+        .cloned()
+        .ok_or_else(no_upstream)?;
+    let root = u.base.prefix.strip_suffix("/v1").unwrap_or(&u.base.prefix);
+    let url = format!("http://{}{}/tokenize", u.base.authority, root);
+    let req = Request::post(url).header(CONTENT_TYPE, "application/json");
+    let (status, _, bytes) = fetch(st, &u, req, body).await?;
+    Ok((status, bytes))
+}
+
+fn no_upstream() -> ApiError {
+    ApiError::new(
+        503,
+        "server_error",
+        "no_upstream",
+        "no upstream engine is configured; POST /admin/upstreams",
+    )
+}
+
+/// One plain request to one upstream, within the upstream timeout.
+async fn fetch(
+    st: &Arc<State>,
+    u: &Upstream,
+    mut b: hyper::http::request::Builder,
+    body: Bytes,
+) -> Result<(hyper::StatusCode, hyper::HeaderMap, Bytes), ApiError> {
     if let Some(k) = &st.cfg.upstream_api_key {
         b = b.header(AUTHORIZATION, format!("Bearer {k}"));
     }
     let req = b
-        .body(Full::new(Bytes::new()))
+        .body(Full::new(body))
         .map_err(|e| ApiError::internal(e.to_string()))?;
     let timeout = Duration::from_secs_f64(st.cfg.upstream_timeout_s);
+    let timed_out = || {
+        ApiError::new(
+            504,
+            "server_error",
+            "upstream_timeout",
+            format!("upstream {} timed out", u.url),
+        )
+    };
     let resp = match tokio::time::timeout(timeout, st.client.request(req)).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
@@ -202,27 +244,13 @@ pub async fn models(st: &Arc<State>) -> Result<Response<Body>, ApiError> {
                 format!("upstream {} failed: {e}", u.url),
             ))
         }
-        Err(_) => {
-            return Err(ApiError::new(
-                504,
-                "server_error",
-                "upstream_timeout",
-                format!("upstream {} timed out", u.url),
-            ))
-        }
+        Err(_) => return Err(timed_out()),
     };
     let (parts, b) = resp.into_parts();
     let bytes = tokio::time::timeout(timeout, b.collect())
         .await
-        .map_err(|_| {
-            ApiError::new(
-                504,
-                "server_error",
-                "upstream_timeout",
-                "upstream timed out",
-            )
-        })?
+        .map_err(|_| timed_out())?
         .map_err(|e| ApiError::new(502, "server_error", "upstream_failed", e.to_string()))?
         .to_bytes();
-    Ok(engine_json(parts.status, &parts.headers, bytes))
+    Ok((parts.status, parts.headers, bytes))
 }

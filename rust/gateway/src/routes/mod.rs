@@ -26,6 +26,7 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::error::{ApiError, GatewayError};
 use crate::http::{error_response, error_response_with, full, json_response, query_params, Body};
+use crate::protocol::anthropic_messages::{self, AnthropicMessages};
 use crate::protocol::openai_chat::OpenAiChat;
 use crate::protocol::openai_completions::OpenAiCompletions;
 use crate::protocol::openai_responses::OpenAiResponses;
@@ -37,6 +38,8 @@ static CHAT: OpenAiChat = OpenAiChat;
 static COMPLETIONS: OpenAiCompletions = OpenAiCompletions;
 static RESPONSES: OpenAiResponses = OpenAiResponses;
 
+static MESSAGES: AnthropicMessages = AnthropicMessages;
+
 /// What a path under `.../v1/` asks for.
 #[derive(Debug, Clone)]
 enum V1 {
@@ -46,6 +49,9 @@ enum V1 {
     Models,
     /// `GET /v1/responses/{id}`: a response kept in the store.
     GetResponse(String),
+
+    /// `POST /v1/messages/count_tokens`: the engine counts the translated prompt.
+    CountTokens,
 }
 
 /// The route under `.../v1/` and the protocol whose error shape it answers in.
@@ -56,6 +62,9 @@ fn v1_route(method: &Method, rest: &[&str]) -> Option<(V1, &'static dyn Protocol
         (&Method::POST, ["completions"]) => call(&COMPLETIONS),
         (&Method::POST, ["responses"]) => call(&RESPONSES),
         (&Method::GET, ["responses", id]) => Some((V1::GetResponse(id.to_string()), &RESPONSES)),
+
+        (&Method::POST, ["messages"]) => call(&MESSAGES),
+        (&Method::POST, ["messages", "count_tokens"]) => Some((V1::CountTokens, &MESSAGES)),
         (&Method::GET, ["models"]) => Some((V1::Models, &CHAT as &dyn Protocol)),
         _ => None,
     }
@@ -97,7 +106,7 @@ async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>
         ApiError::not_found(
             "route_not_found",
             format!(
-                "no route {method} {path}; harness calls go to /rollouts/{{id}}/v1/chat/completions (or /completions, /responses)"
+                "no route {method} {path}; harness calls go to /rollouts/{{id}}/v1/chat/completions (or /completions, /responses, /messages)"
             ),
         )
     };
@@ -171,11 +180,38 @@ async fn harness_route(
                 )),
             }
         }
+        V1::CountTokens => {
+            let (_, body) = st.read_body(req).await?;
+            count_tokens(st, &info, body).await
+        }
         V1::Call(proto) => {
             st.check_not_paused()?;
             let (parts, body) = st.read_body(req).await?;
             proxy::call(st, info, proto, &parts.headers, body).await
         }
+    }
+}
+
+/// Anthropic's `count_tokens`: the exact number of prompt tokens the engine
+/// would see for this request, counted by the engine's own `/tokenize` on the
+/// same translation `POST /v1/messages` makes (so the template, the tools and
+/// the generation prompt are all counted).
+async fn count_tokens(
+    st: &Arc<State>,
+    info: &RolloutInfo,
+    body: bytes::Bytes,
+) -> Result<Response<Body>, ApiError> {
+    let v = crate::http::parse_json(&body)?;
+    let req = anthropic_messages::tokenize_request(v)?;
+    let payload = bytes::Bytes::from(serde_json::Value::Object(req).to_string());
+    let (status, answer) = proxy::forward::tokenize(st, &info.id, payload).await?;
+    if !status.is_success() {
+        let e = anthropic_messages::engine_error(status.as_u16(), &answer);
+        return Ok(json_response(status.as_u16(), &e));
+    }
+    match anthropic_messages::count_tokens_answer(&answer) {
+        Ok(v) => Ok(json_response(200, &v)),
+        Err(m) => Err(ApiError::new(502, "server_error", "upstream_failed", m)),
     }
 }
 

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""The real Claude Code as a lightning harness: one unmodified ``claude -p`` per rollout.
+
+lightning runs this once per rollout with ``OPENAI_BASE_URL`` (the rollout's
+gateway URL, ``.../rollouts/ID/v1``), ``OPENAI_API_KEY`` (its token),
+``OPENAI_MODEL`` and ``LIGHTNING_TASK`` in the environment. Claude Code speaks
+Anthropic Messages, which the gateway serves on the same rollout URL: it gets
+``ANTHROPIC_BASE_URL`` (the URL without ``/v1``; Claude Code appends
+``/v1/messages``) and the token as ``ANTHROPIC_API_KEY`` (sent as ``x-api-key``).
+It runs ``claude -p PROMPT`` in a fresh temporary directory and prints the reward
+as a final JSON line: 1.0 when the task's ``expect_file`` exists there and holds
+``expect_text`` (when given), else 0.0.
+
+    [harness]
+    command = ["{python}", "claude_agent.py"]
+    env = { CLAUDE = "/path/to/node_modules/.bin/claude", CLAUDE_CODE_MAX_OUTPUT_TOKENS = "512" }
+
+    task: {"prompt": "Write hello into hello.txt", "expect_file": "hello.txt", "expect_text": "hello"}
+
+Claude Code runs its tools without asking (``--dangerously-skip-permissions``; as
+root it also needs ``IS_SANDBOX=1``, set here): run it only where the temporary
+directory is disposable. Only its ``Bash`` tool is offered (``CLAUDE_TOOLS``
+overrides: a comma list, or ``default`` for Claude Code's own set); no
+non-essential traffic, no session files, no settings or MCP servers from the
+machine. ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` bounds ``max_tokens`` (Claude Code
+asks for 32000, more than a small model's context holds). Exits with Claude Code's
+status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def main() -> int:
+    task = json.loads(os.environ["LIGHTNING_TASK"])
+    with tempfile.TemporaryDirectory(prefix="claude-rollout-") as tmp:
+        config, work = Path(tmp, "claude-config"), Path(tmp, "work")
+        config.mkdir()
+        work.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC_")}
+        env.update(
+            ANTHROPIC_BASE_URL=os.environ["OPENAI_BASE_URL"].removesuffix("/v1"),
+            ANTHROPIC_API_KEY=os.environ["OPENAI_API_KEY"],
+            CLAUDE_CONFIG_DIR=str(config),
+            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+            DISABLE_AUTOUPDATER="1",
+            IS_SANDBOX="1",
+        )
+        argv = [os.environ.get("CLAUDE", "claude"), "-p", task["prompt"]]
+        argv += ["--model", os.environ.get("OPENAI_MODEL", "default")]
+        argv += ["--dangerously-skip-permissions", "--no-session-persistence"]
+        argv += ["--strict-mcp-config", "--setting-sources", ""]
+        tools = os.environ.get("CLAUDE_TOOLS", "Bash")
+        if tools != "default":
+            argv += ["--tools", tools]
+        done = subprocess.run(argv, env=env, cwd=work, stdin=subprocess.DEVNULL)
+        target = work / task["expect_file"] if task.get("expect_file") else None
+        ok = target is not None and target.is_file()
+        if ok and task.get("expect_text") is not None:
+            ok = target.read_text(errors="replace").strip() == task["expect_text"]
+    print(json.dumps({"reward": 1.0 if ok else 0.0, "claude_exit": done.returncode}), flush=True)
+    return done.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
