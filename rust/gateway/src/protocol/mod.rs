@@ -48,6 +48,7 @@ use crate::wire::sse::Event;
 
 pub mod openai_chat;
 pub mod openai_completions;
+pub mod openai_responses;
 
 /// What the pipeline tells an adapter about one call.
 #[derive(Debug, Clone, Default)]
@@ -62,8 +63,12 @@ pub struct Ctx {
     pub call_id: String,
     /// Unix seconds when the call arrived.
     pub created: u64,
-    /// The stored object [`Protocol::history_key`] asked for, if any.
+    /// The stored state [`Protocol::history_key`] asked for (`Kept::state`), if any.
     pub history: Option<Value>,
+    /// The adapter's own per-call state: set by [`Protocol::engine_request`],
+    /// read by [`Protocol::answer`] and the translator (e.g. the names it
+    /// gave tools, the fields to echo). `Null` unless the adapter sets it.
+    pub state: Value,
 }
 
 /// The request to send to the engine.
@@ -112,8 +117,9 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
     }
 
     /// The harness's request → the engine request. Refuses what the adapter
-    /// cannot translate faithfully with a 400.
-    fn engine_request(&self, body: Value, ctx: &Ctx) -> Result<EngineRequest, ApiError>;
+    /// cannot translate faithfully with a 400. May leave per-call state for
+    /// the answer side in [`Ctx::state`].
+    fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError>;
 
     /// The engine's whole answer (`status`, `body`) → the protocol's answer,
     /// and what to keep in the store.

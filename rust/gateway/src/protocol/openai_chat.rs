@@ -62,7 +62,7 @@ impl Protocol for OpenAiChat {
         "openai_chat"
     }
 
-    fn engine_request(&self, body: Value, ctx: &Ctx) -> Result<EngineRequest, ApiError> {
+    fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError> {
         passthrough_request(body, Kind::Chat, ctx)
     }
 
@@ -124,7 +124,7 @@ mod tests {
     fn switches_ids_on_and_keeps_the_rest() {
         let body = json!({"model": "m", "messages": [], "stream": true, "top_p": 0.5});
         let r = OpenAiChat
-            .engine_request(body, &ctx(true, Some(0.7)))
+            .engine_request(body, &mut ctx(true, Some(0.7)))
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(r.stream);
         assert_eq!(r.kind, Kind::Chat);
@@ -133,11 +133,11 @@ mod tests {
         assert_eq!(r.body["temperature"], json!(0.7));
         assert_eq!(r.body["top_p"], json!(0.5));
         let r = OpenAiChat
-            .engine_request(json!({"messages": []}), &ctx(false, None))
+            .engine_request(json!({"messages": []}), &mut ctx(false, None))
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(!r.body.contains_key("return_token_ids"));
         assert!(OpenAiChat
-            .engine_request(json!([1]), &ctx(true, None))
+            .engine_request(json!([1]), &mut ctx(true, None))
             .is_err());
     }
 

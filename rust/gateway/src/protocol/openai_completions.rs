@@ -18,7 +18,7 @@ impl Protocol for OpenAiCompletions {
         "openai_completions"
     }
 
-    fn engine_request(&self, body: Value, ctx: &Ctx) -> Result<EngineRequest, ApiError> {
+    fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError> {
         passthrough_request(body, Kind::Completion, ctx)
     }
 
@@ -42,17 +42,17 @@ mod tests {
 
     #[test]
     fn logprobs_become_a_count_unless_given() {
-        let ctx = Ctx {
+        let mut ctx = Ctx {
             want_ids: true,
             ..Default::default()
         };
         let r = OpenAiCompletions
-            .engine_request(json!({"prompt": "x"}), &ctx)
+            .engine_request(json!({"prompt": "x"}), &mut ctx)
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(r.kind, Kind::Completion);
         assert_eq!(r.body["logprobs"], json!(0));
         let r = OpenAiCompletions
-            .engine_request(json!({"prompt": "x", "logprobs": 3}), &ctx)
+            .engine_request(json!({"prompt": "x", "logprobs": 3}), &mut ctx)
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(r.body["logprobs"], json!(3));
     }

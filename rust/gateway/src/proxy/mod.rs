@@ -98,11 +98,12 @@ pub async fn call(
         call_id: request_id.clone(),
         created: crate::store::now() as u64,
         history: None,
+        state: Value::Null,
     };
     if let Some(key) = proto.history_key(&v) {
         ctx.history = Some(load_history(st, &rollout.id, &key).await?);
     }
-    let er = proto.engine_request(v, &ctx)?;
+    let er = proto.engine_request(v, &mut ctx)?;
     let request = Value::Object(er.body).to_string();
     let retry_count = headers
         .get("x-stainless-retry-count")

@@ -28,20 +28,24 @@ use crate::error::{ApiError, GatewayError};
 use crate::http::{error_response, error_response_with, full, json_response, query_params, Body};
 use crate::protocol::openai_chat::OpenAiChat;
 use crate::protocol::openai_completions::OpenAiCompletions;
+use crate::protocol::openai_responses::OpenAiResponses;
 use crate::protocol::Protocol;
 use crate::proxy;
 use crate::state::{RolloutInfo, State};
 
 static CHAT: OpenAiChat = OpenAiChat;
 static COMPLETIONS: OpenAiCompletions = OpenAiCompletions;
+static RESPONSES: OpenAiResponses = OpenAiResponses;
 
 /// What a path under `.../v1/` asks for.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum V1 {
     /// Proxy one call in this protocol.
     Call(&'static dyn Protocol),
     /// `GET /v1/models`: the engine's model list.
     Models,
+    /// `GET /v1/responses/{id}`: a response kept in the store.
+    GetResponse(String),
 }
 
 /// The route under `.../v1/` and the protocol whose error shape it answers in.
@@ -50,6 +54,8 @@ fn v1_route(method: &Method, rest: &[&str]) -> Option<(V1, &'static dyn Protocol
     match (method, rest) {
         (&Method::POST, ["chat", "completions"]) => call(&CHAT),
         (&Method::POST, ["completions"]) => call(&COMPLETIONS),
+        (&Method::POST, ["responses"]) => call(&RESPONSES),
+        (&Method::GET, ["responses", id]) => Some((V1::GetResponse(id.to_string()), &RESPONSES)),
         (&Method::GET, ["models"]) => Some((V1::Models, &CHAT as &dyn Protocol)),
         _ => None,
     }
@@ -91,7 +97,7 @@ async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>
         ApiError::not_found(
             "route_not_found",
             format!(
-                "no route {method} {path}; harness calls go to /rollouts/{{id}}/v1/chat/completions (or /completions)"
+                "no route {method} {path}; harness calls go to /rollouts/{{id}}/v1/chat/completions (or /completions, /responses)"
             ),
         )
     };
@@ -151,6 +157,20 @@ async fn harness_route(
 ) -> Result<Response<Body>, ApiError> {
     match v1 {
         V1::Models => proxy::forward::models(st).await,
+        V1::GetResponse(id) => {
+            let st2 = st.clone();
+            let key = id.clone();
+            let row = tokio::task::spawn_blocking(move || st2.store.kept(&info.id, &key))
+                .await
+                .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+            match row {
+                Some((object, _)) => Ok(json_response(200, &object)),
+                None => Err(ApiError::not_found(
+                    "response_not_found",
+                    format!("no stored response {id:?} in this rollout (responses created with store: false are not kept)"),
+                )),
+            }
+        }
         V1::Call(proto) => {
             st.check_not_paused()?;
             let (parts, body) = st.read_body(req).await?;
