@@ -37,11 +37,13 @@ from lightning.config import RunConfig
 from lightning.engine.tools import CHATML_TOOLS_TEMPLATE
 from lightning.loop import Run
 from lightning.models import tiny_model_dir
+from lightning.runner import RolloutTrace
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# The tiny model's context for Codex: its prompt is ~6.5k tokens with SmolLM2's
-# tokenizer and the ChatML tool template; the rest bounds each answer.
-CONTEXT = 8192
+# The tiny model's context for Codex: its first prompt is ~9.2k tokens through the
+# gateway with SmolLM2's tokenizer and the ChatML tool template (its instructions,
+# environment context and 8 function tools incl. the sub-agent namespace).
+CONTEXT = 16384
 
 PROOF = "codex was here"
 SCRIPT = [
@@ -123,12 +125,18 @@ def test_codex_exec_runs_a_shell_tool_through_the_gateway(
     client.close()
 
 
+def answer_length_reward(task: object, trace: RolloutTrace) -> float:
+    """A reward that varies between rollouts of the random model (it never writes the
+    task's file), so the GRPO advantages and the update are not all zero."""
+    return float(sum(len(call.completion_ids) for call in trace.calls))
+
+
 @pytest.mark.slow
 def test_lightning_train_through_codex_on_the_tiny_model(codex: Path, tmp_path: Path) -> None:
     """2 steps of `lightning train` with `codex exec` (examples/codex_agent.py) as the
     harness against the embedded engine: the tiny model (random weights, so it writes
     text, not tool calls; made to end its answers after ~40 tokens, since Codex exits
-    1 on a cut-off answer) with an 8k context that holds Codex's ~6.5k-token prompt
+    1 on a cut-off answer) with a 16k context that holds Codex's ~9.2k-token prompt
     (instructions + tool list) and lightning's ChatML tool template."""
     tasks = tmp_path / "tasks.jsonl"
     task = {"prompt": "Write hello into hello.txt", "expect_file": "hello.txt"}
@@ -139,12 +147,14 @@ def test_lightning_train_through_codex_on_the_tiny_model(codex: Path, tmp_path: 
         {
             "model.builtin": None,
             "model.path": str(tiny_model_dir(context=CONTEXT, answer_tokens=40)),
-            "engine.max_batch": 2,
+            "engine.max_batch": 3,
             "engine.chat_template": str(CHATML_TOOLS_TEMPLATE),
             "engine.max_model_len": CONTEXT,
             "harness.command": ["{python}", str(EXAMPLES / "codex_agent.py")],
             "harness.env": {"CODEX": str(codex)},
-            "harness.concurrency": 2,
+            "harness.concurrency": 3,
+            "reward.source": "function",
+            "reward.function": f"{__file__}:answer_length_reward",
             "harness.timeout_s": 900,
             "steps": 2,
             "eval_every": 0,
@@ -152,7 +162,7 @@ def test_lightning_train_through_codex_on_the_tiny_model(codex: Path, tmp_path: 
             "output_dir": str(out),
             "tasks.train": str(tasks),
             "tasks.eval": None,
-            "algorithm.group_size": 2,
+            "algorithm.group_size": 3,
             "algorithm.tasks_per_step": 1,
             "algorithm.eval_samples": 1,
             "trainer.lr": 1e-3,
@@ -168,11 +178,10 @@ def test_lightning_train_through_codex_on_the_tiny_model(codex: Path, tmp_path: 
     steps = [m for m in metrics if m["step"] in (0, 1)]
     assert len(steps) == 2
     for m in steps:
-        assert m["rollout_status"] == {"succeeded": 2}, m  # codex exec exited 0 every time
-        assert (
-            m["samples"] >= 2 and m["tokens"] > 2 * 5000
-        )  # Codex's whole prompt is trained context
+        assert m["rollout_status"] == {"succeeded": 3}, m  # codex exec exited 0 every time
+        assert m["samples"] == 3 and m["tokens"] > 3 * 8000  # Codex's prompt is context
         assert m["samples_per_rollout"] == 1.0
+    assert any(m["grad_norm"] > 0 for m in steps)  # the calls were really trained on
     with sqlite3.connect(out / "lightning.db") as db:
         (n_calls,) = db.execute("SELECT count(*) FROM calls").fetchone()
-    assert n_calls >= 4  # at least one model call per rollout
+    assert n_calls >= 6  # at least one model call per rollout
