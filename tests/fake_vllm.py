@@ -24,6 +24,8 @@ Field sources (vLLM ≥ 0.10.2, ``vllm/entrypoints/openai/protocol.py``):
   ``prompt_token_ids`` and ``token_ids``; ``logprobs`` as ``CompletionLogProbs
   {text_offset, token_logprobs, tokens, top_logprobs}`` when the request's
   integer ``logprobs`` is set.
+- answer ids are unique per request like vLLM's ``chatcmpl-{random_uuid()}`` /
+  ``cmpl-{random_uuid()}`` (one id for all chunks of a stream).
 - ``UsageInfo{prompt_tokens, completion_tokens, total_tokens}``; SSE framing
   ``data: <json>\\n\\n`` ending with ``data: [DONE]\\n\\n``.
 
@@ -41,6 +43,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -291,7 +294,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(
                 200,
                 {
-                    "id": "chatcmpl-fake",
+                    "id": f"chatcmpl-{uuid.uuid4().hex}",
                     "object": "chat.completion",
                     "created": created,
                     "model": req.get("model", "fake-model"),
@@ -314,7 +317,7 @@ class Handler(BaseHTTPRequestHandler):
     def _stream_chat(self, req, prompt_ids, choices, ids_on, want_lp, usage, created) -> None:  # type: ignore[no-untyped-def]
         self._sse_start()
         base = {
-            "id": "chatcmpl-fake",
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk",
             "created": created,
             "model": req.get("model", "fake-model"),
@@ -447,7 +450,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(
                 200,
                 {
-                    "id": "cmpl-fake",
+                    "id": f"cmpl-{uuid.uuid4().hex}",
                     "object": "text_completion",
                     "created": int(time.time()),
                     "model": req.get("model", "fake-model"),
@@ -470,7 +473,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._sse_start()
         base = {
-            "id": "cmpl-fake",
+            "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": req.get("model", "fake-model"),

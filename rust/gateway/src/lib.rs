@@ -20,6 +20,7 @@ pub mod config;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod online;
 pub mod protocol;
 pub mod proxy;
 pub mod routes;
