@@ -228,8 +228,18 @@ mod tests {
 
     #[test]
     fn feedback_bodies() {
-        let ok = parse_feedback(&json!({"feedback_id": "f1", "response_id": "chatcmpl-1", "name": "thumbs", "value": true}), "k".into()).unwrap();
-        assert_eq!((ok.value, ok.session.is_none()), (1.0, true));
+        let ok = parse_feedback(
+            &json!({"feedback_id": "f1", "response_id": "chatcmpl-1", "name": "thumbs", "value": true}),
+            "k".into(),
+        );
+        assert!(matches!(
+            ok,
+            Ok(db::NewFeedback {
+                value: 1.0,
+                session: None,
+                ..
+            })
+        ));
         for bad in [
             json!({"response_id": "r", "name": "n", "value": 1}),
             json!({"feedback_id": "f", "name": "n", "value": 1}),
