@@ -1,6 +1,6 @@
 """A fake vLLM engine: a real HTTP server process speaking vLLM's OpenAI wire format.
 
-Run: ``python tests/fake_vllm.py [--port 0] [--name NAME] [--no-ids]``; prints
+Run: ``python tests/fake_vllm.py [--port 0] [--name NAME] [--no-ids] [--unique-ids]``; prints
 ``READY <port>`` once listening. Every answer it produces is kept and served at
 ``GET /_log`` so tests can check that the gateway recorded exactly what the
 engine sent. ``POST /_control`` injects faults (``{"fail_next": N, "fail_status":
@@ -24,8 +24,9 @@ Field sources (vLLM ≥ 0.10.2, ``vllm/entrypoints/openai/protocol.py``):
   ``prompt_token_ids`` and ``token_ids``; ``logprobs`` as ``CompletionLogProbs
   {text_offset, token_logprobs, tokens, top_logprobs}`` when the request's
   integer ``logprobs`` is set.
-- answer ids are unique per request like vLLM's ``chatcmpl-{random_uuid()}`` /
-  ``cmpl-{random_uuid()}`` (one id for all chunks of a stream).
+- answer ids: ``chatcmpl-fake`` / ``cmpl-fake`` (so answers compare equal), or with
+  ``--unique-ids`` unique per request like vLLM's ``chatcmpl-{random_uuid()}``
+  (one id for all chunks of a stream), which online feedback needs.
 - ``UsageInfo{prompt_tokens, completion_tokens, total_tokens}``; SSE framing
   ``data: <json>\\n\\n`` ending with ``data: [DONE]\\n\\n``.
 
@@ -294,7 +295,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(
                 200,
                 {
-                    "id": f"chatcmpl-{uuid.uuid4().hex}",
+                    "id": self._answer_id("chatcmpl"),
                     "object": "chat.completion",
                     "created": created,
                     "model": req.get("model", "fake-model"),
@@ -308,6 +309,10 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._stream_chat(req, prompt_ids, choices, ids_on, want_lp, usage, created)
 
+    def _answer_id(self, prefix: str) -> str:
+        unique = self.server.unique_ids  # type: ignore[attr-defined]
+        return f"{prefix}-{uuid.uuid4().hex}" if unique else f"{prefix}-fake"
+
     @staticmethod
     def _chat_lp(token_id: int, pos: int) -> dict[str, Any]:
         b = [token_id - ID_OFFSET]
@@ -317,7 +322,7 @@ class Handler(BaseHTTPRequestHandler):
     def _stream_chat(self, req, prompt_ids, choices, ids_on, want_lp, usage, created) -> None:  # type: ignore[no-untyped-def]
         self._sse_start()
         base = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": self._answer_id("chatcmpl"),
             "object": "chat.completion.chunk",
             "created": created,
             "model": req.get("model", "fake-model"),
@@ -450,7 +455,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(
                 200,
                 {
-                    "id": f"cmpl-{uuid.uuid4().hex}",
+                    "id": self._answer_id("cmpl"),
                     "object": "text_completion",
                     "created": int(time.time()),
                     "model": req.get("model", "fake-model"),
@@ -473,7 +478,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._sse_start()
         base = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
+            "id": self._answer_id("cmpl"),
             "object": "text_completion",
             "created": int(time.time()),
             "model": req.get("model", "fake-model"),
@@ -510,12 +515,14 @@ class Handler(BaseHTTPRequestHandler):
 class FakeEngine:
     """Runs this file as a subprocess server; ``.url`` is its OpenAI base URL (``.../v1``)."""
 
-    def __init__(self, name: str = "fake", no_ids: bool = False) -> None:
+    def __init__(self, name: str = "fake", no_ids: bool = False, unique_ids: bool = False) -> None:
         import subprocess
 
         cmd = [sys.executable, __file__, "--name", name]
         if no_ids:
             cmd.append("--no-ids")
+        if unique_ids:
+            cmd.append("--unique-ids")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.startswith("READY "):
@@ -562,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--name", default="fake")
+    ap.add_argument("--unique-ids", action="store_true", help="a fresh answer id per request")
     ap.add_argument(
         "--no-ids", action="store_true", help="behave like an engine without return_token_ids"
     )
@@ -570,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     server = ThreadingHTTPServer((args.host, args.port), handler)
     server.daemon_threads = True
     server.no_ids = args.no_ids  # type: ignore[attr-defined]
+    server.unique_ids = args.unique_ids  # type: ignore[attr-defined]
     print(f"READY {server.server_address[1]}", flush=True)
     try:
         server.serve_forever(poll_interval=0.1)

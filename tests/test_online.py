@@ -32,7 +32,7 @@ ADMIN = "online-admin-key"
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("O")
+    e = FakeEngine("O", unique_ids=True)
     yield e
     e.stop()
 

@@ -43,7 +43,7 @@ def test_small_groups_pool_into_the_batch_baseline() -> None:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("T")
+    e = FakeEngine("T", unique_ids=True)
     yield e
     e.stop()
 
