@@ -49,9 +49,11 @@ def engine() -> Iterator[FakeEngine]:
 
 
 def test_train_online_trains_exactly_the_sessions_with_feedback(
-    engine: FakeEngine, tmp_path: Path
+    engine: FakeEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from lightning.loop import train_main
+    from lightning.models import tiny_model_dir
+    from lightning.report import show_main
 
     db = tmp_path / "train.db"
     gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")
@@ -94,6 +96,11 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
             for r in db_rows(db, "SELECT rollout_id FROM online_sessions WHERE trained IS NOT NULL")
         }
         assert trained == set(summary["sessions"])
+        # A session is a rollout: `lightning show` reads it from the store unchanged.
+        capsys.readouterr()
+        assert show_main([owner[answers[0]], "--db", str(db), "--model", str(tiny_model_dir()),
+                          "--color", "never"]) == 0  # fmt: skip
+        assert "«" in capsys.readouterr().out
         # Late feedback for a trained session is kept and flagged.
         late = feedback(gw, key, feedback_id="late", response_id=answers[0], name="thumbs", value=0)
         assert late.status_code == 200 and late.json()["after_training"] is True

@@ -19,7 +19,10 @@
 //!    of this key: that session (the protocol's own continuation link).
 //! 3. continuity: the call's prompt ids extend an open implicit session's last
 //!    prompt + completion (exact token prefix) that was updated within
-//!    `session_window_s`; the longest such tail wins.
+//!    `session_window_s`; the longest such tail wins. Only sessions without an
+//!    explicit id take part (a client that names sessions keeps that control),
+//!    and two conversations with identical tokens so far are indistinguishable
+//!    (the most recently updated one wins): send an id where that matters.
 //! 4. otherwise a new session.
 //!
 //! Resolution runs inside the store's single writer, in the transaction that
