@@ -74,22 +74,26 @@ class SourceSection(_Section):
 
     kind: Literal["store"] = "store"
     db: str
-    since: float | None = Field(None, description="unix seconds: sessions last active at or after")
-    until: float | None = Field(None, description="unix seconds: sessions last active before")
-    since_hours: float | None = Field(None, gt=0, description="or: the last N hours")
+    since: float | None = Field(
+        default=None, description="unix seconds: sessions last active at or after"
+    )
+    until: float | None = Field(
+        default=None, description="unix seconds: sessions last active before"
+    )
+    since_hours: float | None = Field(default=None, gt=0, description="or: the last N hours")
     tags: list[str] = Field(default_factory=list, description="every tag must be on the key")
     app_keys: list[str] = Field(default_factory=list, description="key names (empty: all)")
     require_feedback: bool = True
-    min_calls: int = Field(1, ge=1)
-    closed_only: bool = Field(True, description="only sessions the gateway closed (idle)")
+    min_calls: int = Field(default=1, ge=1)
+    closed_only: bool = Field(default=True, description="only sessions the gateway closed (idle)")
     include_trained: bool = False
     min_weight_version: int | None = None
-    limit: int | None = Field(None, ge=1)
+    limit: int | None = Field(default=None, ge=1)
 
 
 class GroupingSection(_Section):
     key: Literal["first_prompt", "system_first_user", "session", "none"] = "first_prompt"
-    min_group: int = Field(2, ge=1)
+    min_group: int = Field(default=2, ge=1)
 
 
 class OnlineRewardSection(_Section):
@@ -122,9 +126,11 @@ class OnlineConfig(_Section):
     reward: OnlineRewardSection = Field(default_factory=OnlineRewardSection)
     weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    temperature: float = Field(1.0, gt=0, description="production's sampling temperature")
+    temperature: float = Field(default=1.0, gt=0, description="production's sampling temperature")
     trainer: dict[str, Any] = Field(default_factory=dict)
-    sessions_per_step: int | None = Field(None, ge=1, description="default: all in one step")
+    sessions_per_step: int | None = Field(
+        default=None, ge=1, description="default: all in one step"
+    )
     mark_trained: bool = True
     output_dir: str = "runs/online"
     seed: int = 0
