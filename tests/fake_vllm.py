@@ -1,6 +1,6 @@
 """A fake vLLM engine: a real HTTP server process speaking vLLM's OpenAI wire format.
 
-Run: ``python tests/fake_vllm.py [--port 0] [--name NAME] [--no-ids]``; prints
+Run: ``python tests/fake_vllm.py [--port 0] [--name NAME] [--no-ids] [--unique-ids]``; prints
 ``READY <port>`` once listening. Every answer it produces is kept and served at
 ``GET /_log`` so tests can check that the gateway recorded exactly what the
 engine sent. ``POST /_control`` injects faults (``{"fail_next": N, "fail_status":
@@ -24,6 +24,9 @@ Field sources (vLLM ≥ 0.10.2, ``vllm/entrypoints/openai/protocol.py``):
   ``prompt_token_ids`` and ``token_ids``; ``logprobs`` as ``CompletionLogProbs
   {text_offset, token_logprobs, tokens, top_logprobs}`` when the request's
   integer ``logprobs`` is set.
+- answer ids: ``chatcmpl-fake`` / ``cmpl-fake`` (so answers compare equal), or with
+  ``--unique-ids`` unique per request like vLLM's ``chatcmpl-{random_uuid()}``
+  (one id for all chunks of a stream), which online feedback needs.
 - ``UsageInfo{prompt_tokens, completion_tokens, total_tokens}``; SSE framing
   ``data: <json>\\n\\n`` ending with ``data: [DONE]\\n\\n``.
 
@@ -56,6 +59,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -391,7 +395,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(
                 200,
                 {
-                    "id": "chatcmpl-fake",
+                    "id": self._answer_id("chatcmpl"),
                     "object": "chat.completion",
                     "created": created,
                     "model": req.get("model", "fake-model"),
@@ -405,6 +409,10 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._stream_chat(req, prompt_ids, choices, ids_on, want_lp, usage, created)
 
+    def _answer_id(self, prefix: str) -> str:
+        unique = self.server.unique_ids  # type: ignore[attr-defined]
+        return f"{prefix}-{uuid.uuid4().hex}" if unique else f"{prefix}-fake"
+
     @staticmethod
     def _chat_lp(token_id: int, pos: int) -> dict[str, Any]:
         b = [token_id - ID_OFFSET]
@@ -414,7 +422,7 @@ class Handler(BaseHTTPRequestHandler):
     def _stream_chat(self, req, prompt_ids, choices, ids_on, want_lp, usage, created) -> None:  # type: ignore[no-untyped-def]
         self._sse_start()
         base = {
-            "id": "chatcmpl-fake",
+            "id": self._answer_id("chatcmpl"),
             "object": "chat.completion.chunk",
             "created": created,
             "model": req.get("model", "fake-model"),
@@ -561,7 +569,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(
                 200,
                 {
-                    "id": "cmpl-fake",
+                    "id": self._answer_id("cmpl"),
                     "object": "text_completion",
                     "created": int(time.time()),
                     "model": req.get("model", "fake-model"),
@@ -584,7 +592,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._sse_start()
         base = {
-            "id": "cmpl-fake",
+            "id": self._answer_id("cmpl"),
             "object": "text_completion",
             "created": int(time.time()),
             "model": req.get("model", "fake-model"),
@@ -622,7 +630,11 @@ class FakeEngine:
     """Runs this file as a subprocess server; ``.url`` is its OpenAI base URL (``.../v1``)."""
 
     def __init__(
-        self, name: str = "fake", no_ids: bool = False, script: list[dict[str, Any]] | None = None
+        self,
+        name: str = "fake",
+        no_ids: bool = False,
+        script: list[dict[str, Any]] | None = None,
+        unique_ids: bool = False,
     ) -> None:
         import subprocess
 
@@ -631,6 +643,8 @@ class FakeEngine:
             cmd.append("--no-ids")
         if script is not None:
             cmd += ["--script", json.dumps(script)]
+        if unique_ids:
+            cmd.append("--unique-ids")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.startswith("READY "):
@@ -688,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--name", default="fake")
+    ap.add_argument("--unique-ids", action="store_true", help="a fresh answer id per request")
     ap.add_argument(
         "--no-ids", action="store_true", help="behave like an engine without return_token_ids"
     )
@@ -707,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     server = ThreadingHTTPServer((args.host, args.port), handler)
     server.daemon_threads = True
     server.no_ids = args.no_ids  # type: ignore[attr-defined]
+    server.unique_ids = args.unique_ids  # type: ignore[attr-defined]
     print(f"READY {server.server_address[1]}", flush=True)
     try:
         server.serve_forever(poll_interval=0.1)

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("lightning.report:main", "write RUN_DIR/report.html (plots and traces, offline)"),
     "show": ("lightning.report:show_main", "print one rollout's merged trace, coloured"),
     "gateway": ("lightning.gateway:main", "run the recording gateway (same as lightning-gateway)"),
+    "online": ("lightning.online:main", "online sessions in a store: list, export to JSONL"),
 }
 
 

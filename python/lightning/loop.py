@@ -607,6 +607,12 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False) -> di
 def train_main(argv: list[str]) -> int:
     import argparse
 
+    if "--online" in argv:
+        # Training from production sessions in the store: lightning.online.
+        from lightning.online import train_main as online_main
+
+        return online_main([a for a in argv if a != "--online"])
+
     p = argparse.ArgumentParser(prog="lightning train", description=__doc__.split("\n")[0])
     p.add_argument("config", help="run configuration (TOML)")
     p.add_argument("--resume", action="store_true", help="continue the run in its output_dir")

@@ -101,6 +101,8 @@ pub struct Config {
     pub sync: SyncMode,
     /// Seconds graceful shutdown waits for in-flight calls.
     pub drain_timeout_s: f64,
+    /// Online mode: sessions, idle closing, retention (`[online]`).
+    pub online: crate::online::OnlineConfig,
 }
 
 impl Default for Config {
@@ -123,6 +125,7 @@ impl Default for Config {
             eval_capture: true,
             sync: SyncMode::Full,
             drain_timeout_s: 30.0,
+            online: Default::default(),
         }
     }
 }

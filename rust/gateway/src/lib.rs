@@ -11,7 +11,10 @@
 //! Modules: `routes` (HTTP server and routing) → `proxy` (pipeline) →
 //! `protocol` (adapters, pure) and `wire` (engine formats, pure); `state`,
 //! `http`, `auth`, `config`, `upstream`, `store`, `metrics`, `columnar`
-//! underneath. No module imports one above it.
+//! underneath; `online` (application keys, sessions, feedback, retention)
+//! hooks into auth (`State::rollout_from_key`) and the record step (its
+//! session resolution runs inside the store's writer). No module imports one
+//! above it.
 
 pub mod auth;
 pub mod cli;
@@ -20,6 +23,7 @@ pub mod config;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod online;
 pub mod protocol;
 pub mod proxy;
 pub mod routes;

@@ -37,6 +37,8 @@ pub struct RolloutInfo {
     pub token_hash: String,
     /// Still `queued`: the first call flips it to `running` in the same commit.
     pub queued: AtomicBool,
+    /// An application key's call (online mode): its session is resolved at commit.
+    pub online: Option<Arc<crate::online::OnlineCall>>,
 }
 
 #[derive(Debug)]
@@ -50,6 +52,7 @@ pub struct State {
     pub public_url: String,
     rollouts: RwLock<HashMap<String, Arc<RolloutInfo>>>,
     tokens: RwLock<HashMap<String, String>>,
+    pub online_keys: crate::online::Keys,
 }
 
 impl State {
@@ -79,6 +82,7 @@ impl State {
             public_url,
             rollouts: RwLock::new(HashMap::new()),
             tokens: RwLock::new(HashMap::new()),
+            online_keys: crate::online::Keys::default(),
         })
     }
 
@@ -119,6 +123,7 @@ impl State {
             },
             token_hash: row.token_hash.clone(),
             queued: AtomicBool::new(row.status == "queued"),
+            online: None,
         });
         if let Ok(mut m) = self.rollouts.write() {
             m.insert(info.id.clone(), info.clone());
@@ -218,7 +223,8 @@ impl State {
         )))
     }
 
-    /// For `/v1/...`: the rollout whose token is the bearer key.
+    /// For `/v1/...`: the rollout whose token is the bearer key, or an
+    /// application key's online "rollout" (its calls go to sessions).
     pub async fn rollout_from_key(
         self: &Arc<Self>,
         headers: &HeaderMap,
@@ -228,10 +234,14 @@ impl State {
                 "missing rollout token; set the SDK api_key to the rollout token",
             )
         })?;
-        match self.rollout_by_token(&auth::token_hash(token)).await? {
+        let hash = auth::token_hash(token);
+        if let Some(r) = self.rollout_by_token(&hash).await? {
+            return Ok(r);
+        }
+        match crate::online::key_rollout(self, &hash).await? {
             Some(r) => Ok(r),
             None => Err(ApiError::unauthorized(
-                "unknown rollout token; set the SDK api_key to a token from POST /rollouts, or use base_url /rollouts/{id}/v1",
+                "unknown key; set the SDK api_key to a rollout token from POST /rollouts or an application key from POST /admin/keys (a revoked key stops working at once)",
             )),
         }
     }

@@ -21,6 +21,8 @@ use tokio::sync::oneshot;
 
 use crate::config::SyncMode;
 use crate::error::GatewayError;
+use crate::online::db as online_db;
+use crate::online::OnlineCall;
 use crate::protocol::Kept;
 
 const SCHEMA: &str = r#"
@@ -86,13 +88,18 @@ CREATE TABLE IF NOT EXISTS kept (
 /// Columns added after the first release, with their definitions: a database
 /// created by an older gateway gets them on open (`ALTER TABLE ADD COLUMN`;
 /// rows written before read as the defaults). Existing columns never change name.
-const MIGRATIONS: [(&str, &str, &str); 2] = [
+const MIGRATIONS: [(&str, &str, &str); 4] = [
     // The protocol the harness spoke (`openai_chat`, `openai_responses`, …);
     // old rows were all chat completions or completions, told apart by `kind`.
     ("calls", "protocol", "TEXT"),
     // The harness's own request body, before translation (`request` holds
     // the engine request). Stored on the first choice, like `request`.
     ("calls", "harness_request", "TEXT"),
+    // The id the harness was given for the answer (`chatcmpl-…`, `resp_…`,
+    // `msg_…`): what online feedback names.
+    ("calls", "response_id", "TEXT"),
+    // `online` for sessions recorded from application keys (NULL: a rollout).
+    ("rollouts", "origin", "TEXT"),
 ];
 
 fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -195,6 +202,8 @@ pub struct CallRecord {
     pub latency_ms: f64,
     pub usage: Option<String>,
     pub created: f64,
+    /// The id the harness was given for this answer (for feedback).
+    pub response_id: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -236,6 +245,13 @@ enum Op {
         kind: String,
         data: String,
     },
+    /// An application key's call: resolve its session, then insert as above.
+    InsertOnline {
+        records: Vec<CallRecord>,
+        online: Arc<OnlineCall>,
+        kept: Option<Kept>,
+    },
+    Online(online_db::Op),
     Barrier,
 }
 
@@ -245,6 +261,7 @@ enum OpResult {
     Found(bool),
     Seqs(Vec<i64>),
     Seq(i64),
+    Online(online_db::Outcome),
     Unit,
 }
 
@@ -300,6 +317,7 @@ impl Store {
         let conn = open_conn(path, sync)?;
         conn.execute_batch(SCHEMA)
             .and_then(|()| migrate(&conn))
+            .and_then(|()| conn.execute_batch(crate::online::db::SCHEMA))
             .map_err(|e| GatewayError::store(path.display(), e))?;
         let secret =
             load_or_create_secret(&conn).map_err(|e| GatewayError::store(path.display(), e))?;
@@ -408,6 +426,35 @@ impl Store {
             .await?
         {
             OpResult::Seq(s) => Ok(s),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Inserts an application key's call into its session (resolved in the
+    /// same transaction); returns the session's rollout id.
+    pub async fn insert_online_calls(
+        &self,
+        records: Vec<CallRecord>,
+        online: Arc<OnlineCall>,
+        kept: Option<Kept>,
+    ) -> Result<String, GatewayError> {
+        match self
+            .submit(Op::InsertOnline {
+                records,
+                online,
+                kept,
+            })
+            .await?
+        {
+            OpResult::Online(online_db::Outcome::Session { rollout_id, .. }) => Ok(rollout_id),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Runs one online-mode write (keys, feedback, sweep) and waits for its commit.
+    pub async fn online(&self, op: online_db::Op) -> Result<online_db::Outcome, GatewayError> {
+        match self.submit(Op::Online(op)).await? {
+            OpResult::Online(o) => Ok(o),
             other => Err(unexpected(other)),
         }
     }
@@ -722,8 +769,8 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
             let mut stmt = conn.prepare_cached(
                 "INSERT INTO calls(rollout_id, seq, request_id, choice_index, kind, request, prompt_ids,
                     completion_ids, logprobs, finish_reason, text, status, flags, delivered, retry_count,
-                    weight_version, upstream, http_status, latency_ms, usage, created, protocol, harness_request)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)",
+                    weight_version, upstream, http_status, latency_ms, usage, created, protocol, harness_request, response_id)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24)",
             )?;
             for (i, c) in records.iter().enumerate() {
                 let seq = next_seq(conn, &mut seqs.calls, "calls", &c.rollout_id)?;
@@ -754,6 +801,7 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
                     c.created,
                     c.protocol,
                     harness_request,
+                    c.response_id,
                 ])?;
                 out.push(seq);
             }
@@ -793,6 +841,71 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
                 params![rollout_id, seq, kind, data, now()],
             )?;
             Ok(OpResult::Seq(seq))
+        }
+        Op::InsertOnline {
+            mut records,
+            online,
+            kept,
+        } => {
+            let t = now();
+            let prompt = records.first().and_then(|r| r.prompt_ids.clone());
+            let (rollout_id, created) =
+                online_db::resolve_session(conn, &online, prompt.as_deref(), t)?;
+            let tail = online_db::tail_of(&records);
+            for r in records.iter_mut() {
+                r.rollout_id = rollout_id.clone();
+            }
+            if online.key.defaults.redact {
+                online_db::redact(&mut records);
+            }
+            apply(
+                conn,
+                seqs,
+                Op::InsertCalls {
+                    records,
+                    mark_running: false,
+                    kept,
+                },
+            )?;
+            online_db::touch_session(conn, &rollout_id, tail, t)?;
+            Ok(OpResult::Online(online_db::Outcome::Session {
+                rollout_id,
+                created,
+            }))
+        }
+        Op::Online(op) => {
+            let fb = match &op {
+                online_db::Op::Feedback(f) => Some(f.clone()),
+                _ => None,
+            };
+            let out = online_db::apply(conn, op, now())?;
+            // A new signal is also an event of the session, so `lightning show`
+            // and `GET /rollouts/{id}/events` list it beside the rewards.
+            if let (
+                Some(f),
+                online_db::Outcome::Feedback(online_db::FeedbackOutcome::Stored {
+                    rollout_id,
+                    after_training,
+                    duplicate: false,
+                }),
+            ) = (fb, &out)
+            {
+                let data = serde_json::json!({
+                    "feedback_id": f.feedback_id, "name": f.name, "value": f.value,
+                    "response_id": f.response_id, "ts": f.ts,
+                    "after_training": after_training, "data": f.data,
+                });
+                apply(
+                    conn,
+                    seqs,
+                    Op::InsertEvent {
+                        rollout_id: rollout_id.clone(),
+                        kind: "feedback".into(),
+                        data: data.to_string(),
+                    },
+                )?;
+            }
+            Ok(OpResult::Online(out))
         }
         Op::Barrier => Ok(OpResult::Unit),
     }

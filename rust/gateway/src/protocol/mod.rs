@@ -131,6 +131,15 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
 
     /// The body of an error the gateway answers with, in the protocol's shape.
     fn error_body(&self, e: &ApiError) -> Bytes;
+
+    /// The id of the answer the harness will be given, when the adapter makes
+    /// it (`msg_…` derived from [`Ctx::call_id`]); stored with the call so
+    /// online feedback can name it. `None` (the default): the engine's own
+    /// answer id (chat `chatcmpl-…`, completions `cmpl-…`), or the [`Kept`]
+    /// object's id when there is one.
+    fn response_id(&self, _ctx: &Ctx) -> Option<String> {
+        None
+    }
 }
 
 /// Turns one engine SSE stream into the protocol's SSE frames as it arrives.

@@ -87,13 +87,16 @@ pub async fn call(
             format!("request body is not valid JSON: {e}"),
         )
     })?;
-    let want_ids = rollout.mode == Mode::Train || st.cfg.eval_capture;
+    // Online calls always capture ids and logprobs (they do not change the
+    // answer) and keep the harness's sampling unless the key overrides it.
+    let want_ids = rollout.mode == Mode::Train || st.cfg.eval_capture || rollout.online.is_some();
     let request_id = format!("call-{}", auth::random_hex(8));
     let mut ctx = Ctx {
         want_ids,
-        temperature: match rollout.mode {
-            Mode::Train => st.cfg.train_temperature,
-            Mode::Eval => st.cfg.eval_temperature,
+        temperature: match (&rollout.online, rollout.mode) {
+            (Some(o), _) => o.key.defaults.temperature,
+            (None, Mode::Train) => st.cfg.train_temperature,
+            (None, Mode::Eval) => st.cfg.eval_temperature,
         },
         call_id: request_id.clone(),
         created: crate::store::now() as u64,
@@ -101,7 +104,10 @@ pub async fn call(
         state: Value::Null,
     };
     if let Some(key) = proto.history_key(&v) {
-        ctx.history = Some(load_history(st, &rollout.id, &key).await?);
+        ctx.history = Some(match &rollout.online {
+            Some(o) => crate::online::load_history(st, &o.key.id, &key).await?,
+            None => load_history(st, &rollout.id, &key).await?,
+        });
     }
     let er = proto.engine_request(v, &mut ctx)?;
     let request = Value::Object(er.body).to_string();
@@ -122,6 +128,7 @@ pub async fn call(
         retry_count,
         want_ids,
         started,
+        response_id: proto.response_id(&ctx),
     };
     // The work runs in its own task so that a harness hanging up is noticed
     // (the reply channel closes), the upstream request is cancelled, and the

@@ -45,6 +45,9 @@ pub struct CallMeta {
     pub retry_count: u32,
     pub want_ids: bool,
     pub started: Instant,
+    /// The id the adapter hands the harness (`Protocol::response_id`); `None`:
+    /// the engine's own answer id.
+    pub response_id: Option<String>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -88,6 +91,7 @@ pub fn build_records(
         latency_ms,
         usage: usage.clone(),
         created: store::now(),
+        response_id: meta.response_id.clone().or_else(|| cap.id.clone()),
     };
     if cap.choices.is_empty() {
         return vec![base(0)];
@@ -116,14 +120,28 @@ pub async fn commit(
     rollout: &RolloutInfo,
     kept: Option<Kept>,
 ) -> Result<(), ApiError> {
+    let mut records = records;
     let status = records.first().map(|r| r.status);
     let flagged = records.iter().any(|r| !r.flags.is_empty());
-    let mark_running = rollout.queued.swap(false, Ordering::Relaxed);
-    let res = st.store.insert_calls(records, mark_running, kept).await;
-    if res.is_err() && mark_running {
-        rollout.queued.store(true, Ordering::Relaxed);
+    if let Some(k) = &kept {
+        // A kept object's id is what the harness was told (`resp_…`).
+        for r in records.iter_mut() {
+            r.response_id = Some(k.id.clone());
+        }
     }
-    res?;
+    if let Some(online) = &rollout.online {
+        // Online: the session is resolved in the insert's own transaction.
+        st.store
+            .insert_online_calls(records, online.clone(), kept)
+            .await?;
+    } else {
+        let mark_running = rollout.queued.swap(false, Ordering::Relaxed);
+        let res = st.store.insert_calls(records, mark_running, kept).await;
+        if res.is_err() && mark_running {
+            rollout.queued.store(true, Ordering::Relaxed);
+        }
+        res?;
+    }
     let m = &st.metrics;
     match status {
         Some(CallStatus::Ok) => m.calls_ok.fetch_add(1, Ordering::Relaxed),

@@ -7,6 +7,7 @@
 //! error shape; everything else in OpenAI's.
 
 pub mod admin;
+pub mod online;
 pub mod rollouts;
 
 use hyper::body::Incoming;
@@ -134,6 +135,7 @@ async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>
             let (v1, _) = v1_route(&method, rest).ok_or_else(not_found)?;
             harness_route(st, info, v1, req).await
         }
+        (&Method::POST, ["v1", "feedback"]) => online::feedback(st, req).await,
         (_, ["v1", rest @ ..]) => {
             let info = st.rollout_from_key(req.headers()).await?;
             let (v1, _) = v1_route(&method, rest).ok_or_else(not_found)?;
@@ -154,6 +156,10 @@ async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>
         (&Method::GET, ["admin", "state"]) => admin::state(st, req).await,
         (&Method::GET, ["admin", "upstreams"]) => admin::upstreams(st, req).await,
         (&Method::POST, ["admin", "upstreams"]) => admin::replace_upstreams(st, req).await,
+        (&Method::POST, ["admin", "keys"]) => online::create_key(st, req).await,
+        (&Method::GET, ["admin", "keys"]) => online::list_keys(st, req).await,
+        (&Method::DELETE, ["admin", "keys", id]) => online::revoke_key(st, id, req).await,
+        (&Method::POST, ["admin", "online", "sweep"]) => online::sweep(st, req).await,
         _ => Err(not_found()),
     }
 }
@@ -187,6 +193,7 @@ async fn harness_route(
         V1::Call(proto) => {
             st.check_not_paused()?;
             let (parts, body) = st.read_body(req).await?;
+            let info = crate::online::bind_call(info, &parts.headers, &body);
             proxy::call(st, info, proto, &parts.headers, body).await
         }
     }
@@ -264,6 +271,7 @@ impl Server {
             addr,
         } = self;
         tracing::info!(%addr, db = %state.store.path().display(), upstreams = state.cfg.upstreams.len(), "gateway listening");
+        let sweeper = tokio::spawn(crate::online::sweeper(state.clone()));
         let graceful = hyper_util::server::graceful::GracefulShutdown::new();
         tokio::pin!(shutdown);
         loop {
@@ -297,6 +305,7 @@ impl Server {
             }
         }
         drop(listener);
+        sweeper.abort();
         tracing::info!("shutting down: draining in-flight calls");
         let drain = Duration::from_secs_f64(state.cfg.drain_timeout_s.max(0.0));
         if tokio::time::timeout(drain, graceful.shutdown())

@@ -58,6 +58,8 @@ pub struct ChoiceCapture {
 
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Capture {
+    /// The answer's `id` (`chatcmpl-…`, `cmpl-…`): what the harness was told.
+    pub id: Option<String>,
     pub prompt_ids: Option<Vec<u32>>,
     pub choices: Vec<ChoiceCapture>,
     pub usage: Option<serde_json::Value>,
@@ -66,6 +68,7 @@ pub struct Capture {
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct WireAnswer {
+    id: Option<String>,
     error: Option<serde_json::Value>,
     prompt_token_ids: Option<Vec<u32>>,
     choices: Vec<WireChoice>,
@@ -146,6 +149,7 @@ pub fn parse_answer(body: &[u8]) -> Result<Capture, String> {
         })
         .collect();
     Ok(Capture {
+        id: a.id,
         prompt_ids: a.prompt_token_ids,
         choices,
         usage: a.usage,
@@ -155,6 +159,7 @@ pub fn parse_answer(body: &[u8]) -> Result<Capture, String> {
 /// Accumulates a streamed answer chunk by chunk.
 #[derive(Debug, Default)]
 pub struct StreamCapture {
+    id: Option<String>,
     prompt_ids: Option<Vec<u32>>,
     choices: BTreeMap<i64, ChoiceCapture>,
     usage: Option<serde_json::Value>,
@@ -184,6 +189,9 @@ impl StreamCapture {
         if let Some(err) = chunk.error {
             self.engine_error = Some(err);
             return;
+        }
+        if self.id.is_none() {
+            self.id = chunk.id;
         }
         if let Some(p) = chunk.prompt_token_ids {
             self.prompt_ids.get_or_insert_with(Vec::new).extend(p);
@@ -223,6 +231,7 @@ impl StreamCapture {
 
     pub fn finish(self) -> Capture {
         Capture {
+            id: self.id,
             prompt_ids: self.prompt_ids,
             choices: self.choices.into_values().collect(),
             usage: self.usage,
@@ -276,6 +285,8 @@ pub fn parse_sglang_generate(body: &[u8], input_ids: Option<Vec<u32>>) -> Result
         });
     }
     Ok(Capture {
+        // The harness never sees `/generate`'s own ids; the adapter answers with its own.
+        id: None,
         prompt_ids: input_ids,
         choices,
         usage: None,

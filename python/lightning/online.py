@@ -1,0 +1,557 @@
+"""Online mode, trainer side: train from production sessions in the store.
+
+The gateway records calls made with an application key into *sessions*
+(rollouts with ``origin = 'online'``, see ``rust/gateway/src/online``) and
+keeps every feedback signal posted later (``POST /v1/feedback``). This module
+selects sessions, turns their signals into rewards, groups them for the
+advantage estimator, and runs trainer steps on them::
+
+    lightning train --online online.toml        # train from the store
+    lightning online sessions --db lightning.db # list sessions and their signals
+    lightning online export --db lightning.db --out sessions.jsonl
+
+**Reward (default ``kind = "mean"``).** For each (signal name, target) — the
+target is the response id the signal names, or the session — only the latest
+signal by timestamp counts (a user who flips a thumbs-down to up counts once,
+as up). The session's reward is the mean of those latest values. ``sum``,
+``last`` (the latest signal of all) and ``weighted`` (Σ weight[name] × latest
+value, names without a weight ignored) are the other built-ins;
+``function = "module:fn"`` takes ``fn(signals: list[dict]) -> float`` for
+anything else. Booleans arrive as 1.0 / 0.0.
+
+**Groups and estimators.** Production traffic was never sampled in groups, so
+groups are built after the fact by a key (``[grouping] key``):
+``first_prompt`` (default: the exact token ids of the session's first prompt —
+system prompt + first user turn as rendered, protocol- and redaction-proof),
+``system_first_user`` (the text of the system prompt + first user message;
+unavailable for redacted keys), ``session`` or ``none``. A group with fewer than
+``min_group`` members is pooled with the other small ones into one batch group
+(``__batch__``), so its baseline is the batch mean — with ``estimator =
+"reinforce_pp"`` that is REINFORCE++'s batch baseline, and the advantage is then
+divided by the batch std. Bias: (1) the group mean includes the sample's own
+reward, shrinking its advantage by (1 − 1/n) (GRPO's known bias; ``rloo``
+avoids it); (2) the pooled baseline mixes prompts of different difficulty, which
+adds variance and, when prompt difficulty correlates with selection (e.g. only
+sessions with feedback), bias toward prompts that get feedback; (3) a lone
+session in the whole batch gets zero advantage and trains nothing.
+
+**Off-policy.** Sessions were sampled by whatever weights production served
+(recorded per call as ``weight_version``, with the engine's logprobs). Tokens are
+weighted by the truncated importance weight min(π_trainer / π_rollout, C)
+(``trainer.tis_cap``, default 2.0 here; ``losses.policy_loss``), which corrects
+the gap to the policy being trained at the cost of bias where the cap truncates.
+``source.min_weight_version`` drops calls sampled by older weights outright.
+
+Trained sessions get ``online_sessions.trained`` set and are skipped next time
+unless ``source.include_trained``; feedback that arrives after is kept and
+flagged. ``[weight_sync] policy = "none"`` (default) only exports the new
+weights: a human decides when they serve.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sqlite3
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lightning.config import ModelSection
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SourceSection(_Section):
+    """Which sessions to train on."""
+
+    kind: Literal["store"] = "store"
+    db: str
+    since: float | None = Field(
+        default=None, description="unix seconds: sessions last active at or after"
+    )
+    until: float | None = Field(
+        default=None, description="unix seconds: sessions last active before"
+    )
+    since_hours: float | None = Field(default=None, gt=0, description="or: the last N hours")
+    tags: list[str] = Field(default_factory=list, description="every tag must be on the key")
+    app_keys: list[str] = Field(default_factory=list, description="key names (empty: all)")
+    require_feedback: bool = True
+    min_calls: int = Field(default=1, ge=1)
+    closed_only: bool = Field(default=True, description="only sessions the gateway closed (idle)")
+    include_trained: bool = False
+    min_weight_version: int | None = None
+    limit: int | None = Field(default=None, ge=1)
+
+
+class GroupingSection(_Section):
+    key: Literal["first_prompt", "system_first_user", "session", "none"] = "first_prompt"
+    min_group: int = Field(default=2, ge=1)
+
+
+class OnlineRewardSection(_Section):
+    kind: Literal["mean", "sum", "last", "weighted"] = "mean"
+    weights: dict[str, float] = Field(default_factory=dict)
+    function: str | None = None  # "module:fn(signals) -> float"
+
+    @model_validator(mode="after")
+    def _check(self) -> OnlineRewardSection:
+        if self.kind == "weighted" and not self.weights:
+            raise ValueError("[reward] kind = 'weighted' needs `weights = {name = w, ...}`")
+        return self
+
+
+class WeightSyncSection(_Section):
+    policy: Literal["none", "embedded", "sglang"] = "none"
+    urls: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _urls(self) -> WeightSyncSection:
+        if self.policy != "none" and not self.urls:
+            raise ValueError(f"[weight_sync] policy = {self.policy!r} needs `urls`")
+        return self
+
+
+class OnlineConfig(_Section):
+    model: ModelSection
+    source: SourceSection
+    grouping: GroupingSection = Field(default_factory=GroupingSection)
+    reward: OnlineRewardSection = Field(default_factory=OnlineRewardSection)
+    weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    temperature: float = Field(default=1.0, gt=0, description="production's sampling temperature")
+    trainer: dict[str, Any] = Field(default_factory=dict)
+    sessions_per_step: int | None = Field(
+        default=None, ge=1, description="default: all in one step"
+    )
+    mark_trained: bool = True
+    output_dir: str = "runs/online"
+    seed: int = 0
+
+    @classmethod
+    def load(cls, path: str | Path) -> OnlineConfig:
+        import tomllib
+
+        path = Path(path)
+        raw = tomllib.loads(path.read_text())
+        cfg = cls.model_validate(raw)
+        base = path.parent
+        if not Path(cfg.source.db).is_absolute():
+            cfg.source.db = str((base / cfg.source.db).resolve())
+        if not Path(cfg.output_dir).is_absolute():
+            cfg.output_dir = str((base / cfg.output_dir).resolve())
+        if cfg.model.path is not None and not Path(cfg.model.path).is_absolute():
+            cfg.model.path = str((base / cfg.model.path).resolve())
+        return cfg
+
+
+# ----------------------------------------------------------------- selection
+
+
+@dataclass
+class Session:
+    rollout_id: str
+    key_id: str
+    app_key: str
+    session_key: str | None
+    tags: list[str]
+    n_calls: int
+    started: float
+    updated: float
+    closed: bool
+    trained: float | None
+    signals: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _connect(db: str | Path, *, write: bool = False) -> sqlite3.Connection:
+    if not Path(db).exists():
+        raise FileNotFoundError(f"no gateway store at {db}; give the gateway's --db path")
+    conn = sqlite3.connect(str(db), timeout=30.0)
+    conn.execute("PRAGMA busy_timeout = 30000")
+    if not write:
+        conn.execute("PRAGMA query_only = 1")
+    return conn
+
+
+def signals(
+    conn: sqlite3.Connection, rollout_ids: Sequence[str]
+) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rid in rollout_ids:
+        rows = conn.execute(
+            "SELECT feedback_id, response_id, name, value, ts, after_training, data "
+            "FROM feedback WHERE rollout_id = ? ORDER BY ts, id",
+            (rid,),
+        ).fetchall()
+        for fid, resp, name, value, ts, after, data in rows:
+            out[rid].append(
+                {
+                    "feedback_id": fid,
+                    "response_id": resp,
+                    "name": name,
+                    "value": float(value),
+                    "ts": float(ts),
+                    "after_training": bool(after),
+                    "data": json.loads(data),
+                }
+            )
+    return out
+
+
+def select_sessions(src: SourceSection, *, now: float | None = None) -> list[Session]:
+    """Sessions matching ``src``, oldest first, with their signals."""
+    now = time.time() if now is None else now
+    since = src.since
+    if src.since_hours is not None:
+        since = max(since or 0.0, now - src.since_hours * 3600.0)
+    with _connect(src.db) as conn:
+        rows = conn.execute(
+            "SELECT s.rollout_id, s.key_id, k.name, s.session_key, r.task, s.n_calls, s.started, "
+            "s.updated, s.closed, s.trained FROM online_sessions s "
+            "JOIN rollouts r ON r.id = s.rollout_id LEFT JOIN app_keys k ON k.id = s.key_id "
+            "WHERE (?1 IS NULL OR s.updated >= ?1) AND (?2 IS NULL OR s.updated < ?2) "
+            "AND s.n_calls >= ?3 ORDER BY s.updated, s.rollout_id",
+            (since, src.until, src.min_calls),
+        ).fetchall()
+        sessions = []
+        for rid, key_id, name, skey, task, n, started, updated, closed, trained in rows:
+            tags = list(json.loads(task).get("tags") or [])
+            s = Session(
+                rid, key_id, name or "", skey, tags, n, started, updated, bool(closed), trained
+            )
+            if src.closed_only and not s.closed:
+                continue
+            if trained is not None and not src.include_trained:
+                continue
+            if src.app_keys and s.app_key not in src.app_keys:
+                continue
+            if not set(src.tags) <= set(s.tags):
+                continue
+            sessions.append(s)
+        sigs = signals(conn, [s.rollout_id for s in sessions])
+    for s in sessions:
+        s.signals = sigs.get(s.rollout_id, [])
+    if src.require_feedback:
+        sessions = [s for s in sessions if s.signals]
+    return sessions[: src.limit] if src.limit else sessions
+
+
+# -------------------------------------------------------------------- reward
+
+
+def latest_per_target(sigs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The latest signal (by timestamp, then arrival) per (name, target)."""
+    latest: dict[tuple[str, str | None], dict[str, Any]] = {}
+    for s in sigs:  # arrival order; a later timestamp or an equal one that came later wins
+        k = (s["name"], s.get("response_id"))
+        if k not in latest or s["ts"] >= latest[k]["ts"]:
+            latest[k] = s
+    return list(latest.values())
+
+
+def session_reward(sigs: Sequence[dict[str, Any]], cfg: OnlineRewardSection) -> float | None:
+    """The reward of a session from its signals (``None`` when it has none that count)."""
+    if cfg.function:
+        fn = _load(cfg.function)
+        return float(fn(list(sigs))) if sigs else None
+    latest = latest_per_target(sigs)
+    if not latest:
+        return None
+    values = [s["value"] for s in latest]
+    if cfg.kind == "mean":
+        return sum(values) / len(values)
+    if cfg.kind == "sum":
+        return float(sum(values))
+    if cfg.kind == "last":
+        return max(sigs, key=lambda s: s["ts"])["value"]
+    counted = [s for s in latest if s["name"] in cfg.weights]
+    if not counted:
+        return None
+    return float(sum(cfg.weights[s["name"]] * s["value"] for s in counted))
+
+
+def _load(target: str) -> Callable[..., Any]:
+    module, _, name = target.partition(":")
+    if not name:
+        raise ValueError(f"function {target!r} must be 'module:function'")
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return fn
+
+
+# ------------------------------------------------------------------ grouping
+
+
+def _first_call(conn: sqlite3.Connection, rid: str) -> tuple[bytes | None, str | None]:
+    row = conn.execute(
+        "SELECT prompt_ids, harness_request FROM calls WHERE rollout_id = ? ORDER BY seq LIMIT 1",
+        (rid,),
+    ).fetchone()
+    return (row[0], row[1]) if row else (None, None)
+
+
+def group_key(kind: str, rid: str, prompt_blob: bytes | None, harness: str | None) -> str:
+    import hashlib
+
+    if kind == "session":
+        return rid
+    if kind == "none":
+        return "__all__"
+    if kind == "first_prompt":
+        return "p:" + hashlib.sha256(prompt_blob or rid.encode()).hexdigest()[:16]
+    body = json.loads(harness) if harness else {}
+    msgs = body.get("messages") or []
+    system = [m.get("content") for m in msgs if m.get("role") in ("system", "developer")][:1]
+    user = [m.get("content") for m in msgs if m.get("role") == "user"][:1]
+    if not user and body.get("redacted"):
+        raise ValueError(
+            f"session {rid} was recorded redacted; group by key = 'first_prompt' instead"
+        )
+    text = json.dumps([system, user, body.get("instructions"), body.get("system")], sort_keys=True)
+    return "t:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def pool_small_groups(groups: dict[str, str], min_group: int) -> dict[str, str]:
+    """Members of groups smaller than ``min_group`` move to one ``__batch__`` group."""
+    size = Counter(groups.values())
+    return {rid: g if size[g] >= min_group else "__batch__" for rid, g in groups.items()}
+
+
+def session_groups(db: str, sessions: Sequence[Session], g: GroupingSection) -> dict[str, str]:
+    with _connect(db) as conn:
+        keys = {
+            s.rollout_id: group_key(g.key, s.rollout_id, *_first_call(conn, s.rollout_id))
+            for s in sessions
+        }
+    return pool_small_groups(keys, g.min_group)
+
+
+def mark_trained(db: str, rollout_ids: Sequence[str], when: float | None = None) -> None:
+    when = time.time() if when is None else when
+    with _connect(db, write=True) as conn:
+        conn.executemany(
+            "UPDATE online_sessions SET trained = ? WHERE rollout_id = ?",
+            [(when, rid) for rid in rollout_ids],
+        )
+
+
+# ------------------------------------------------------------------ training
+
+
+def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
+    """Select, reward, group, train; returns the summary (also in OUTPUT_DIR/summary.json)."""
+    from lightning import Store, Tokenizer, merge_calls
+    from lightning.loop import push_weights_external
+    from lightning.trainer import Trainer, TrainerConfig
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(f"[lightning online] {msg}", flush=True)
+
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sessions = select_sessions(cfg.source)
+    rewards = {}
+    for s in sessions:
+        r = session_reward(s.signals, cfg.reward)
+        if r is not None:
+            rewards[s.rollout_id] = r
+    sessions = [s for s in sessions if s.rollout_id in rewards]
+    say(f"{len(sessions)} sessions selected from {cfg.source.db}")
+    summary: dict[str, Any] = {"output_dir": str(out), "sessions": [], "steps": []}
+    if not sessions:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    groups = session_groups(cfg.source.db, sessions, cfg.grouping)
+    model_dir = cfg.model.resolve()
+    tcfg = TrainerConfig.model_validate(
+        {
+            "model_path": str(model_dir),
+            "estimator": cfg.estimator,
+            "temperature": cfg.temperature,
+            "seed": cfg.seed,
+            "tis_cap": 2.0,
+            **cfg.trainer,
+        }
+    )
+    trainer = Trainer(tcfg, log_dir=str(out))
+    tokenizer = Tokenizer.from_dir(str(model_dir))
+    per_step = cfg.sessions_per_step or len(sessions)
+    trained: list[str] = []
+    versions: Counter[int] = Counter()
+    try:
+        with Store(cfg.source.db) as store:
+            for start in range(0, len(sessions), per_step):
+                batch = sessions[start : start + per_step]
+                calls = []
+                for s in batch:
+                    for c in store.trace(s.rollout_id):
+                        wv = int(getattr(c, "weight_version", 0) or 0)
+                        if (
+                            cfg.source.min_weight_version is not None
+                            and wv < cfg.source.min_weight_version
+                        ):
+                            continue
+                        versions[wv] += 1
+                        calls.append(c)
+                merged = merge_calls(calls, tokenizer=tokenizer)
+                if not merged.samples:
+                    say(f"sessions {start}..{start + len(batch)}: nothing trainable")
+                    continue
+                in_batch = {s.rollout_id for s in batch}
+                metrics = dict(
+                    trainer.step(
+                        merged.samples,
+                        {k: v for k, v in rewards.items() if k in in_batch},
+                        {k: v for k, v in groups.items() if k in in_batch},
+                    )
+                )
+                ids = sorted({smp.rollout_id for smp in merged.samples})
+                trained.extend(ids)
+                metrics.update({"sessions": len(ids), "groups": len({groups[i] for i in ids})})
+                summary["steps"].append(metrics)
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(metrics, default=float) + "\n")
+                say(
+                    f"step {len(summary['steps'])}: {len(ids)} sessions, loss {metrics.get('loss')}"
+                )
+        if trained:
+            weights = out / "weights" / "latest"
+            trainer.export_weights(str(weights))
+            summary["weights"] = str(weights)
+            if cfg.weight_sync.policy != "none":
+                version = 1 + max(versions) if versions else 1
+                push_weights_external(
+                    cfg.weight_sync.urls, cfg.weight_sync.policy, weights, version
+                )
+    finally:
+        if hasattr(trainer, "close"):
+            trainer.close()
+    if cfg.mark_trained and trained:
+        mark_trained(cfg.source.db, trained)
+    summary["sessions"] = trained
+    summary["rewards"] = {rid: rewards[rid] for rid in trained}
+    summary["groups"] = {rid: groups[rid] for rid in trained}
+    summary["weight_versions"] = dict(versions)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    return summary
+
+
+# -------------------------------------------------------------------- export
+
+
+def export_sessions(
+    db: str,
+    path: str | Path,
+    *,
+    reward: OnlineRewardSection | None = None,
+    only_feedback: bool = False,
+) -> int:
+    """Writes one JSON line per session: messages, token ids per call, signals, reward."""
+    reward = reward or OnlineRewardSection()
+    src = SourceSection(
+        db=db, require_feedback=only_feedback, closed_only=False, include_trained=True
+    )
+    sessions = select_sessions(src)
+    n = 0
+    with _connect(db) as conn, open(path, "w") as f:
+        for s in sessions:
+            rows = conn.execute(
+                "SELECT seq, response_id, prompt_ids, completion_ids, weight_version, harness_request, "
+                "text, status, protocol FROM calls WHERE rollout_id = ? ORDER BY seq",
+                (s.rollout_id,),
+            ).fetchall()
+            calls = []
+            messages: list[Any] = []
+            for seq, resp, p, c, wv, harness, text, status, proto in rows:
+                body = json.loads(harness) if harness else {}
+                if isinstance(body.get("messages"), list):
+                    messages = list(body["messages"]) + (
+                        [{"role": "assistant", "content": text}] if text is not None else []
+                    )
+                calls.append(
+                    {
+                        "seq": seq,
+                        "response_id": resp,
+                        "protocol": proto,
+                        "status": status,
+                        "prompt_ids": _u32(p),
+                        "completion_ids": _u32(c),
+                        "weight_version": wv,
+                        "text": text,
+                    }
+                )
+            line = {
+                "session_id": s.rollout_id,
+                "app_key": s.app_key,
+                "session_key": s.session_key,
+                "tags": s.tags,
+                "started": s.started,
+                "updated": s.updated,
+                "closed": s.closed,
+                "trained": s.trained,
+                "reward": session_reward(s.signals, reward),
+                "signals": s.signals,
+                "messages": messages,
+                "calls": calls,
+            }
+            f.write(json.dumps(line) + "\n")
+            n += 1
+    return n
+
+
+def _u32(blob: bytes | None) -> list[int] | None:
+    import numpy as np
+
+    return None if blob is None else np.frombuffer(blob, dtype="<u4").astype(int).tolist()
+
+
+# ----------------------------------------------------------------------- CLI
+
+
+def train_main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="lightning train --online")
+    p.add_argument("config", help="online training configuration (TOML)")
+    p.add_argument("--output-dir")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    cfg = OnlineConfig.load(args.config)
+    if args.output_dir:
+        cfg.output_dir = args.output_dir
+    summary = train_online(cfg, quiet=args.quiet)
+    print(json.dumps({k: summary[k] for k in ("output_dir", "sessions")}, indent=2))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="lightning online", description="online sessions in a store")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="sessions to JSONL (messages, token ids, signals, reward)")
+    e.add_argument("--db", required=True)
+    e.add_argument("--out", required=True)
+    e.add_argument("--only-feedback", action="store_true")
+    ls = sub.add_parser("sessions", help="list sessions with their signals and reward")
+    ls.add_argument("--db", required=True)
+    args = p.parse_args(argv)
+    if args.cmd == "export":
+        n = export_sessions(args.db, args.out, only_feedback=args.only_feedback)
+        print(f"wrote {n} sessions to {args.out}")
+        return 0
+    src = SourceSection(db=args.db, require_feedback=False, closed_only=False, include_trained=True)
+    for s in select_sessions(src):
+        r = session_reward(s.signals, OnlineRewardSection())
+        state = "trained" if s.trained else ("closed" if s.closed else "open")
+        print(
+            f"{s.rollout_id}  {s.app_key:<16} calls={s.n_calls:<3} {state:<7} signals={len(s.signals)} reward={r}"
+        )
+    return 0

@@ -1,0 +1,382 @@
+//! Online mode: deployed harnesses recorded session by session (DESIGN.md §9).
+//!
+//! A production harness calls `/v1/...` with an *application key* (`lk-…`,
+//! created through `POST /admin/keys`, stored as SHA-256 like rollout tokens).
+//! Every call it makes, on any protocol route, is recorded like a rollout
+//! call, into a *session*: a rollout with `origin = 'online'` (same tables,
+//! so `lightning show`, the merge and the report work on it unchanged).
+//!
+//! **Which session a call joins** (first rule that applies):
+//! 1. an explicit id: the `x-session-id` header, else the body's
+//!    `metadata.session_id` (OpenAI chat/Responses `metadata` map), else the
+//!    Responses API's `conversation` (string or `{id}`). The client knows best
+//!    where a conversation starts and ends, so its word wins. The protocols'
+//!    *user* fields (OpenAI `user`, Anthropic `metadata.user_id`) are NOT
+//!    session ids: one user has many conversations, and merging them would
+//!    train on unrelated turns as one trajectory. They are kept as the
+//!    session's `user` tag instead.
+//! 2. a Responses `previous_response_id` naming a response of an open session
+//!    of this key: that session (the protocol's own continuation link).
+//! 3. continuity: the call's prompt ids extend an open implicit session's last
+//!    prompt + completion (exact token prefix) that was updated within
+//!    `session_window_s`; the longest such tail wins. Only sessions without an
+//!    explicit id take part (a client that names sessions keeps that control),
+//!    and two conversations with identical tokens so far are indistinguishable
+//!    (the most recently updated one wins): send an id where that matters.
+//! 4. otherwise a new session.
+//!
+//! Resolution runs inside the store's single writer, in the transaction that
+//! inserts the call, so concurrent calls of one session can never split it
+//! or race on its tail. A session idle for `idle_timeout_s` is closed (its
+//! rollout becomes `succeeded`); a later call with the same explicit id opens
+//! a new session with that id.
+//!
+//! Feedback (`POST /v1/feedback`) attaches named signals to a response id or
+//! a session, any time later, idempotent on the client's feedback id; see
+//! `db::feedback`. Retention (`retention_days`, `retention_bytes`) deletes
+//! whole closed sessions in a background sweep; a key with `redact = true`
+//! stores token ids but no text.
+
+pub mod db;
+
+use bytes::Bytes;
+use hyper::header::HeaderMap;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use crate::error::ApiError;
+use crate::state::{Mode, RolloutInfo, State};
+
+/// The `[online]` section of the gateway config.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OnlineConfig {
+    /// How long after a session's last call a continuing prompt may still join it, seconds.
+    pub session_window_s: f64,
+    /// A session with no call for this long is closed, seconds.
+    pub idle_timeout_s: f64,
+    /// Delete closed online sessions whose last call is older than this many days.
+    pub retention_days: Option<f64>,
+    /// Delete the oldest closed online sessions while their stored bytes exceed this.
+    pub retention_bytes: Option<u64>,
+    /// How often the background sweep (idle closing, retention) runs, seconds.
+    pub sweep_interval_s: f64,
+}
+
+impl Default for OnlineConfig {
+    fn default() -> Self {
+        OnlineConfig {
+            session_window_s: 3600.0,
+            idle_timeout_s: 1800.0,
+            retention_days: None,
+            retention_bytes: None,
+            sweep_interval_s: 60.0,
+        }
+    }
+}
+
+/// What an application key's defaults say (validated on creation).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct KeyDefaults {
+    /// `train` (default) or `eval`: the mode of its sessions.
+    pub mode: Option<String>,
+    /// Tags stored on every session (selection in `lightning train --online`).
+    pub tags: Vec<String>,
+    /// Store token ids but no text (request bodies, answer text).
+    pub redact: bool,
+    /// Sampling overrides. Off by default: production gets what it asks for.
+    pub temperature: Option<f64>,
+}
+
+impl KeyDefaults {
+    pub fn parse(v: Option<&Value>) -> Result<KeyDefaults, ApiError> {
+        let d: KeyDefaults = match v {
+            None | Some(Value::Null) => KeyDefaults::default(),
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
+                ApiError::bad_request(
+                    "invalid_defaults",
+                    format!("key defaults take {{mode, tags, redact, temperature}}: {e}"),
+                )
+            })?,
+        };
+        if let Some(m) = &d.mode {
+            if m != "train" && m != "eval" {
+                return Err(ApiError::bad_request(
+                    "invalid_mode",
+                    format!("defaults.mode {m:?} is not 'train' or 'eval'"),
+                ));
+            }
+        }
+        if d.temperature.is_some_and(|t| !(t.is_finite() && t >= 0.0)) {
+            return Err(ApiError::bad_request(
+                "invalid_defaults",
+                "defaults.temperature must be a finite number >= 0",
+            ));
+        }
+        Ok(d)
+    }
+}
+
+/// An application key, as the hot path needs it.
+#[derive(Debug, Clone)]
+pub struct AppKey {
+    pub id: String,
+    pub name: String,
+    pub mode: Mode,
+    pub defaults: KeyDefaults,
+}
+
+impl AppKey {
+    pub fn from_row(row: &db::KeyRow) -> AppKey {
+        let defaults: KeyDefaults =
+            serde_json::from_value(row.defaults.clone()).unwrap_or_default();
+        AppKey {
+            id: row.id.clone(),
+            name: row.name.clone(),
+            mode: if defaults.mode.as_deref() == Some("eval") {
+                Mode::Eval
+            } else {
+                Mode::Train
+            },
+            defaults,
+        }
+    }
+}
+
+/// One online call on its way to the store: whose it is and which session it names.
+#[derive(Debug, Clone)]
+pub struct OnlineCall {
+    pub key: Arc<AppKey>,
+    /// The explicit session id (rule 1), if the client sent one.
+    pub session: Option<String>,
+    /// Responses' `previous_response_id` (rule 2).
+    pub previous_response: Option<String>,
+    /// The protocol's user field, kept as a tag.
+    pub user: Option<String>,
+    pub window_s: f64,
+    pub idle_s: f64,
+}
+
+fn nonempty(s: &str) -> Option<String> {
+    let s = s.trim();
+    (!s.is_empty() && s.len() <= 256).then(|| s.to_string())
+}
+
+/// The explicit session id of a call (rule 1), pure.
+pub fn explicit_session(headers: &HeaderMap, body: &Value) -> Option<String> {
+    if let Some(s) = headers
+        .get("x-session-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(nonempty)
+    {
+        return Some(s);
+    }
+    if let Some(s) = body
+        .get("metadata")
+        .and_then(|m| m.get("session_id"))
+        .and_then(Value::as_str)
+        .and_then(nonempty)
+    {
+        return Some(s);
+    }
+    match body.get("conversation") {
+        Some(Value::String(s)) => nonempty(s),
+        Some(Value::Object(o)) => o.get("id").and_then(Value::as_str).and_then(nonempty),
+        _ => None,
+    }
+}
+
+/// The protocol's user field (OpenAI `user`, Anthropic `metadata.user_id`), pure.
+pub fn user_of(body: &Value) -> Option<String> {
+    body.get("user")
+        .and_then(Value::as_str)
+        .or_else(|| {
+            body.get("metadata")
+                .and_then(|m| m.get("user_id"))
+                .and_then(Value::as_str)
+        })
+        .and_then(nonempty)
+}
+
+/// Application keys cached by token hash (a revoked key is dropped at once).
+#[derive(Debug, Default)]
+pub struct Keys {
+    by_hash: RwLock<HashMap<String, Arc<AppKey>>>,
+}
+
+impl Keys {
+    pub fn forget(&self, key_id: &str) {
+        if let Ok(mut m) = self.by_hash.write() {
+            m.retain(|_, k| k.id != key_id);
+        }
+    }
+}
+
+/// For `/v1/...`: the online "rollout" of an application key, or `None` if the
+/// hash is no active key. The call's session is resolved when it commits.
+pub async fn key_rollout(
+    st: &Arc<State>,
+    hash: &str,
+) -> Result<Option<Arc<RolloutInfo>>, ApiError> {
+    let cached = st
+        .online_keys
+        .by_hash
+        .read()
+        .ok()
+        .and_then(|m| m.get(hash).cloned());
+    let key = match cached {
+        Some(k) => k,
+        None => {
+            let st2 = st.clone();
+            let h = hash.to_string();
+            let row =
+                tokio::task::spawn_blocking(move || st2.store.read(|c| db::key_by_hash(c, &h)))
+                    .await
+                    .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+            let Some(row) = row else { return Ok(None) };
+            let k = Arc::new(AppKey::from_row(&row));
+            if let Ok(mut m) = st.online_keys.by_hash.write() {
+                m.insert(hash.to_string(), k.clone());
+            }
+            k
+        }
+    };
+    Ok(Some(Arc::new(RolloutInfo {
+        id: format!("online:{}", key.id),
+        mode: key.mode,
+        token_hash: String::new(),
+        queued: AtomicBool::new(false),
+        online: Some(Arc::new(OnlineCall {
+            key,
+            session: None,
+            previous_response: None,
+            user: None,
+            window_s: st.cfg.online.session_window_s,
+            idle_s: st.cfg.online.idle_timeout_s,
+        })),
+    })))
+}
+
+/// Binds an online call to what its request says about its session (a no-op
+/// for rollout calls). A body that is not JSON is left to the pipeline's 400.
+pub fn bind_call(info: Arc<RolloutInfo>, headers: &HeaderMap, body: &Bytes) -> Arc<RolloutInfo> {
+    let Some(oc) = &info.online else { return info };
+    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let call = OnlineCall {
+        session: explicit_session(headers, &v),
+        previous_response: v
+            .get("previous_response_id")
+            .and_then(Value::as_str)
+            .and_then(nonempty),
+        user: user_of(&v),
+        ..(**oc).clone()
+    };
+    Arc::new(RolloutInfo {
+        id: info.id.clone(),
+        mode: info.mode,
+        token_hash: String::new(),
+        queued: AtomicBool::new(false),
+        online: Some(Arc::new(call)),
+    })
+}
+
+/// The state a protocol continues from (`previous_response_id`), looked up
+/// among this key's sessions, or 404.
+pub async fn load_history(st: &Arc<State>, key_id: &str, id: &str) -> Result<Value, ApiError> {
+    let st2 = st.clone();
+    let (k, i) = (key_id.to_string(), id.to_string());
+    let state = tokio::task::spawn_blocking(move || st2.store.read(|c| db::kept_state(c, &k, &i)))
+        .await
+        .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    state.ok_or_else(|| {
+        ApiError::not_found(
+            "previous_response_not_found",
+            format!("no stored response {id:?} for this application key; send the whole conversation as input"),
+        )
+    })
+}
+
+/// The background sweep: closes idle sessions and enforces retention, every
+/// `sweep_interval_s`, until the process ends.
+pub async fn sweeper(st: Arc<State>) {
+    let every = Duration::from_secs_f64(st.cfg.online.sweep_interval_s.max(0.05));
+    loop {
+        tokio::time::sleep(every).await;
+        match sweep(&st, None).await {
+            Ok(r) if r.closed + r.deleted > 0 => {
+                tracing::info!(closed = r.closed, deleted = r.deleted, "online sweep");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e.message, "online sweep failed"),
+        }
+    }
+}
+
+/// One sweep now; `idle_s` overrides `idle_timeout_s` for this sweep (an
+/// operator closing every session idle for a minute before a training run).
+pub async fn sweep(st: &State, idle_s: Option<f64>) -> Result<db::SweepReport, ApiError> {
+    let now = crate::store::now();
+    let cfg = &st.cfg.online;
+    let op = db::Op::Sweep {
+        idle_before: now - idle_s.unwrap_or(cfg.idle_timeout_s),
+        retain_after: cfg.retention_days.map(|d| now - d * 86400.0),
+        retain_bytes: cfg.retention_bytes,
+    };
+    match st.store.online(op).await? {
+        db::Outcome::Swept(r) => Ok(r),
+        other => Err(ApiError::internal(format!(
+            "unexpected sweep result {other:?}"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn header_then_metadata_then_conversation() {
+        let mut h = HeaderMap::new();
+        let body = json!({"metadata": {"session_id": "m"}, "conversation": "c", "user": "u"});
+        assert_eq!(explicit_session(&h, &body).as_deref(), Some("m"));
+        h.insert("x-session-id", hyper::header::HeaderValue::from_static("h"));
+        assert_eq!(explicit_session(&h, &body).as_deref(), Some("h"));
+        let conv = json!({"conversation": {"id": "conv_1"}});
+        assert_eq!(
+            explicit_session(&HeaderMap::new(), &conv).as_deref(),
+            Some("conv_1")
+        );
+    }
+
+    #[test]
+    fn user_fields_are_not_sessions() {
+        let body = json!({"user": "alice", "metadata": {"user_id": "bob"}});
+        assert_eq!(explicit_session(&HeaderMap::new(), &body), None);
+        assert_eq!(user_of(&body).as_deref(), Some("alice"));
+        assert_eq!(
+            user_of(&json!({"metadata": {"user_id": "bob"}})).as_deref(),
+            Some("bob")
+        );
+    }
+
+    #[test]
+    fn defaults_are_validated() {
+        assert!(KeyDefaults::parse(Some(&json!({"mode": "prod"}))).is_err());
+        assert!(KeyDefaults::parse(Some(&json!({"temperatur": 1.0}))).is_err());
+        let d = KeyDefaults::parse(Some(&json!({"tags": ["a"], "redact": true})));
+        assert!(matches!(
+            d,
+            Ok(KeyDefaults {
+                redact: true,
+                temperature: None,
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,417 @@
+"""Online mode end to end: a simulated production service behind one application
+key (real gateway process, real OpenAI SDK, fake vLLM engine wire), sessions by
+explicit id and by token continuity, feedback later / out of order / duplicated /
+for unknown ids, a kill -9 of the gateway mid-way, redaction, retention, export,
+and ``lightning train --online`` on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from fake_vllm import FakeEngine
+
+ADMIN = "online-admin-key"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[FakeEngine]:
+    e = FakeEngine("O", unique_ids=True)
+    yield e
+    e.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Gw:
+    """A gateway process on a TOML config (so ``[online]`` settings apply)."""
+
+    def __init__(self, db: Path, upstream: str, online: str = "", port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = db.with_suffix(".toml")
+        cfg.write_text(
+            f'listen = "127.0.0.1:{self.port}"\ndb = "{db}"\nadmin_key = "{ADMIN}"\n'
+            f'[[upstreams]]\nurl = "{upstream}"\n[online]\n{online}\n'
+        )
+        cmd = [sys.executable, "-c", "import sys; from lightning.gateway import main; sys.exit(main())",
+               "--config", str(cfg), "--threads", "2"]  # fmt: skip
+        self.log = db.with_suffix(f".{self.port}.log")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=0.5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        self.proc.kill()
+        raise RuntimeError(f"gateway did not come up: {self.log.read_text()}")
+
+    def admin(self, method: str, path: str, body: Any = None) -> httpx.Response:
+        return httpx.request(
+            method,
+            self.url + path,
+            json=body,
+            headers={"Authorization": f"Bearer {ADMIN}"},
+            timeout=30,
+        )
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(20)
+
+
+def new_key(gw: Gw, name: str, defaults: dict[str, Any] | None = None) -> str:
+    r = gw.admin("POST", "/admin/keys", {"name": name, "defaults": defaults or {}})
+    assert r.status_code == 201, r.text
+    return str(r.json()["key"])
+
+
+def feedback(gw: Gw, key: str, **body: Any) -> httpx.Response:
+    return httpx.post(
+        gw.url + "/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+    )
+
+
+def db_rows(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(str(db)) as c:
+        return c.execute(sql, args).fetchall()
+
+
+def test_application_keys_admin(engine: FakeEngine, tmp_path: Path) -> None:
+    gw = Gw(tmp_path / "keys.db", engine.url)
+    try:
+        assert (
+            gw.admin("POST", "/admin/keys", {"name": "x", "defaults": {"mode": "prod"}}).status_code
+            == 400
+        )
+        assert httpx.post(gw.url + "/admin/keys", json={"name": "x"}).status_code == 401
+        key = new_key(gw, "support-bot", {"tags": ["support"]})
+        assert key.startswith("lk-")
+        listed = gw.admin("GET", "/admin/keys").json()["keys"]
+        assert [k["name"] for k in listed] == ["support-bot"]
+        assert key not in json.dumps(listed)
+        # Stored hashed: the key itself is nowhere in the database file.
+        assert key.encode() not in (tmp_path / "keys.db").read_bytes()
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        out = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.3
+        )
+        assert out.id.startswith("chatcmpl-")
+        # The harness's own temperature reached the engine unchanged.
+        sent = db_rows(tmp_path / "keys.db", "SELECT request FROM calls")[0][0]
+        assert json.loads(sent)["temperature"] == 0.3
+        kid = listed[0]["id"]
+        assert gw.admin("DELETE", f"/admin/keys/{kid}").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert gw.admin("DELETE", f"/admin/keys/{kid}").status_code == 404
+    finally:
+        gw.stop()
+
+
+def converse(client: openai.OpenAI, user: int, turns: range, history: list[dict[str, Any]],
+             session: str | None, stream: bool) -> list[str]:  # fmt: skip
+    """Runs the given turns of one user's conversation; returns the acknowledged response ids."""
+    ids = []
+    headers = {"x-session-id": session} if session else {}
+    for t in turns:
+        history.append({"role": "user", "content": f"user {user} turn {t}: [[len:{12 + user}]]"})
+        if stream:
+            text, rid = "", ""
+            for chunk in client.chat.completions.create(
+                model="m", messages=history, stream=True, extra_headers=headers
+            ):
+                rid = chunk.id
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+        else:
+            out = client.chat.completions.create(model="m", messages=history, extra_headers=headers)
+            text, rid = out.choices[0].message.content or "", out.id
+        history.append({"role": "assistant", "content": text})
+        ids.append(rid)
+    return ids
+
+
+def test_production_service_sessions_feedback_and_kill9(engine: FakeEngine, tmp_path: Path) -> None:
+    db = tmp_path / "prod.db"
+    gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")
+    key = new_key(gw, "prod")
+    n_users = 12
+    histories: list[list[dict[str, Any]]] = [
+        [{"role": "system", "content": f"You help customer {u}."}] for u in range(n_users)
+    ]
+    explicit = {u: f"conv-{u}" for u in range(0, n_users, 2)}  # odd users: continuity only
+    acked: dict[int, list[str]] = {u: [] for u in range(n_users)}
+
+    def phase(turns: range, url: str) -> None:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+        def run(u: int) -> None:
+            acked[u] += converse(client, u, turns, histories[u], explicit.get(u), stream=u % 3 == 0)
+
+        with ThreadPoolExecutor(n_users) as pool:
+            list(pool.map(run, range(n_users)))
+
+    phase(range(2), gw.url)
+    # Many calls of one session at once: one session, every call in it.
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+
+    def burst(i: int) -> str:
+        return client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"burst {i}"}],
+            extra_headers={"x-session-id": "burst"},
+        ).id  # fmt: skip
+
+    with ThreadPoolExecutor(16) as pool:
+        burst_ids = list(pool.map(burst, range(16)))
+    # Feedback before the crash, for the first turn of every user.
+    fb_acked: dict[str, tuple[str, float]] = {}
+    for u in range(n_users):
+        r = feedback(
+            gw, key, feedback_id=f"pre-{u}", response_id=acked[u][0], name="thumbs", value=1
+        )
+        assert r.status_code == 200, r.text
+        fb_acked[f"pre-{u}"] = (acked[u][0], 1.0)
+
+    # kill -9 with traffic in flight: whatever was acknowledged must survive.
+    stop = threading.Event()
+    inflight_acked: list[str] = []
+
+    def hammer() -> None:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=5)
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                inflight_acked.append(
+                    c.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": f"crash {i}"}]
+                    ).id
+                )
+            except openai.OpenAIError:
+                pass
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    gw.kill9()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert inflight_acked, "no traffic was acknowledged before the kill"
+
+    gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600", port=gw.port)
+    try:
+        phase(range(2, 3), gw.url)
+        stored = {r[0]: r[1] for r in db_rows(db, "SELECT response_id, rollout_id FROM calls")}
+        for rid in inflight_acked + burst_ids:
+            assert rid in stored, f"acknowledged call {rid} lost by kill -9"
+        # Sessions as the client intended: one per user (explicit or by continuity),
+        # across the restart, and one for the burst.
+        sessions = {}
+        for u in range(n_users):
+            owners = {stored[r] for r in acked[u]}
+            assert len(acked[u]) == 3 and len(owners) == 1, (u, owners)
+            sessions[u] = owners.pop()
+        assert len(set(sessions.values())) == n_users
+        assert len({stored[r] for r in burst_ids}) == 1
+        burst_session = stored[burst_ids[0]]
+        assert db_rows(
+            db, "SELECT n_calls FROM online_sessions WHERE rollout_id = ?", burst_session
+        ) == [(16,)]
+        assert db_rows(db, "SELECT origin, status FROM rollouts WHERE id = ?", sessions[0]) == [
+            ("online", "running")
+        ]
+
+        # Feedback later, out of order, duplicated, and some for unknown ids.
+        posts: list[dict[str, Any]] = []
+        for u in range(n_users // 2):  # only half the users give feedback
+            value = 1.0 if u % 2 == 0 else -1.0
+            posts.append(
+                {
+                    "feedback_id": f"late-{u}",
+                    "response_id": acked[u][2],
+                    "name": "thumbs",
+                    "value": value,
+                }
+            )
+        posts.append(
+            {"feedback_id": "sess-1", "session_id": "conv-2", "name": "task_success", "value": True}
+        )
+        dupes = [dict(p) for p in posts[:3]]
+        unknown = [{"feedback_id": f"nope-{i}", "response_id": f"chatcmpl-nope{i}", "name": "thumbs", "value": 1}
+                   for i in range(3)]  # fmt: skip
+        batch = posts + dupes + unknown
+        random.Random(0).shuffle(batch)
+        results = []
+        for body in batch:
+            r = feedback(gw, key, **body)
+            results.append((body, r))
+        for body, r in results:
+            if body["feedback_id"].startswith("nope"):
+                assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_target", (
+                    r.text
+                )
+            else:
+                assert r.status_code == 200, r.text
+                fb_acked[body["feedback_id"]] = (
+                    body.get("response_id") or "",
+                    float(body["value"]),
+                )
+        assert (
+            sum(r.json().get("duplicate", False) for _, r in results if r.status_code == 200) == 3
+        )
+        reused = feedback(
+            gw, key, feedback_id="late-0", response_id=acked[0][2], name="thumbs", value=0
+        )
+        assert reused.status_code == 409
+        assert (
+            feedback(gw, key, feedback_id="x", response_id=acked[0][2], name="thumbs").status_code
+            == 400
+        )
+        # Every acknowledged signal is stored once, on the right session, and as an event.
+        rows = db_rows(db, "SELECT feedback_id, rollout_id, value FROM feedback")
+        assert {r[0] for r in rows} == set(fb_acked)
+        for fid, rid, value in rows:
+            resp = fb_acked[fid][0]
+            if resp:
+                assert stored[resp] == rid
+            assert value == fb_acked[fid][1]
+        assert db_rows(db, "SELECT COUNT(*) FROM events WHERE type = 'feedback'") == [
+            (len(fb_acked),)
+        ]
+        with_feedback = {rid for _, rid, _ in rows}
+        assert with_feedback == {sessions[u] for u in range(n_users)}
+        (tmp_path / "prod.json").write_text(
+            json.dumps({"key": key, "sessions": sessions, "port": gw.port})
+        )
+    finally:
+        gw.stop()
+
+
+def test_continuity_window_and_idle_close(engine: FakeEngine, tmp_path: Path) -> None:
+    db = tmp_path / "idle.db"
+    gw = Gw(db, engine.url, "idle_timeout_s = 1.0\nsweep_interval_s = 0.2")
+    try:
+        key = new_key(gw, "idle")
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        hist: list[dict[str, Any]] = [{"role": "system", "content": "s"}]
+        first = converse(client, 1, range(1), hist, None, stream=False)
+        time.sleep(2.0)  # the sweep closes the session
+        second = converse(client, 1, range(1, 2), hist, None, stream=False)
+        owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
+        assert owner[first[0]] != owner[second[0]]
+        assert db_rows(db, "SELECT status FROM rollouts WHERE id = ?", owner[first[0]]) == [
+            ("succeeded",)
+        ]
+        assert db_rows(
+            db, "SELECT closed FROM online_sessions WHERE rollout_id = ?", owner[first[0]]
+        ) == [(1,)]
+    finally:
+        gw.stop()
+
+
+def test_redaction_retention_export(engine: FakeEngine, tmp_path: Path) -> None:
+    from lightning.online import export_sessions
+
+    db = tmp_path / "priv.db"
+    gw = Gw(
+        db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600\nretention_days = 0.00002"
+    )
+    try:
+        secret = new_key(gw, "secret", {"redact": True})
+        plain = new_key(gw, "plain")
+        ids = {}
+        for name, key in (("secret", secret), ("plain", plain)):
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+            out = c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"my password is hunter2 {name}"}]
+            )
+            ids[name] = out.id
+            assert (
+                feedback(
+                    gw, key, feedback_id="f", response_id=out.id, name="thumbs", value=1
+                ).status_code
+                == 200
+            )
+        rows = dict(
+            db_rows(
+                db,
+                "SELECT response_id, request || COALESCE(harness_request, '') || COALESCE(text, '') FROM calls",
+            )
+        )
+        assert "hunter2" not in rows[ids["secret"]] and "hunter2" in rows[ids["plain"]]
+        assert (db_rows(db, "SELECT LENGTH(prompt_ids) > 0, LENGTH(completion_ids) > 0 FROM calls "
+                            "WHERE response_id = ?", ids["secret"]) == [(1, 1)])  # fmt: skip
+        n = export_sessions(str(db), tmp_path / "out.jsonl")
+        lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+        assert n == 2 and {x["app_key"] for x in lines} == {"secret", "plain"}
+        for x in lines:
+            assert (
+                x["reward"] == 1.0
+                and x["calls"][0]["prompt_ids"]
+                and x["calls"][0]["completion_ids"]
+            )
+            if x["app_key"] == "plain":
+                assert x["messages"][0]["content"].startswith("my password")
+                assert x["messages"][-1]["role"] == "assistant"
+            else:
+                assert x["messages"] == [] and x["calls"][0]["text"] is None
+        # Retention: ~1.7 s. Open sessions are never deleted; closed, expired ones are.
+        time.sleep(2.0)
+        assert gw.admin("POST", "/admin/online/sweep").json() == {"closed": 0, "deleted": 0}
+        swept = gw.admin("POST", "/admin/online/sweep", {"idle_timeout_s": 0}).json()
+        assert swept == {"closed": 2, "deleted": 2}
+        for table in ("calls", "feedback", "events", "online_sessions", "rollouts"):
+            assert db_rows(db, f"SELECT COUNT(*) FROM {table}") == [(0,)], table
+    finally:
+        gw.stop()
+
+
+def test_retention_bytes_keeps_newest(engine: FakeEngine, tmp_path: Path) -> None:
+    db = tmp_path / "bytes.db"
+    gw = Gw(db, engine.url, "sweep_interval_s = 3600\nretention_bytes = 3000")
+    try:
+        key = new_key(gw, "b")
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        order = []
+        for i in range(6):
+            out = c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"q{i} [[len:100]]"}]
+            )
+            order.append(out.id)
+        swept = gw.admin("POST", "/admin/online/sweep", {"idle_timeout_s": 0}).json()
+        assert swept["closed"] == 6 and 0 < swept["deleted"] < 6
+        left = {r[0] for r in db_rows(db, "SELECT response_id FROM calls")}
+        assert left == set(order[swept["deleted"] :])  # the oldest went first
+    finally:
+        gw.stop()
