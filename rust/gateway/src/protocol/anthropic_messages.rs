@@ -83,7 +83,7 @@ impl Protocol for AnthropicMessages {
         "anthropic_messages"
     }
 
-    fn engine_request(&self, body: Value, ctx: &Ctx) -> Result<EngineRequest, ApiError> {
+    fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError> {
         let req = object(body)?;
         let mut chat = to_chat(&req, true)?;
         capture_fields(&mut chat, Kind::Chat, ctx);
@@ -127,6 +127,12 @@ impl Protocol for AnthropicMessages {
 
     fn error_body(&self, e: &ApiError) -> Bytes {
         Bytes::from(error_json(e.status, &e.message).to_string())
+    }
+
+    /// The harness sees `msg_…`, not the engine's `chatcmpl-…`: online
+    /// feedback names the message by the id the client was given.
+    fn response_id(&self, ctx: &Ctx) -> Option<String> {
+        Some(message_id(ctx))
     }
 }
 

@@ -15,13 +15,13 @@ fn ctx(want_ids: bool) -> Ctx {
 
 fn chat_of(body: Value) -> Map<String, Value> {
     AnthropicMessages
-        .engine_request(body, &ctx(true))
+        .engine_request(body, &mut ctx(true))
         .unwrap_or_else(|e| panic!("{e}"))
         .body
 }
 
 fn refused(body: Value) -> ApiError {
-    match AnthropicMessages.engine_request(body, &ctx(true)) {
+    match AnthropicMessages.engine_request(body, &mut ctx(true)) {
         Ok(r) => panic!("expected a 400, got {:?}", r.body),
         Err(e) => e,
     }
@@ -66,7 +66,7 @@ fn claude_code_call() -> Value {
 #[test]
 fn translates_what_claude_code_sends() {
     let r = AnthropicMessages
-        .engine_request(claude_code_call(), &ctx(true))
+        .engine_request(claude_code_call(), &mut ctx(true))
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(r.stream);
     assert_eq!(r.kind, Kind::Chat);
@@ -400,7 +400,7 @@ fn translate(chunks: &[Value]) -> (Vec<u8>, Vec<u8>) {
     }
     sse_frame(&mut sse, None, b"[DONE]");
     let events = Parser::new().feed(&sse).unwrap_or_default();
-    let mut t = AnthropicMessages.translator(&ctx(true));
+    let mut t = AnthropicMessages.translator(&mut ctx(true));
     let mut early = Vec::new();
     for ev in &events {
         t.on_event(ev, &mut early);
@@ -573,7 +573,7 @@ fn the_stream_holds_back_only_the_end() {
 
 #[test]
 fn a_failed_stream_ends_with_an_error_event() {
-    let mut t = AnthropicMessages.translator(&ctx(true));
+    let mut t = AnthropicMessages.translator(&mut ctx(true));
     let out = t.fail(&ApiError::new(
         502,
         "server_error",
@@ -587,7 +587,7 @@ fn a_failed_stream_ends_with_an_error_event() {
         "{s}"
     );
     // An engine error inside the stream ends it the same way.
-    let mut t = AnthropicMessages.translator(&ctx(true));
+    let mut t = AnthropicMessages.translator(&mut ctx(true));
     let mut out = Vec::new();
     let evs = Parser::new()
         .feed(b"data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\n")
@@ -653,7 +653,7 @@ proptest! {
     #[test]
     fn request_parsing_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
         if let Ok(v) = serde_json::from_slice::<Value>(&bytes) {
-            let _ = AnthropicMessages.engine_request(v.clone(), &ctx(true));
+            let _ = AnthropicMessages.engine_request(v.clone(), &mut ctx(true));
             let _ = tokenize_request(v);
         }
         let _ = count_tokens_answer(&bytes);
@@ -662,17 +662,17 @@ proptest! {
     /// Structured garbage in every field Messages defines never panics either.
     #[test]
     fn request_fields_never_panic(v in json_strategy()) {
-        let _ = AnthropicMessages.engine_request(v.clone(), &ctx(true));
+        let _ = AnthropicMessages.engine_request(v.clone(), &mut ctx(true));
         let _ = tokenize_request(v);
     }
 
     /// No engine bytes make the answer side or the stream translator panic.
     #[test]
     fn answers_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512), v in json_strategy()) {
-        let _ = AnthropicMessages.answer(StatusCode::OK, &Bytes::from(bytes.clone()), &ctx(true));
-        let _ = AnthropicMessages.answer(StatusCode::OK, &Bytes::from(v.to_string()), &ctx(true));
-        let _ = AnthropicMessages.answer(StatusCode::BAD_REQUEST, &Bytes::from(bytes.clone()), &ctx(true));
-        let mut t = AnthropicMessages.translator(&ctx(true));
+        let _ = AnthropicMessages.answer(StatusCode::OK, &Bytes::from(bytes.clone()), &mut ctx(true));
+        let _ = AnthropicMessages.answer(StatusCode::OK, &Bytes::from(v.to_string()), &mut ctx(true));
+        let _ = AnthropicMessages.answer(StatusCode::BAD_REQUEST, &Bytes::from(bytes.clone()), &mut ctx(true));
+        let mut t = AnthropicMessages.translator(&mut ctx(true));
         let mut out = Vec::new();
         let mut frames = Vec::new();
         sse_frame(&mut frames, None, &bytes);
