@@ -3,9 +3,11 @@
 They stand in for the engines' RL control planes only (no generation). Each keeps a
 log of ``(route, body)`` in arrival order and refuses what the real server would
 refuse, with the real server's status: a body that does not fit the request model
-(vLLM is FastAPI: 422; SGLang answers ``{"success": false}`` with 400), a weight
-update outside the documented order (pause → start → update+ → finish → resume for
-vLLM; 400 here, where vLLM's worker raises), a transfer before the group exists.
+(vLLM is FastAPI: 422; SGLang answers ``{"success": false}`` with 400), a transfer
+before the group exists. The vLLM fake also holds our choreography to the order
+vLLM's docs lay out (pause → start → update+ → finish → resume; 400 otherwise),
+which is stricter than vLLM itself: its disk backend only insists on start before
+update and on an update before finish.
 
 Payload models mirror, field for field:
 - vLLM ``vllm/entrypoints/rl/online/api_router.py`` (routes, ``Body(embed=True)``

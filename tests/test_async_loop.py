@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning.async_loop import (
@@ -35,7 +35,7 @@ EXAMPLES = ROOT / "examples"
 # -- the bound ---------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     k=st.integers(0, 3),
     steps=st.integers(1, 8),
@@ -58,7 +58,7 @@ def test_dispatch_bound_implies_bound_at_use(k: int, steps: int, data: st.DataOb
         assert (fresh, stale) == (["r"], [])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     step=st.integers(0, 10),
     k=st.integers(0, 3),
@@ -82,7 +82,7 @@ def test_staleness_histogram_counts_completion_tokens() -> None:
     assert staleness_histogram(3, calls) == {0: 5, 1: 1}
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     spans=st.lists(
         st.tuples(st.sampled_from(["generate", "train"]), st.integers(0, 30), st.integers(0, 30)),

@@ -11,13 +11,15 @@ other ranks, which run :func:`follow` and make the same call on their trainer,
 so the collectives inside line up. Samples cross as plain numpy records.
 
 The process group is ``nccl`` when CUDA is available (each rank on the GPU
-``LOCAL_RANK``), else ``gloo``.
+``LOCAL_RANK``), else ``gloo``; the mirrored calls travel on a gloo group of
+their own (followers wait on the CPU while rank 0 generates rollouts).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -61,9 +63,18 @@ def init_from_env() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+# Followers wait here while rank 0 generates rollouts, which can take far longer
+# than a collective's default timeout: control messages use a gloo group of their
+# own (a CPU wait, no GPU kernel spinning, no NCCL watchdog) with a long timeout.
+CONTROL_TIMEOUT = timedelta(days=1)
+_control: list[Any] = []
+
+
 def _broadcast(message: Any) -> Any:
+    if not _control:  # every rank reaches its first broadcast, so this lines up
+        _control.append(dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
     box = [message]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_control[0])
     return box[0]
 
 
