@@ -679,9 +679,12 @@ impl Builder<'_> {
     }
 
     /// The final response, and what to keep for `GET` and `previous_response_id`.
-    fn finish(&self, g: &Generated) -> (Value, Option<Kept>) {
+    /// `items`: the output items (a stream passes the ones it sent; for vLLM's
+    /// order, reasoning → content → tool calls, they equal `self.items`).
+    fn finish(&self, g: &Generated, items: Option<Vec<Value>>) -> (Value, Option<Kept>) {
         let (status, _) = self.status(g);
-        let resp = self.response(status, self.items(g, "completed"), Some(g));
+        let items = items.unwrap_or_else(|| self.items(g, "completed"));
+        let resp = self.response(status, items, Some(g));
         let kept = self.plan.keep.then(|| {
             let mut history = self.plan.history.clone();
             history.push(assistant_message(g));
@@ -832,7 +835,7 @@ impl Protocol for OpenAiResponses {
                 None,
             );
         };
-        let (resp, kept) = b.finish(&g);
+        let (resp, kept) = b.finish(&g, None);
         (
             Answer::Json {
                 status: StatusCode::OK,
@@ -981,11 +984,10 @@ impl Translator {
     }
 
     fn reasoning_delta(&mut self, out: &mut Vec<u8>, d: &str) {
-        let i = self.index;
         if self.open != Open::Reasoning {
             self.close(out);
-            let i = self.index;
             self.open = Open::Reasoning;
+            let i = self.index;
             let id = self.builder().item_id("rs", i);
             let item = json!({"type": "reasoning", "id": id, "summary": [], "content": [], "status": "in_progress"});
             self.emit(
@@ -994,13 +996,8 @@ impl Translator {
                 json!({"output_index": i, "item": item}),
             );
             self.emit(out, "response.content_part.added", json!({"item_id": id, "output_index": i, "content_index": 0, "part": {"type": "reasoning_text", "text": ""}}));
-            self.g.reasoning.get_or_insert_with(String::new);
         }
-        let i = if self.open == Open::Reasoning {
-            self.index
-        } else {
-            i
-        };
+        let i = self.index;
         self.g.reasoning.get_or_insert_with(String::new).push_str(d);
         let id = self.builder().item_id("rs", i);
         self.emit(
@@ -1154,7 +1151,9 @@ impl StreamTranslator for Translator {
         let mut out = Vec::new();
         self.start(&mut out);
         self.close(&mut out);
-        let (resp, kept) = self.builder().finish(&self.g);
+        let (resp, kept) = self
+            .builder()
+            .finish(&self.g, Some(self.done_items.clone()));
         let kind = if resp["status"] == "incomplete" {
             "response.incomplete"
         } else {
