@@ -334,3 +334,20 @@ def token_logprobs(model, tokens: Sequence[int], temperature: float = 1.0) -> li
         logits = model(torch.tensor([list(tokens)])).logits[0].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
     return [float(lp[t - 1, tokens[t]]) for t in range(1, len(tokens))]
+
+
+def tree_attention(q, k, v, parent: Sequence[int], scale: float):  # type: ignore[no-untyped-def]
+    """Every node attends to itself and its ancestors (``parent`` -1 at roots):
+    ``q`` ``[H, N, d]``, ``k``/``v`` ``[H, N, d]`` torch tensors; returns ``[N, H, d]``."""
+    import torch
+
+    out = []
+    for i in range(len(parent)):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = parent[j]
+        keys = k[:, path]  # [H, P, d]
+        w = torch.softmax((q[:, i : i + 1] @ keys.transpose(1, 2)) * scale, dim=-1)  # [H, 1, P]
+        out.append((w @ v[:, path])[:, 0])  # [H, d]
+    return torch.stack(out)

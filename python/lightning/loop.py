@@ -426,7 +426,7 @@ class Run:
                 f"(statuses {dict(status)}); see the stderr events in the store "
                 f"({self.out / 'lightning.db'}) and {self.out / 'engine.log'}"
             )
-        metrics: dict[str, Any] = dict(self.trainer.step(merged.samples, rewards, groups))
+        metrics: dict[str, Any] = dict(self.trainer.step(merged, rewards, groups))
         version = step + 1
         self._sync_weights(version)
         lengths = [len(c.completion_ids) for c in calls]
