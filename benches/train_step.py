@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning.batching import BATCH_MODES, SeqItem, _fused_head, forward_logprobs, micro_batches
 from lightning.attention import use_tree_attention
+from lightning.batching import BATCH_MODES, SeqItem, _fused_head, forward_logprobs, micro_batches
 from lightning.models import smollm2_dir, tiny_model_dir
 
 
