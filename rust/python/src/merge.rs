@@ -598,7 +598,9 @@ impl PyPackedTree {
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let ids = to_ids(tokens, "tokens")?.map_err(|m| invalid_call(py, m))?;
         let ids = ids.bind(py).readonly();
-        let ids = ids.as_slice().map_err(|e| invalid_call(py, e.to_string()))?;
+        let ids = ids
+            .as_slice()
+            .map_err(|e| invalid_call(py, e.to_string()))?;
         let index = self.index.get_or_init(|| {
             let parent = self.parent.bind(py).readonly();
             let tokens = self.tokens.bind(py).readonly();
