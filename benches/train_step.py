@@ -9,6 +9,8 @@ by the model's own head, as the trainer ran before the fused head. Each
 layout also runs ``body`` only (the decoder's forward + backward, no vocabulary
 projection), which shows how much of the step follows the forward token count
 and how much is the head's fixed cost (trained tokens × vocabulary × hidden).
+Times are process CPU seconds (all threads): on a shared machine they move far
+less with other tenants' load than wall time, which is printed beside them.
 
     python benches/train_step.py                       # tiny model, full batch
     python benches/train_step.py --model smollm2 --tasks 1
@@ -87,14 +89,14 @@ def _body_only(model: torch.nn.Module, mb: Any) -> torch.Tensor:
 
 def run(
     model: torch.nn.Module, items: list[SeqItem], mode: str, budget: int, amp: Any, what: str
-) -> tuple[int, float]:
+) -> tuple[int, float, float]:
     layout = "padded" if mode == "before" else mode
     mbs = micro_batches(items, budget, mode=layout)  # type: ignore[arg-type]
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for mb in mbs:
         mb = mb.to(device)
         with amp:
@@ -106,7 +108,9 @@ def run(
         loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return sum(mb.forward_tokens for mb in mbs), time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # CPU time on the CPU (robust to other tenants); wall time on a GPU.
+    return sum(mb.forward_tokens for mb in mbs), (cpu if device.type == "cpu" else wall), wall
 
 
 def main() -> None:
@@ -154,14 +158,15 @@ def main() -> None:
             f"\n[{name}] hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, vocab "
             f"{cfg.vocab_size}; trained tokens {trained}, sample tokens {total}"
         )
+        clock = "cpu" if device.type == "cpu" else "wall"
         print(
-            f"{'layout':8} {'fwd tokens':>10} {'fewer tok':>9} {'step s':>8} "
+            f"{'layout':8} {'fwd tokens':>10} {'fewer tok':>9} {clock + ' s':>8} {'wall s':>7} "
             f"{'vs padded':>9} {'vs before':>9} {'body s':>7} {'body vs padded':>14}"
         )
         base: dict[str, tuple[int, float]] = {}
         for mode in ("before", *BATCH_MODES):  # baselines first
             step = [run(model, items, mode, args.budget, amp, "step") for _ in range(args.repeat)]
-            n, t = step[0][0], min(r[1] for r in step)
+            n, t, wall = step[0][0], min(r[1] for r in step), min(r[2] for r in step)
             body_t = float("nan")
             if not args.no_body and mode != "before":
                 body = [run(model, items, mode, args.budget, amp, "body")]
@@ -172,7 +177,7 @@ def main() -> None:
             pad = base.get("padded", (n, t))
             pad_body = base.get("padded_body", (n, body_t))[1]
             print(
-                f"{mode:8} {n:>10} {pad[0] / n:>8.2f}x {t:>8.2f} {pad[1] / t:>8.2f}x "
+                f"{mode:8} {n:>10} {pad[0] / n:>8.2f}x {t:>8.2f} {wall:>7.2f} {pad[1] / t:>8.2f}x "
                 f"{base['before'][1] / t:>8.2f}x {body_t:>7.2f} {pad_body / body_t:>13.2f}x",
                 flush=True,
             )

@@ -396,7 +396,8 @@ class _TargetLogprob(torch.autograd.Function):
             ctx.keep = "used"
             d = probs.mul_(-row_g[:, None])  # the kept softmax becomes d loss / d logits
             d.index_put_((rows, tokens), g, accumulate=True)
-            d.mul_(ctx.inv_temp)  # [R, V]
+            if ctx.inv_temp != 1.0:
+                d.mul_(ctx.inv_temp)  # [R, V]
             gh = (d.to(weight.dtype) @ weight).to(h.dtype) if need_h else None
             gw = (d.T @ h.float()).to(weight.dtype) if need_w else None
             gb = d.sum(0).to(bias.dtype) if (need_b and bias is not None) else None
@@ -411,7 +412,8 @@ class _TargetLogprob(torch.autograd.Function):
             d = logits.sub_(lse[a : a + step, None]).exp_().mul_(-row_g[a : a + step, None])
             lo, hi = int(bounds[c]), int(bounds[c + 1])
             d.index_put_((rows[lo:hi] - a, tokens[lo:hi]), g[lo:hi], accumulate=True)
-            d.mul_(inv_temp)  # [c, V]: d loss / d (h W^T + b)
+            if inv_temp != 1.0:
+                d.mul_(inv_temp)  # [c, V]: d loss / d (h W^T + b)
             if gh is not None:
                 gh[a : a + step] = (d.to(weight.dtype) @ weight).to(h.dtype)
             if gw is not None:
