@@ -368,7 +368,6 @@ class Tokenizer:
     def clear_cache(self) -> None: ...
 
 def classify_drift(prev_ids: _IdsLike, next_ids: _IdsLike, tokenizer: Tokenizer) -> Drift: ...
-
 def pack_sequences(sequences: Iterable[npt.ArrayLike]) -> PackedTree:
     """The packed tree of plain token sequences: one forest, every shared prefix once.
 
