@@ -2,9 +2,15 @@
 
 A GRPO-shaped batch (``--tasks`` tasks × ``--group`` rollouts sharing a
 ``--prompt``-token prompt, ``--completion``-token completions) is run through
-padded, packed and tree-packed micro-batches of ``--budget`` tokens; the padded
-layout is the baseline measured in the same run. Prints the machine, the
-commit, forward-token counts, times and the ratios against padded.
+padded, packed and tree-packed micro-batches of ``--budget`` tokens. Baselines
+measured in the same run: ``padded`` (same code path, the ratio the layouts
+are judged by) and ``before`` — padded with the ``[K, V]`` logits materialised
+by the model's own head, as the trainer ran before the fused head. Each
+layout also runs ``body`` only (the decoder's forward + backward, no vocabulary
+projection), which shows how much of the step follows the forward token count
+and how much is the head's fixed cost (trained tokens × vocabulary × hidden).
+Times are process CPU seconds (all threads): on a shared machine they move far
+less with other tenants' load than wall time, which is printed beside them.
 
     python benches/train_step.py                       # tiny model, full batch
     python benches/train_step.py --model smollm2 --tasks 1
@@ -18,12 +24,14 @@ import platform
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning.batching import BATCH_MODES, SeqItem, forward_logprobs, micro_batches
+from lightning.attention import use_tree_attention
+from lightning.batching import BATCH_MODES, SeqItem, _fused_head, forward_logprobs, micro_batches
 from lightning.models import smollm2_dir, tiny_model_dir
 
 
@@ -52,28 +60,57 @@ def machine(device: torch.device) -> str:
     except OSError:
         commit = "?"
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    try:
+        load = " load=" + " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        load = ""
     return (
         f"machine: {platform.node()} {platform.machine()} cpus={torch.get_num_threads()} "
-        f"device={device} ({dev}) torch={torch.__version__} commit={commit or '?'}"
+        f"device={device} ({dev}) torch={torch.__version__} commit={commit or '?'}{load}"
     )
 
 
+def _body_only(model: torch.nn.Module, mb: Any) -> torch.Tensor:
+    """The decoder's forward on one micro-batch, reduced over the kept rows."""
+    decoder, _ = _fused_head(model)  # type: ignore[misc]
+    extra: dict[str, Any] = {"attention_mask": mb.attention_mask}
+    if mb.tree is not None:
+        use_tree_attention(model)
+        extra = {
+            "attention_mask": torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=mb.input_ids.device),
+            "lightning_tree": mb.tree,
+        }
+    hidden = decoder(
+        input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **extra
+    ).last_hidden_state
+    rows = hidden[mb.keep] if mb.keep.dtype == torch.bool else hidden[0, mb.keep]
+    return rows.float().square().mean()
+
+
 def run(
-    model: torch.nn.Module, items: list[SeqItem], mode: str, budget: int, amp: object
-) -> tuple[int, float]:
-    mbs = micro_batches(items, budget, mode=mode)  # type: ignore[arg-type]
+    model: torch.nn.Module, items: list[SeqItem], mode: str, budget: int, amp: Any, what: str
+) -> tuple[int, float, float]:
+    layout = "padded" if mode == "before" else mode
+    mbs = micro_batches(items, budget, mode=layout)  # type: ignore[arg-type]
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for mb in mbs:
-        with amp:  # type: ignore[attr-defined]
-            lp, _ = forward_logprobs(model, mb.to(device))
-        lp.sum().backward()
+        mb = mb.to(device)
+        with amp:
+            if what == "body":
+                loss = _body_only(model, mb)
+            else:
+                lp, _ = forward_logprobs(model, mb, fuse_head=mode != "before")
+                loss = lp.sum()
+        loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return sum(mb.forward_tokens for mb in mbs), time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # CPU time on the CPU (robust to other tenants); wall time on a GPU.
+    return sum(mb.forward_tokens for mb in mbs), (cpu if device.type == "cpu" else wall), wall
 
 
 def main() -> None:
@@ -86,6 +123,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=4096, help="micro-batch token budget")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--autocast", choices=["auto", "none", "bfloat16"], default="auto")
+    ap.add_argument("--no-body", action="store_true", help="skip the body-only runs")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     amp_name = (
@@ -112,19 +150,35 @@ def main() -> None:
             if amp_name == "bfloat16"
             else contextlib.nullcontext()
         )
-        run(model, items[:2], "packed", args.budget, amp)  # warm-up
+        for mode in ("packed", "tree"):  # warm-up
+            run(model, items[:2], mode, args.budget, amp, "step")
         total = sum(len(i.tokens) for i in items)
-        print(f"\n[{name}] trained tokens {trained}, sample tokens {total}")
+        cfg = model.config
         print(
-            f"{'layout':8} {'fwd tokens':>10} {'time s':>8} {'tok/s':>9} {'fewer tok':>9} {'speedup':>8}"
+            f"\n[{name}] hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, vocab "
+            f"{cfg.vocab_size}; trained tokens {trained}, sample tokens {total}"
         )
-        base: tuple[int, float] | None = None
-        for mode in BATCH_MODES:  # padded first: the baseline
-            runs = [run(model, items, mode, args.budget, amp) for _ in range(args.repeat)]
-            n, t = runs[0][0], min(r[1] for r in runs)
-            base = base or (n, t)
+        clock = "cpu" if device.type == "cpu" else "wall"
+        print(
+            f"{'layout':8} {'fwd tokens':>10} {'fewer tok':>9} {clock + ' s':>8} {'wall s':>7} "
+            f"{'vs padded':>9} {'vs before':>9} {'body s':>7} {'body vs padded':>14}"
+        )
+        base: dict[str, tuple[int, float]] = {}
+        for mode in ("before", *BATCH_MODES):  # baselines first
+            step = [run(model, items, mode, args.budget, amp, "step") for _ in range(args.repeat)]
+            n, t, wall = step[0][0], min(r[1] for r in step), min(r[2] for r in step)
+            body_t = float("nan")
+            if not args.no_body and mode != "before":
+                body = [run(model, items, mode, args.budget, amp, "body")]
+                body_t = min(r[1] for r in body)
+            base.setdefault(mode, (n, t))
+            if mode == "padded":
+                base["padded_body"] = (n, body_t)
+            pad = base.get("padded", (n, t))
+            pad_body = base.get("padded_body", (n, body_t))[1]
             print(
-                f"{mode:8} {n:>10} {t:>8.2f} {total / t:>9.0f} {base[0] / n:>8.2f}x {base[1] / t:>7.2f}x",
+                f"{mode:8} {n:>10} {pad[0] / n:>8.2f}x {t:>8.2f} {wall:>7.2f} {pad[1] / t:>8.2f}x "
+                f"{base['before'][1] / t:>8.2f}x {body_t:>7.2f} {pad_body / body_t:>13.2f}x",
                 flush=True,
             )
         del model

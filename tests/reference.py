@@ -380,3 +380,20 @@ def hermes_tool_calls(text: str) -> tuple[str | None, list[tuple[str, Any]]] | N
             return None
         calls.append((obj["name"], obj["arguments"]))
     return (head or None), calls
+
+
+def tree_attention(q, k, v, parent: Sequence[int], scale: float):  # type: ignore[no-untyped-def]
+    """Every node attends to itself and its ancestors (``parent`` -1 at roots):
+    ``q`` ``[H, N, d]``, ``k``/``v`` ``[H, N, d]`` torch tensors; returns ``[N, H, d]``."""
+    import torch
+
+    out = []
+    for i in range(len(parent)):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = parent[j]
+        keys = k[:, path]  # [H, P, d]
+        w = torch.softmax((q[:, i : i + 1] @ keys.transpose(1, 2)) * scale, dim=-1)  # [H, 1, P]
+        out.append((w @ v[:, path])[:, 0])  # [H, d]
+    return torch.stack(out)

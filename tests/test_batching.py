@@ -5,11 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import lightning
 import reference
+from lightning import batching
 from lightning.batching import (
     BATCH_MODES,
     SeqItem,
-    ancestor_mask,
     forward_logprobs,
     micro_batches,
     tree_batch,
@@ -97,34 +98,10 @@ def test_modes_give_same_gradients(tiny: torch.nn.Module) -> None:
         torch.testing.assert_close(grads[mode], grads["padded"], atol=1e-5, rtol=1e-4)
 
 
-def test_ancestor_mask() -> None:
-    m = ancestor_mask(np.array([-1, 0, 1, 0, -1]))[0, 0].int().tolist()
-    assert m == [
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [1, 1, 1, 0, 0],
-        [1, 0, 0, 1, 0],
-        [0, 0, 0, 0, 1],
-    ]
-    with pytest.raises(ValueError, match="after their parent"):
-        ancestor_mask(np.array([1, -1]))
-
-
-class _Packed:
-    """A hand-built DFS packed tree (what ``MergeResult.packed`` returns)."""
-
-    def __init__(self, tokens: list[int], parent: list[int]) -> None:
-        self.tokens = np.array(tokens, dtype=np.uint32)
-        self.parent = np.array(parent, dtype=np.int32)
-        depth: list[int] = []
-        for p in parent:
-            depth.append(0 if p < 0 else depth[p] + 1)
-        self.depth = np.array(depth, dtype=np.int32)
-
-
 def test_tree_batch_from_packed_tree(tiny: torch.nn.Module) -> None:
-    # Two sequences [10, 11, 12, 13] and [10, 11, 20, 21, 22] in DFS order.
-    packed = _Packed([10, 11, 12, 13, 20, 21, 22], [-1, 0, 1, 2, 1, 4, 5])
+    # Two sequences [10, 11, 12, 13] and [10, 11, 20, 21, 22] share two nodes.
+    packed = lightning.pack_sequences([[10, 11, 12, 13], [10, 11, 20, 21, 22]])
+    assert packed.parent.tolist() == [-1, 0, 1, 2, 1, 4, 5]
     a = SeqItem(np.array([10, 11, 12, 13]), np.array([2, 3]), np.array([0, 1]))
     b = SeqItem(np.array([10, 11, 20, 21, 22]), np.array([2, 3, 4]), np.array([2, 3, 4]))
     mb = tree_batch(packed, [a, b])
@@ -139,6 +116,32 @@ def test_tree_batch_from_packed_tree(tiny: torch.nn.Module) -> None:
     )
     with pytest.raises(ValueError, match="not in the packed tree"):
         tree_batch(packed, [SeqItem(np.array([10, 99]), np.array([1]), np.array([0]))])
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_fused_head_matches_materialised_logits(tiny: torch.nn.Module, entropy: bool) -> None:
+    # Targets sharing a row (tree), temperature, both the kept-softmax and the
+    # recompute backward: values, entropies and gradients equal the HF head's.
+    items = grpo_like_items(2)
+    [mb] = micro_batches(items, 4096, mode="tree")
+    coef = torch.linspace(-1, 1, len(mb.target_ids))
+    out = {}
+    for fuse, keep in ((False, 1 << 28), (True, 1 << 28), (True, 0)):
+        batching._KEEP_SOFTMAX_ELEMENTS = keep
+        tiny.zero_grad()
+        lp, ent = forward_logprobs(tiny, mb, entropy=entropy, temperature=0.8, fuse_head=fuse)
+        (coef * lp).sum().backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in tiny.parameters()])
+        out[(fuse, keep)] = (lp.detach(), ent, grad)
+    batching._KEEP_SOFTMAX_ELEMENTS = 1 << 28
+    tiny.zero_grad()
+    want = out[(False, 1 << 28)]
+    for key in ((True, 1 << 28), (True, 0)):
+        got = out[key]
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[2], want[2], atol=1e-6, rtol=1e-4)
+        if entropy:
+            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
 
 
 def test_bad_mode_and_budget() -> None:

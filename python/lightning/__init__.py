@@ -31,6 +31,7 @@ from lightning._core import (
     TokenizerError,
     classify_drift,
     merge_calls,
+    pack_sequences,
 )
 from lightning.client import CallRecord, GatewayClient, GatewayRequestError, Rollout
 from lightning.gateway import Gateway, GatewayConfig, GatewayHandle, UpstreamConfig
@@ -67,4 +68,5 @@ __all__ = [
     "__version__",
     "classify_drift",
     "merge_calls",
+    "pack_sequences",
 ]

@@ -182,6 +182,11 @@ class PackedTree:
     @property
     def tree_keys(self) -> list[str]:
         """Rollout id (or group name, when packed across rollouts) of each tree."""
+    def locate(self, tokens: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        """The node of each position of a token sequence (int64), walking from a root.
+
+        Raises ``InvalidCallError`` naming the position where the sequence leaves the tree.
+        """
     def __len__(self) -> int: ...
 
 @final
@@ -363,3 +368,8 @@ class Tokenizer:
     def clear_cache(self) -> None: ...
 
 def classify_drift(prev_ids: _IdsLike, next_ids: _IdsLike, tokenizer: Tokenizer) -> Drift: ...
+def pack_sequences(sequences: Iterable[npt.ArrayLike]) -> PackedTree:
+    """The packed tree of plain token sequences: one forest, every shared prefix once.
+
+    Empty sequences are skipped; the GIL is released while packing.
+    """

@@ -5,21 +5,22 @@ of each sequence — and differs only in how the forward pass is laid out:
 
 - ``padded``: one row per sequence, right-padded, HF's 2-D attention mask.
 - ``packed``: sequences concatenated into one row, position ids restarting at
-  0 per sequence; transformers detects the restarts and confines attention to
-  each sequence.
-- ``tree``: the sequences of a micro-batch are inserted into a token prefix
-  tree and every tree node is computed once, with position id = depth and an
-  ancestor attention mask (SDPA with an explicit boolean mask). Shared prefixes
-  — the earlier turns of a multi-turn rollout, the prompt of a GRPO group — cost
-  one forward token instead of one per sequence. :func:`tree_batch` runs a
-  ``PackedTree`` from the merge as it is.
+  0 per sequence; attention runs per sequence (:mod:`lightning.attention`, no
+  ``[N, N]`` mask), so no padding is computed anywhere.
+- ``tree``: the sequences are located in a Rust ``PackedTree`` (the merge's
+  ``packed(across_rollouts=True)``, or :func:`lightning.pack_sequences`) and
+  every tree node is computed once, with position id = depth and attention
+  along each node's root path (segment-batched SDPA, :mod:`lightning.attention`).
+  Shared prefixes — the earlier turns of a multi-turn rollout, the prompt of a
+  GRPO group — cost one forward token instead of one per sequence.
 
 A *target* is one trained token: position ``t >= 1`` of a sequence, predicted
 by the logits at the position before it (in a tree: at the node's parent).
 Targets carry a step-global ``target_id`` so per-token data (advantages, old
 and reference log-probabilities) lives in flat step-wide tensors.
-Only the logits rows that predict a target are projected onto the vocabulary
-(``logits_to_keep``), which on long prompts is most of the LM-head cost saved.
+Only the rows that predict a target are projected onto the vocabulary, in
+chunks that stay in cache (:func:`target_logprobs`): the ``[K, V]`` logits are
+never materialised, which on a large vocabulary is most of the step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 import torch
 
+from lightning.attention import TreePlan, plan_tree, segments, use_tree_attention
 from lightning.losses import entropy_from_logits
 
 BatchMode = Literal["padded", "packed", "tree"]
@@ -46,6 +48,7 @@ __all__ = [
     "packed_batches",
     "padded_batches",
     "seq_items",
+    "target_logprobs",
     "tree_batch",
     "tree_batches",
 ]
@@ -67,13 +70,14 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # [B, L] long
     position_ids: torch.Tensor  # [B, L] long
-    attention_mask: torch.Tensor | None  # [B, L] (padded) | [1, 1, N, N] bool (tree) | None
+    attention_mask: torch.Tensor | None  # [B, L] (padded) | None (packed, tree: see ``tree``)
     keep: torch.Tensor  # logits_to_keep: [B, L] bool (padded) or [R] long (packed, tree)
     gather: torch.Tensor  # [K] long: row of the kept logits that predicts each target
     target_tokens: torch.Tensor  # [K] long
     target_ids: torch.Tensor  # [K] long, step-global
     forward_tokens: int  # real (non-pad) positions computed
     n_sequences: int = 1
+    tree: TreePlan | None = None  # attention plan of a packed / tree row
     extras: dict[str, Any] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> MicroBatch:
@@ -88,6 +92,7 @@ class MicroBatch:
             target_ids=move(self.target_ids),
             forward_tokens=self.forward_tokens,
             n_sequences=self.n_sequences,
+            tree=None if self.tree is None else self.tree.to(device),
             extras=self.extras,
         )
 
@@ -177,20 +182,21 @@ def _one_row(
     predict_rows: np.ndarray,
     target_tokens: np.ndarray,
     target_ids: np.ndarray,
-    attention_mask: torch.Tensor | None,
+    tree: TreePlan,
     n_sequences: int,
 ) -> MicroBatch:
     keep, gather = np.unique(predict_rows, return_inverse=True)
     return MicroBatch(
         input_ids=torch.from_numpy(tokens.astype(np.int64))[None],
         position_ids=torch.from_numpy(positions.astype(np.int64))[None],
-        attention_mask=attention_mask,
+        attention_mask=None,
         keep=torch.from_numpy(keep.astype(np.int64)),
         gather=torch.from_numpy(gather.reshape(-1).astype(np.int64)),
         target_tokens=torch.from_numpy(target_tokens.astype(np.int64)),
         target_ids=torch.from_numpy(target_ids.astype(np.int64)),
         forward_tokens=len(tokens),
         n_sequences=n_sequences,
+        tree=tree,
     )
 
 
@@ -201,149 +207,278 @@ def packed_batches(items: Sequence[SeqItem], budget: int) -> list[MicroBatch]:
     cost = lambda c: sum(len(i.tokens) for i in c)  # noqa: E731
     for chunk in _chunks(items, budget, cost):
         starts = np.cumsum([0] + [len(i.tokens) for i in chunk])[:-1]
+        positions = np.concatenate([np.arange(len(i.tokens)) for i in chunk])
+        parent = np.where(positions > 0, np.arange(len(positions)) - 1, -1)
         out.append(
             _one_row(
                 tokens=np.concatenate([i.tokens for i in chunk]),
-                positions=np.concatenate([np.arange(len(i.tokens)) for i in chunk]),
+                positions=positions,
                 predict_rows=np.concatenate(
                     [s + i.positions - 1 for s, i in zip(starts, chunk, strict=True)]
                 ),
                 target_tokens=np.concatenate([i.tokens[i.positions] for i in chunk]),
                 target_ids=np.concatenate([i.target_ids for i in chunk]),
-                attention_mask=None,
+                tree=plan_tree(parent, positions),
                 n_sequences=len(chunk),
             )
         )
     return out
 
 
-class _Trie:
-    """Token prefix tree; nodes are numbered in insertion order, so a parent
-    always precedes its children."""
-
-    def __init__(self) -> None:
-        self.children: dict[tuple[int, int], int] = {}
-        self.token: list[int] = []
-        self.parent: list[int] = []
-        self.depth: list[int] = []
-
-    def new_nodes(self, tokens: np.ndarray) -> int:
-        node = -1
-        for k, t in enumerate(tokens.tolist()):
-            child = self.children.get((node, t))
-            if child is None:
-                return len(tokens) - k
-            node = child
-        return 0
-
-    def insert(self, tokens: np.ndarray) -> np.ndarray:
-        path = np.empty(len(tokens), dtype=np.int64)
-        node = -1
-        for k, t in enumerate(tokens.tolist()):
-            child = self.children.get((node, t))
-            if child is None:
-                child = len(self.token)
-                self.children[(node, t)] = child
-                self.token.append(t)
-                self.parent.append(node)
-                self.depth.append(k)
-            path[k] = node = child
-        return path
-
-
-def ancestor_mask(parent: np.ndarray) -> torch.Tensor:
-    """``[1, 1, N, N]`` bool: node i attends to j iff j is i or an ancestor of i.
-    Needs every parent index to precede its child (true of DFS order)."""
-    n = len(parent)
-    if n and (parent >= np.arange(n)).any():
-        raise ValueError("tree nodes must come after their parent (DFS or insertion order)")
-    mask = np.zeros((n, n), dtype=np.bool_)
-    for i, p in enumerate(parent.tolist()):
-        if p >= 0:
-            mask[i] = mask[p]
-        mask[i, i] = True
-    return torch.from_numpy(mask)[None, None]
+def _segment_chains(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Segments of a DFS-ordered tree (see :func:`lightning.attention.segments`)
+    and the segment of each node."""
+    starts, ends, parent_seg = segments(parent)
+    seg_of = np.repeat(np.arange(len(starts)), ends - starts)
+    return starts, ends, parent_seg, seg_of
 
 
 def _tree_micro_batch(
-    tokens: np.ndarray,
-    parent: np.ndarray,
-    depth: np.ndarray,
-    chunk: Sequence[SeqItem],
-    paths: list[np.ndarray],
+    packed: Any, nodes: np.ndarray, chunk: Sequence[SeqItem], paths: Sequence[np.ndarray]
 ) -> MicroBatch:
-    # The node of position t is predicted by the node of position t-1 (its parent).
-    predict = np.concatenate([p[i.positions - 1] for p, i in zip(paths, chunk, strict=True)])
+    """One micro-batch computing the packed tree's ``nodes`` (sorted, closed
+    under parents): position id = depth, attention along each root path."""
+    parent = np.asarray(packed.parent, dtype=np.int64)[nodes]
+    local_parent = np.where(parent >= 0, np.searchsorted(nodes, parent), -1)
+    depth = np.asarray(packed.depth, dtype=np.int64)[nodes]
+    # The node at position t is predicted by the node at position t-1.
+    predict = np.searchsorted(
+        nodes, np.concatenate([p[i.positions - 1] for p, i in zip(paths, chunk, strict=True)])
+    )
     return _one_row(
-        tokens=tokens,
+        tokens=np.asarray(packed.tokens, dtype=np.int64)[nodes],
         positions=depth,
         predict_rows=predict,
         target_tokens=np.concatenate([i.tokens[i.positions] for i in chunk]),
         target_ids=np.concatenate([i.target_ids for i in chunk]),
-        attention_mask=ancestor_mask(parent),
+        tree=plan_tree(local_parent, depth),
         n_sequences=len(chunk),
     )
 
 
-def tree_batches(items: Sequence[SeqItem], budget: int) -> list[MicroBatch]:
-    """Prefix-tree micro-batches of at most ``budget`` distinct nodes each.
-    Put sequences that share prefixes next to each other in ``items``."""
+def tree_batches(items: Sequence[SeqItem], budget: int, packed: Any = None) -> list[MicroBatch]:
+    """Micro-batches of at most ``budget`` tree nodes over a Rust ``PackedTree``
+    (``MergeResult.packed(across_rollouts=True)``; by default
+    :func:`lightning.pack_sequences` of the items). Every item is located in
+    the tree and brings its root path; a micro-batch computes each node once.
+    Put items that share prefixes next to each other."""
     _check(items, budget)
-    out = []
-    trie, chunk = _Trie(), []
+    if packed is None:
+        from lightning import pack_sequences
+
+        packed = pack_sequences([i.tokens.astype(np.uint32) for i in items])
+    starts, ends, parent_seg, seg_of = _segment_chains(np.asarray(packed.parent, np.int64))
+    sizes = ends - starts
+    out: list[MicroBatch] = []
+    chunk: list[SeqItem] = []
+    paths: list[np.ndarray] = []
+    taken: set[int] = set()
+    count = 0
     for item in items:
-        if chunk and len(trie.token) + trie.new_nodes(item.tokens) > budget:
-            out.append(_finish_tree(trie, chunk))
-            trie, chunk = _Trie(), []
+        path = np.asarray(packed.locate(item.tokens.astype(np.uint32)), dtype=np.int64)
+        chain = []
+        s = int(seg_of[path[-1]]) if len(path) else -1
+        while s >= 0:
+            chain.append(s)
+            s = int(parent_seg[s])
+        new = [c for c in chain if c not in taken]
+        extra = int(sizes[new].sum()) if new else 0
+        if chunk and count + extra > budget:
+            out.append(_finish_tree(packed, starts, ends, taken, chunk, paths))
+            chunk, paths, taken, count = [], [], set(), 0
+            new, extra = chain, int(sizes[chain].sum()) if chain else 0
         chunk.append(item)
-        trie.insert(item.tokens)
+        paths.append(path)
+        taken.update(new)
+        count += extra
     if chunk:
-        out.append(_finish_tree(trie, chunk))
+        out.append(_finish_tree(packed, starts, ends, taken, chunk, paths))
     return out
 
 
-def _finish_tree(trie: _Trie, chunk: list[SeqItem]) -> MicroBatch:
-    paths = [trie.insert(i.tokens) for i in chunk]  # already present: just the paths
-    return _tree_micro_batch(
-        np.asarray(trie.token, dtype=np.int64),
-        np.asarray(trie.parent, dtype=np.int64),
-        np.asarray(trie.depth, dtype=np.int64),
-        chunk,
-        paths,
-    )
+def _finish_tree(
+    packed: Any,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    taken: set[int],
+    chunk: Sequence[SeqItem],
+    paths: Sequence[np.ndarray],
+) -> MicroBatch:
+    segs = sorted(taken)
+    nodes = np.concatenate([np.arange(starts[s], ends[s]) for s in segs])
+    return _tree_micro_batch(packed, nodes, chunk, paths)
 
 
 def tree_batch(packed: Any, items: Sequence[SeqItem]) -> MicroBatch:
-    """One micro-batch running a merge ``PackedTree`` (``tokens``, ``parent``,
-    ``depth`` in DFS order) as it is, with targets taken from ``items`` (the
-    samples it was packed from): each sequence is located in the tree by
-    walking it from a root, so targets do not depend on the merge's internal
-    bookkeeping."""
-    tokens = np.asarray(packed.tokens, dtype=np.int64)
-    parent = np.asarray(packed.parent, dtype=np.int64)
-    depth = np.asarray(packed.depth, dtype=np.int64)
-    children = {(int(p), int(t)): i for i, (p, t) in enumerate(zip(parent, tokens, strict=True))}
-    paths = []
-    for item in items:
-        node, path = -1, np.empty(len(item.tokens), dtype=np.int64)
-        for k, t in enumerate(item.tokens.tolist()):
-            found = children.get((node, t))
-            if found is None:
-                raise ValueError(f"sequence not in the packed tree (diverges at position {k})")
-            path[k] = node = found
-        paths.append(path)
-    return _tree_micro_batch(tokens, parent, depth, items, paths)
+    """One micro-batch holding every item, laid out on ``packed``."""
+    return tree_batches(items, 1 << 62, packed)[0] if items else _empty()
 
 
-def micro_batches(items: Sequence[SeqItem], budget: int, *, mode: BatchMode) -> list[MicroBatch]:
-    """Dispatch to the batching ``mode`` (``padded``, ``packed`` or ``tree``)."""
+def _empty() -> MicroBatch:
+    return _one_row(
+        *(np.zeros(0, np.int64),) * 5, tree=plan_tree(np.zeros(0), np.zeros(0)), n_sequences=0
+    )
+
+
+def micro_batches(
+    items: Sequence[SeqItem], budget: int, *, mode: BatchMode, packed: Any = None
+) -> list[MicroBatch]:
+    """Dispatch to the batching ``mode`` (``padded``, ``packed`` or ``tree``);
+    ``packed`` is the Rust ``PackedTree`` the tree mode lays items out on."""
     if mode == "padded":
         return padded_batches(items, budget)
     if mode == "packed":
         return packed_batches(items, budget)
     if mode == "tree":
-        return tree_batches(items, budget)
+        return tree_batches(items, budget, packed)
     raise ValueError(f"unknown batching mode {mode!r}; use one of {BATCH_MODES}")
+
+
+# Rows of logits per chunk: about 8M floats, so a chunk's logits stay in cache.
+_CHUNK_ELEMENTS = 1 << 23
+# Up to this many [R, V] elements (1 GiB of float32) the softmax is kept for
+# the backward pass (three matmuls per step); beyond it each chunk's logits are
+# recomputed (four matmuls, no [R, V] buffer).
+_KEEP_SOFTMAX_ELEMENTS = 1 << 28
+
+
+class _TargetLogprob(torch.autograd.Function):
+    """``log softmax(h W^T + b)[row, token]`` per target, computed chunk by
+    chunk over rows, with the row entropies (detached). The gradient with
+    respect to the logits is ``g·(onehot − softmax)``, summed over the targets
+    of a row; the softmax is kept from the forward pass when it fits in
+    ``_KEEP_SOFTMAX_ELEMENTS``, else recomputed per chunk."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        h: torch.Tensor,  # [R, H]
+        weight: torch.Tensor,  # [V, H]
+        bias: torch.Tensor | None,  # [V]
+        rows: torch.Tensor,  # [K] long, sorted
+        tokens: torch.Tensor,  # [K] long
+        inv_temp: float,
+        want_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        r, v = h.shape[0], weight.shape[0]
+        step = max(1, _CHUNK_ELEMENTS // max(v, 1))
+        bounds = torch.searchsorted(rows, torch.arange(0, r + step, step, device=rows.device))
+        lse = torch.empty(r, dtype=torch.float32, device=h.device)
+        ent = torch.empty(r if want_entropy else 0, dtype=torch.float32, device=h.device)
+        logp = torch.empty(rows.shape[0], dtype=torch.float32, device=h.device)
+        keep = r * v <= _KEEP_SOFTMAX_ELEMENTS
+        probs = torch.empty((r, v) if keep else (0, 0), dtype=torch.float32, device=h.device)
+        for c, a in enumerate(range(0, r, step)):
+            logits = _chunk_logits(h[a : a + step], weight, bias, inv_temp)  # [c, V]
+            lse[a : a + step] = torch.logsumexp(logits, dim=-1)
+            lo, hi = int(bounds[c]), int(bounds[c + 1])
+            logp[lo:hi] = logits[rows[lo:hi] - a, tokens[lo:hi]] - lse[rows[lo:hi]]
+            if want_entropy or keep:
+                p = torch.exp(logits - lse[a : a + step, None])
+                if want_entropy:
+                    ent[a : a + step] = lse[a : a + step] - (p * logits).sum(-1)
+                if keep:
+                    probs[a : a + step] = p
+        ctx.save_for_backward(h, weight, bias, rows, tokens, lse, bounds, probs)
+        ctx.step, ctx.inv_temp, ctx.keep = step, inv_temp, keep
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        h, weight, bias, rows, tokens, lse, bounds, probs = ctx.saved_tensors
+        g = g.float()
+        row_g = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device).index_add_(0, rows, g)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if ctx.keep:
+            if ctx.keep == "used":
+                raise RuntimeError("target_logprobs supports one backward pass per forward")
+            ctx.keep = "used"
+            d = probs.mul_(-row_g[:, None])  # the kept softmax becomes d loss / d logits
+            d.index_put_((rows, tokens), g, accumulate=True)
+            if ctx.inv_temp != 1.0:
+                d.mul_(ctx.inv_temp)  # [R, V]
+            gh = (d.to(weight.dtype) @ weight).to(h.dtype) if need_h else None
+            gw = (d.T @ h.float()).to(weight.dtype) if need_w else None
+            gb = d.sum(0).to(bias.dtype) if (need_b and bias is not None) else None
+            return gh, gw, gb, None, None, None, None
+        step, inv_temp = ctx.step, ctx.inv_temp
+        gh = torch.empty_like(h) if need_h else None
+        gw = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        gb = torch.zeros_like(bias, dtype=torch.float32) if (need_b and bias is not None) else None
+        for c, a in enumerate(range(0, h.shape[0], step)):
+            hc = h[a : a + step]
+            logits = _chunk_logits(hc, weight, bias, inv_temp)
+            d = logits.sub_(lse[a : a + step, None]).exp_().mul_(-row_g[a : a + step, None])
+            lo, hi = int(bounds[c]), int(bounds[c + 1])
+            d.index_put_((rows[lo:hi] - a, tokens[lo:hi]), g[lo:hi], accumulate=True)
+            if inv_temp != 1.0:
+                d.mul_(inv_temp)  # [c, V]: d loss / d (h W^T + b)
+            if gh is not None:
+                gh[a : a + step] = (d.to(weight.dtype) @ weight).to(h.dtype)
+            if gw is not None:
+                gw.addmm_(d.T, hc.float())
+            if gb is not None:
+                gb += d.sum(0)
+        return (
+            gh,
+            gw.to(weight.dtype) if gw is not None else None,
+            gb.to(bias.dtype) if gb is not None else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _chunk_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_temp: float
+) -> torch.Tensor:
+    logits = (h.to(weight.dtype) @ weight.T).float()  # [c, V]
+    if bias is not None:
+        logits += bias.float()
+    if inv_temp != 1.0:
+        logits *= inv_temp
+    return logits
+
+
+def target_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(head(hidden[rows]) / T)[tokens]`` ``[K]`` (float32) without
+    materialising the ``[K, V]`` logits, and the detached entropy of each
+    target's distribution ``[K]`` when asked."""
+    order = torch.argsort(rows, stable=True)
+    logp_sorted, ent_rows = _TargetLogprob.apply(
+        hidden, head.weight, head.bias, rows[order], tokens[order], 1.0 / temperature, entropy
+    )
+    logp = torch.empty_like(logp_sorted).index_copy(0, order, logp_sorted)
+    return logp, (ent_rows[rows] if entropy else None)
+
+
+def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face causal LM inside DDP / PEFT wrappers."""
+    inner = getattr(model, "module", model)  # DDP
+    get_base = getattr(inner, "get_base_model", None)  # PEFT
+    return get_base() if callable(get_base) else inner
+
+
+def _fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(decoder, lm_head) when the head is a plain linear layer we can fuse."""
+    lm = _causal_lm(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    if type(head) is not torch.nn.Linear or decoder is None or decoder is lm:
+        return None
+    if getattr(lm.config, "final_logit_softcapping", None):
+        return None
+    return decoder, head
 
 
 def forward_logprobs(
@@ -353,18 +488,41 @@ def forward_logprobs(
     entropy: bool = False,
     entropy_grad: bool = False,
     temperature: float = 1.0,
+    fuse_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each target ``[K]`` (float32), and the entropy of the
     predicted distribution ``[K]`` when asked (detached unless ``entropy_grad``).
     ``temperature`` scales the logits first: rollouts sampled at temperature T came
     from ``softmax(logits / T)``, and that is the policy the ratio must compare.
-    Runs under whatever autocast context the caller set."""
+    ``fuse_head=False`` materialises the ``[K, V]`` logits through the model's own
+    forward (also used for ``entropy_grad`` and heads that are not a plain linear
+    layer). Runs under whatever autocast context the caller set."""
+    extra: dict[str, Any] = {}
+    if mb.tree is not None:
+        use_tree_attention(model)
+        # A prepared (empty) 4-D mask makes HF skip building an [N, N] mask.
+        extra = {
+            "attention_mask": torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=mb.input_ids.device),
+            "lightning_tree": mb.tree,
+        }
+    else:
+        extra = {"attention_mask": mb.attention_mask}
+    fused = _fused_head(model) if fuse_head and not entropy_grad else None
+    if fused is not None:
+        decoder, head = fused
+        hidden = decoder(
+            input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **extra
+        ).last_hidden_state  # [B, L, H]
+        rows = hidden[mb.keep] if mb.keep.dtype == torch.bool else hidden[0, mb.keep]  # [R, H]
+        return target_logprobs(
+            rows, head, mb.gather, mb.target_tokens, temperature=temperature, entropy=entropy
+        )
     out = model(
         input_ids=mb.input_ids,
         position_ids=mb.position_ids,
-        attention_mask=mb.attention_mask,
         logits_to_keep=mb.keep,
         use_cache=False,
+        **extra,
     )
     # Normalise each kept row once, then pick (row, token) pairs: a target
     # shares its row with others in a tree, and indexing pairs avoids copying

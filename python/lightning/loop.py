@@ -481,7 +481,7 @@ class Run:
                 f"({self.out / 'lightning.db'}) and {self.out / 'engine.log'}"
             )
         t_train = time.monotonic()
-        metrics: dict[str, Any] = dict(self.trainer.step(merged.samples, rewards, groups))
+        metrics: dict[str, Any] = dict(self.trainer.step(merged, rewards, groups))
         version = step + 1
         self._sync_weights(version)
         self.phases.record("train", t_train, time.monotonic())

@@ -30,6 +30,9 @@ Choices where the issue is silent:
    averaged over optimizer steps; ``tokens`` counts sample tokens and
    ``tokens_per_s`` is tokens / step wall time. ``forward_tokens`` (extra) counts
    positions actually run through the model per pass (shared tree prefixes once).
+   ``samples_per_rollout`` and ``single_sample_rollout_frac`` say how often
+   drift or sub-agents split a rollout into several samples (every piece still
+   takes its rollout's advantage, and ``rollout-mean`` counts the rollout once).
 4. A sample whose rollout has no reward raises ``ValueError`` unless
    ``missing_reward`` is set; a rollout without a group uses ``Sample.group``,
    then its own id (a group of one: zero advantage).
@@ -93,6 +96,8 @@ METRIC_KEYS = (
     "tokens",
     "gap_abs_logprob",
     "gap_kl",
+    "samples_per_rollout",
+    "single_sample_rollout_frac",
 )
 
 
@@ -337,19 +342,28 @@ class Trainer:
     # -------------------------------------------------------------------- step
     def step(
         self,
-        samples: Sequence[Any],
+        batch: Any,
         rewards: Mapping[str, float],
         groups: Mapping[str, Any],
     ) -> dict[str, Any]:
         """Train on one batch of merged samples; returns the step's metrics.
 
-        ``samples``: objects with ``rollout_id, group, tokens, weights, logprobs,
-        call_index`` (``lightning.Sample``); ``rewards`` / ``groups`` map rollout
-        ids to their reward and group key. Every rank passes the whole batch.
+        ``batch``: a ``lightning.MergeResult`` (``tree`` batching then runs its
+        ``packed(across_rollouts=True)`` tree), or a sequence of samples: objects
+        with ``rollout_id, group, tokens, weights, logprobs, call_index``
+        (``lightning.Sample``; ``tree`` batching packs their tokens with
+        ``lightning.pack_sequences``). ``rewards`` / ``groups`` map rollout ids
+        to their reward and group key. Every rank passes the whole batch.
         """
         cfg = self.config
         t0 = time.perf_counter()
-        samples = list(samples)
+        merged = batch if hasattr(batch, "packed") and hasattr(batch, "samples") else None
+        samples = list(merged.samples if merged is not None else batch)
+        packed = (
+            merged.packed(across_rollouts=True)
+            if merged is not None and cfg.batching == "tree"
+            else None
+        )
         # Rollouts in first-appearance order, grouped so that a group's
         # samples sit next to each other (shared prompts land in one tree).
         rollout_ids: list[str] = list(dict.fromkeys(s.rollout_id for s in samples))
@@ -367,6 +381,12 @@ class Trainer:
                     "missing_reward in the trainer config"
                 )
         group_keys = [group_of[rid] for rid in rollout_ids]
+        rollout_rank = {rid: k for k, rid in enumerate(rollout_ids)}
+        # Samples per rollout: drift and sub-agents split a rollout into pieces.
+        pieces = np.bincount(
+            np.array([rollout_rank[s.rollout_id] for s in samples], dtype=np.int64),
+            minlength=len(rollout_ids),
+        )
         adv = estimate(reward_list, group_keys, estimator=cfg.estimator, eps=cfg.adv_eps)
         zero = zero_advantage_groups(reward_list, group_keys)
         n_groups = len(set(group_keys))
@@ -374,7 +394,6 @@ class Trainer:
         if cfg.filter_zero_adv_groups:
             samples = [s for s in samples if group_of[s.rollout_id] not in zero]
         group_rank = {g: k for k, g in enumerate(dict.fromkeys(group_keys))}
-        rollout_rank = {rid: k for k, rid in enumerate(rollout_ids)}
         order = sorted(
             range(len(samples)),
             key=lambda i: (
@@ -415,7 +434,8 @@ class Trainer:
             else [[] for _ in range(cfg.mini_batches)]
         )
         mini_mbs = [
-            micro_batches(m, cfg.micro_batch_tokens, mode=cfg.batching) if m else [] for m in minis
+            micro_batches(m, cfg.micro_batch_tokens, mode=cfg.batching, packed=packed) if m else []
+            for m in minis
         ]
         if self.fsdp:  # FSDP2 hook: every rank runs as many forwards as the busiest
             from lightning import fsdp
@@ -506,6 +526,8 @@ class Trainer:
             "gap_abs_logprob": float(sums[4] / sums[6]) if sums[6] > 0 else nan,
             "gap_kl": float(sums[5] / sums[6]) if sums[6] > 0 else nan,
             "forward_tokens": int(counts[2]),
+            "samples_per_rollout": float(pieces.mean()) if len(pieces) else nan,
+            "single_sample_rollout_frac": float((pieces == 1).mean()) if len(pieces) else nan,
         }
         self._log(metrics)
         return metrics

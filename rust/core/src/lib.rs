@@ -18,4 +18,6 @@ pub use error::CoreError;
 pub use trace::{
     Call, CallView, Divergence, DivergenceKind, MergeStats, Merged, PackedTree, Sample,
 };
-pub use trie::{merge, pack, plan, MergePlan, SampleInfo, SampleMut, Trie};
+pub use trie::{
+    merge, pack, pack_sequences, plan, MergePlan, SampleInfo, SampleMut, TreeIndex, Trie,
+};

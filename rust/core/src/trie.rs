@@ -730,6 +730,66 @@ pub fn pack(
     Ok(out)
 }
 
+/// The packed tree of plain token sequences (one forest, every shared prefix
+/// once), for training layouts that start from samples rather than calls: each
+/// sequence is inserted as a call whose completion is its last token. Empty
+/// sequences are skipped.
+pub fn pack_sequences(seqs: &[&[u32]]) -> PackedTree {
+    let calls: Vec<CallView<'_>> = seqs
+        .iter()
+        .filter(|s| !s.is_empty())
+        .map(|s| CallView {
+            rollout_id: "",
+            group: None,
+            prompt: &s[..s.len() - 1],
+            completion: &s[s.len() - 1..],
+            logprobs: None,
+        })
+        .collect();
+    let mut out = PackedTree {
+        gen_offsets: vec![0],
+        tree_offsets: vec![0],
+        ..PackedTree::default()
+    };
+    let mut trie = Trie::new(&calls);
+    for c in 0..calls.len() {
+        trie.insert(c);
+    }
+    trie.pack_into(usize::MAX, &mut out);
+    out.tree_offsets.push(out.tokens.len() as i64);
+    out.tree_keys.push(String::new());
+    out
+}
+
+/// Child lookup over a [`PackedTree`]: finds the node of every position of a
+/// sequence by walking from a root.
+#[derive(Debug, Clone, Default)]
+pub struct TreeIndex {
+    children: HashMap<(i64, u32), i64>,
+}
+
+impl TreeIndex {
+    pub fn new(tree: &PackedTree) -> Self {
+        let mut children = HashMap::with_capacity(tree.tokens.len());
+        for (i, (&p, &t)) in tree.parent.iter().zip(&tree.tokens).enumerate() {
+            children.entry((p, t)).or_insert(i as i64);
+        }
+        TreeIndex { children }
+    }
+
+    /// The node of each position of `tokens`, or `Err(position)` where the
+    /// sequence leaves the tree.
+    pub fn locate(&self, tokens: &[u32]) -> Result<Vec<i64>, usize> {
+        let mut node = -1i64;
+        let mut out = Vec::with_capacity(tokens.len());
+        for (k, &t) in tokens.iter().enumerate() {
+            node = *self.children.get(&(node, t)).ok_or(k)?;
+            out.push(node);
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -956,5 +1016,19 @@ mod tests {
         assert_eq!(per_rollout.tree_keys, ["r1", "r2", "r3"]);
         let cut = pack(&calls, Some(2), true).unwrap();
         assert_eq!(cut.tokens, vec![1, 2]);
+    }
+
+    #[test]
+    fn pack_sequences_shares_prefixes_and_locates_paths() {
+        let seqs: [&[u32]; 4] = [&[1, 2, 3], &[1, 2, 4, 5], &[], &[7]];
+        let p = pack_sequences(&seqs);
+        assert_eq!(p.tokens, vec![1, 2, 3, 4, 5, 7]);
+        assert_eq!(p.parent, vec![-1, 0, 1, 1, 3, -1]);
+        assert_eq!(p.depth, vec![0, 1, 2, 2, 3, 0]);
+        let index = TreeIndex::new(&p);
+        assert_eq!(index.locate(&[1, 2, 4, 5]), Ok(vec![0, 1, 3, 4]));
+        assert_eq!(index.locate(&[1, 2]), Ok(vec![0, 1]));
+        assert_eq!(index.locate(&[1, 9]), Err(1));
+        assert_eq!(index.locate(&[]), Ok(vec![]));
     }
 }

@@ -7,9 +7,9 @@
 
 use std::time::Instant;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use lightning_core::{CallView, PackedTree, SampleMut};
+use lightning_core::{CallView, PackedTree, SampleMut, TreeIndex};
 use numpy::{
     dtype, Element, IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray,
     PyUntypedArrayMethods,
@@ -511,6 +511,8 @@ pub struct PyPackedTree {
     gen_call: Py<PyArray1<i32>>,
     tree_offsets: Py<PyArray1<i64>>,
     tree_keys: Vec<String>,
+    /// Child lookup for `locate`, built on first use.
+    index: OnceLock<TreeIndex>,
 }
 
 impl PyPackedTree {
@@ -525,6 +527,7 @@ impl PyPackedTree {
             gen_call: t.gen_call.into_pyarray(py).unbind(),
             tree_offsets: t.tree_offsets.into_pyarray(py).unbind(),
             tree_keys: t.tree_keys,
+            index: OnceLock::new(),
         }
     }
 }
@@ -583,6 +586,41 @@ impl PyPackedTree {
     #[getter]
     fn tree_keys(&self) -> Vec<String> {
         self.tree_keys.clone()
+    }
+
+    /// The node of each position of a token sequence (int64), found by walking
+    /// from a root; raises `InvalidCallError` (a `ValueError`) naming the
+    /// position where the sequence leaves the tree.
+    fn locate<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let ids = to_ids(tokens, "tokens")?.map_err(|m| invalid_call(py, m))?;
+        let ids = ids.bind(py).readonly();
+        let ids = ids
+            .as_slice()
+            .map_err(|e| invalid_call(py, e.to_string()))?;
+        let index = self.index.get_or_init(|| {
+            let parent = self.parent.bind(py).readonly();
+            let tokens = self.tokens.bind(py).readonly();
+            let tree = PackedTree {
+                parent: parent.as_slice().map(<[i64]>::to_vec).unwrap_or_default(),
+                tokens: tokens.as_slice().map(<[u32]>::to_vec).unwrap_or_default(),
+                ..PackedTree::default()
+            };
+            TreeIndex::new(&tree)
+        });
+        match py.detach(|| index.locate(ids)) {
+            Ok(nodes) => Ok(nodes.into_pyarray(py)),
+            Err(k) => Err(invalid_call(
+                py,
+                format!(
+                    "sequence not in the packed tree (diverges at position {k}); pack the \
+                     calls or sequences it came from"
+                ),
+            )),
+        }
     }
 
     fn __len__(&self, py: Python<'_>) -> usize {
@@ -829,6 +867,25 @@ fn merge_calls(
     })
 }
 
+/// The packed tree of plain token sequences: one forest in which every shared
+/// prefix appears once (the training layout for samples that come without
+/// their calls). Empty sequences are skipped; the GIL is released while packing.
+#[pyfunction]
+fn pack_sequences(py: Python<'_>, sequences: &Bound<'_, PyAny>) -> PyResult<PyPackedTree> {
+    let mut owned = Vec::new();
+    for (i, item) in sequences.try_iter()?.enumerate() {
+        let ids = to_ids(&item?, &format!("sequences[{i}]"))?.map_err(|m| invalid_call(py, m))?;
+        owned.push(ids);
+    }
+    let bound: Vec<_> = owned.iter().map(|a| a.bind(py).readonly()).collect();
+    let slices = bound
+        .iter()
+        .map(|a| a.as_slice().map_err(|e| invalid_call(py, e.to_string())))
+        .collect::<PyResult<Vec<&[u32]>>>()?;
+    let packed = py.detach(|| lightning_core::pack_sequences(&slices));
+    Ok(PyPackedTree::from_core(py, packed))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCall>()?;
     m.add_class::<PySample>()?;
@@ -837,5 +894,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPackedTree>()?;
     m.add_class::<PyMergeResult>()?;
     m.add_function(wrap_pyfunction!(merge_calls, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_sequences, m)?)?;
     Ok(())
 }

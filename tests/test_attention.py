@@ -1,0 +1,69 @@
+"""Segment-batched tree attention equals attention along each node's root path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import reference
+from lightning.attention import plan_tree, segments, tree_attention
+
+
+@st.composite
+def dfs_trees(draw: st.DrawFn) -> list[int]:
+    """Parent arrays in DFS order: node i hangs below node i-1 or one of its ancestors."""
+    n = draw(st.integers(1, 40))
+    parent = [-1]
+    for i in range(1, n):
+        chain, j = [-1], i - 1
+        while j >= 0:
+            chain.append(j)
+            j = parent[j]
+        # Mostly continue the current path (long segments), sometimes branch.
+        parent.append(i - 1 if draw(st.booleans()) else draw(st.sampled_from(chain)))
+    return parent
+
+
+class _Module(torch.nn.Module):
+    pass
+
+
+def _depth(parent: list[int]) -> np.ndarray:
+    depth: list[int] = []
+    for p in parent:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return np.array(depth)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dfs_trees(), st.sampled_from([1, 2]))
+@example([-1, 0, 1, 1, 3, -1, 5, 5], 1)
+def test_tree_attention_matches_root_path_attention(parent: list[int], rep: int) -> None:
+    torch.manual_seed(len(parent))
+    n, hkv, d = len(parent), 2, 8
+    q = torch.randn(1, hkv * rep, n, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, hkv, n, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, hkv, n, d, dtype=torch.float64, requires_grad=True)
+    plan = plan_tree(np.array(parent), _depth(parent))
+    got, _ = tree_attention(_Module(), q, k, v, None, scaling=0.3, lightning_tree=plan)
+    kr, vr = k[0].repeat_interleave(rep, 0), v[0].repeat_interleave(rep, 0)
+    want = reference.tree_attention(q[0], kr, vr, parent, 0.3)[None]
+    torch.testing.assert_close(got, want)
+    # Gradients reach every node's keys and values from all its descendants.
+    g = torch.randn_like(want)
+    grads = torch.autograd.grad((got * g).sum(), (q, k, v))
+    wants = torch.autograd.grad((want * g).sum(), (q, k, v))
+    for a, b in zip(grads, wants, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_segments_split_at_branches() -> None:
+    starts, ends, parent_seg = segments(np.array([-1, 0, 1, 1, 3, -1, 5, 5]))
+    assert starts.tolist() == [0, 2, 3, 5, 6, 7]
+    assert ends.tolist() == [2, 3, 5, 6, 7, 8]
+    assert parent_seg.tolist() == [-1, 0, 0, -1, 3, 3]
+    with pytest.raises(ValueError, match="after their parent"):
+        segments(np.array([1, -1]))
