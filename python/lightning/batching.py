@@ -26,14 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import numpy as np
 import torch
 
 from lightning.losses import entropy_from_logits
+from lightning.modes import BatchMode
 
-BatchMode = Literal["padded", "packed", "tree"]
 BATCH_MODES: tuple[str, ...] = get_args(BatchMode)
 
 __all__ = [

@@ -31,7 +31,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -172,12 +171,6 @@ def push_weights_external(urls: Sequence[str], kind: str, path: Path, version: i
             raise RuntimeError(f"{root} refused weights from {path}: {r.status_code} {r.text}")
 
 
-@dataclass
-class StepRecord:
-    step: int
-    metrics: dict[str, Any] = field(default_factory=dict)
-
-
 def _eval_reward(results: Sequence[RolloutResult]) -> float:
     rewards = [r.reward if r.reward is not None else 0.0 for r in results]
     return float(sum(rewards) / len(rewards)) if rewards else float("nan")
@@ -217,8 +210,8 @@ class Run:
         self._stack.close()
 
     def _setup(self) -> None:
-        from lightning import Gateway, GatewayClient, GatewayConfig, Tokenizer, UpstreamConfig
-        from lightning.trainer import Trainer, TrainerConfig
+        from lightning import Gateway, GatewayClient, Tokenizer, UpstreamConfig
+        from lightning.trainer import Trainer
 
         cfg = self.config
         (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
@@ -229,17 +222,7 @@ class Run:
 
         self.model_dir = cfg.model.resolve()
         self.tokenizer = Tokenizer.from_dir(str(self.model_dir))
-        trainer_cfg = TrainerConfig.model_validate(
-            {
-                "model_path": str(self.model_dir),
-                "estimator": cfg.algorithm.estimator,
-                # The trainer scores rollouts under the distribution they were
-                # sampled from: softmax(logits / train_temperature).
-                "temperature": cfg.algorithm.train_temperature or 1.0,
-                "seed": cfg.seed,
-                **cfg.trainer,
-            }
-        )
+        trainer_cfg = cfg.trainer_config(self.model_dir)
         self.trainer = Trainer(trainer_cfg, log_dir=str(self.out))
         if hasattr(self.trainer, "close"):
             self._stack.callback(self.trainer.close)
@@ -277,19 +260,16 @@ class Run:
         self.admin_key = cfg.gateway.admin_key or secrets.token_urlsafe(24)
         db = cfg.gateway.db or str(self.out / "lightning.db")
         version = int(self.state["weight_version"])
-        gw_config = GatewayConfig(
-            listen=cfg.gateway.listen,
-            upstreams=[UpstreamConfig(url=u, weight_version=version) for u in upstreams],
+        gw_config = cfg.gateway.for_run(
             db=db,
             admin_key=self.admin_key,
-            # The gateway enforces the sampling temperature per mode, so even a
-            # harness that sets its own temperature samples what the trainer assumes.
-            train_temperature=cfg.algorithm.train_temperature,
-            eval_temperature=cfg.algorithm.eval_temperature,
+            upstreams=[UpstreamConfig(url=u, weight_version=version) for u in upstreams],
+            algorithm=cfg.algorithm,
         )
         self.gateway = Gateway(gw_config).start()
         self._stack.callback(self.gateway.stop)
-        self.client = GatewayClient(self.gateway.url, self.admin_key)
+        # The store is on this machine: a step's batch is one Rust read of it.
+        self.client = GatewayClient(self.gateway.url, self.admin_key, store=db)
         self._stack.callback(self.client.close)
 
         harness: Any
@@ -402,23 +382,23 @@ class Run:
                 )
 
     def step(self, step: int) -> dict[str, Any]:
-        from lightning import merge_calls
-
         t0 = time.monotonic()
         results = self._rollouts(step)
         status = Counter(r.status for r in results)
         usable = [
-            r
+            r.rollout_id
             for r in results
             if r.status == "succeeded" or not self.config.algorithm.drop_failed_rollouts
         ]
-        rewards = {r.rollout_id: (r.reward if r.reward is not None else 0.0) for r in usable}
-        groups = {r.rollout_id: str(r.group) for r in usable}
-        calls = []
-        for r in usable:
-            # trace() already leaves out what the harness never saw whole.
-            calls.extend(self.client.trace(r.rollout_id))
-        merged = merge_calls(calls, tokenizer=self.tokenizer)
+        # One read of the store: calls, rewards and groups as they are on disk
+        # (what trains is what was recorded), merged with drift classified.
+        merged = self.client.step(usable, tokenizer=self.tokenizer)
+        unrewarded = sum(r.reward is None for r in merged.rollouts)
+        rewards = {
+            r.rollout_id: (r.reward if r.reward is not None else 0.0) for r in merged.rollouts
+        }
+        groups = {r.rollout_id: r.group for r in merged.rollouts if r.group is not None}
+        calls = merged.calls
         t_rollout = time.monotonic() - t0
         if not merged.samples:
             raise RuntimeError(
@@ -436,6 +416,8 @@ class Run:
                 "step": step,
                 "rollouts": len(results),
                 "rollout_status": dict(status),
+                "rollouts_without_reward": unrewarded,
+                "skipped_calls": merged.stats.skipped_calls,
                 "response_len_mean": float(sum(lengths) / len(lengths)) if lengths else 0.0,
                 "samples_per_rollout": (sum(per_rollout.values()) / len(per_rollout))
                 if per_rollout

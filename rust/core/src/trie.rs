@@ -62,7 +62,7 @@ const ROOT: usize = 0;
 /// Length of the common prefix of two slices. Whole-slice and chunk equality
 /// compile to `memcmp`, so equal runs (the common case) are compared in bulk.
 #[inline]
-fn lcp(a: &[u32], b: &[u32]) -> usize {
+pub fn lcp(a: &[u32], b: &[u32]) -> usize {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     if a == b {
@@ -512,6 +512,8 @@ pub struct SampleMut<'o> {
 #[derive(Debug, Clone, Copy)]
 pub struct SampleInfo<'a> {
     pub rollout_id: &'a str,
+    /// Input index of the rollout's first call.
+    pub first_call: usize,
     pub group: Option<&'a str>,
     pub len: usize,
     pub truncated: usize,
@@ -520,6 +522,7 @@ pub struct SampleInfo<'a> {
 #[derive(Debug)]
 struct RolloutPlan<'c, 'a> {
     rollout_id: &'a str,
+    first_call: usize,
     group: Option<&'a str>,
     trie: Trie<'c, 'a>,
     samples: Vec<Layout>,
@@ -544,6 +547,7 @@ impl<'c, 'a> MergePlan<'c, 'a> {
         self.rollouts.iter().flat_map(|r| {
             r.samples.iter().filter(|l| l.keep).map(|l| SampleInfo {
                 rollout_id: r.rollout_id,
+                first_call: r.first_call,
                 group: r.group,
                 len: l.len,
                 truncated: l.truncated,
@@ -636,6 +640,7 @@ pub fn plan<'c, 'a>(
         }
         plan.rollouts.push(RolloutPlan {
             rollout_id,
+            first_call: members[0],
             group,
             trie,
             samples,
@@ -723,6 +728,7 @@ pub fn pack(
         }
         trie.pack_into(limit, &mut out);
         out.tree_offsets.push(out.tokens.len() as i64);
+        out.tree_call.push(members[0] as i32);
         out.tree_keys.push(match key {
             TreeKey::Rollout(s) | TreeKey::Group(s) => s.to_string(),
         });
@@ -950,10 +956,15 @@ mod tests {
         assert_eq!(p.gen_offsets, vec![0, 0, 0, 2, 3]);
         assert_eq!(p.gen_call, vec![0, 2, 1]);
         assert_eq!(p.tree_keys, vec!["g".to_string()]);
+        assert_eq!(p.tree_call, vec![0]);
+        assert_eq!(p.first_generator(), vec![-1, -1, 0, 1]);
+        assert_eq!(p.token_tree(), vec![0; 4]);
         assert_eq!(p.tree_offsets, vec![0, 4]);
         let per_rollout = pack(&calls, None, false).unwrap();
         assert_eq!(per_rollout.tokens.len(), 9);
         assert_eq!(per_rollout.tree_keys, ["r1", "r2", "r3"]);
+        assert_eq!(per_rollout.tree_call, vec![0, 1, 2]);
+        assert_eq!(per_rollout.token_tree(), vec![0, 0, 0, 1, 1, 1, 2, 2, 2]);
         let cut = pack(&calls, Some(2), true).unwrap();
         assert_eq!(cut.tokens, vec![1, 2]);
     }

@@ -13,6 +13,7 @@ pub mod config;
 pub mod error;
 pub mod metrics;
 pub mod proxy;
+pub mod reader;
 pub mod server;
 pub mod sse;
 pub mod store;
