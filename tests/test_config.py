@@ -24,6 +24,8 @@ def test_bundled_configs_validate(name: str) -> None:
     trainer = config.trainer_config("unused")
     assert trainer.batching == "tree" and trainer.model == "unused"
     assert trainer.estimator == config.algorithm.estimator and trainer.seed == config.seed
+    # A saved run config (RUN_DIR/config.json) loads again as the same config.
+    assert RunConfig.model_validate_json(config.model_dump_json()) == config
 
 
 def test_loading_a_config_does_not_import_torch() -> None:

@@ -66,6 +66,8 @@ def test_run_gateway_section_is_the_gateway_config() -> None:
     cfg = section.for_run(db="x.db", admin_key="k" * 16, upstreams=[], algorithm=algo)
     assert (cfg.max_retries, cfg.sync, cfg.listen, cfg.db) == (5, "normal", "127.0.0.1:0", "x.db")
     assert cfg.train_temperature == algo.train_temperature
+    # A saved run config loads again (the run-set fields are not written out).
+    assert GatewaySection.model_validate(section.model_dump()) == section
     with pytest.raises(ValidationError, match="max_retrys"):
         GatewaySection(max_retrys=5)  # type: ignore[call-arg]
     with pytest.raises(ValidationError, match="upstreams is set by the run"):

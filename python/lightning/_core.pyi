@@ -249,7 +249,11 @@ class MergeResult:
 
     @property
     def samples(self) -> list[Sample]:
-        """Training samples; rollouts in order of first appearance, each in DFS order of its trie."""
+        """Training samples; rollouts in order of first appearance, each in DFS order of its trie.
+
+        Written from the merge's tries on first access (GIL released), so a consumer
+        of ``packed()`` or ``stats`` alone never pays for them.
+        """
     @property
     def divergences(self) -> list[Divergence]:
         """Where a later call's prompt left an earlier call's path."""

@@ -93,6 +93,11 @@ class GatewaySection(GatewayConfig):
 
     listen: str = "127.0.0.1:0"
     db: str | None = None  # type: ignore[assignment]  # default: RUN_DIR/lightning.db
+    # Set by the run: rejected here, and left out of a saved run config.
+    upstreams: list[UpstreamConfig] = Field(default_factory=list, exclude=True)
+    weight_version: int = Field(default=0, exclude=True)
+    train_temperature: float | None = Field(default=None, exclude=True)
+    eval_temperature: float | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
     def _run_sets(self) -> GatewaySection:
@@ -267,6 +272,15 @@ class TrainerConfig(TrainerOptions):
         return cls.model_validate(data.get("trainer", data))
 
 
+class TrainerSection(TrainerOptions):
+    """``[trainer]`` of a run: every trainer option but those the run sets from
+    its other sections (rejected here, and left out of a saved run config)."""
+
+    estimator: Estimator = Field("grpo", exclude=True)
+    temperature: float = Field(1.0, gt=0, exclude=True)
+    seed: int = Field(0, exclude=True)
+
+
 # Trainer options that a run sets from its other sections.
 _RUN_SETS = {
     "estimator": "[algorithm] estimator",
@@ -283,7 +297,7 @@ class RunConfig(_Section):
     tasks: TasksSection
     reward: RewardSection = Field(default_factory=RewardSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
-    trainer: TrainerOptions = Field(default_factory=TrainerOptions)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     steps: int = Field(10, ge=0)
     eval_every: int = Field(0, ge=0, description="0 = only before and after training")
     checkpoint_every: int = Field(0, ge=0)
