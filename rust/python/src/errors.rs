@@ -135,6 +135,18 @@ create_exception!(
 );
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // `create_exception!` names the module `_core`; tracebacks and pickling
+    // should say where the class lives.
+    let py = m.py();
+    for ty in [
+        py.get_type::<LightningError>(),
+        py.get_type::<GatewayError>(),
+        py.get_type::<StoreError>(),
+        py.get_type::<TemplateError>(),
+        py.get_type::<TokenizerError>(),
+    ] {
+        ty.setattr("__module__", "lightning._core")?;
+    }
     m.add("LightningError", m.py().get_type::<LightningError>())?;
     m.add("InvalidCallError", invalid_call_type(m.py())?.bind(m.py()))?;
     m.add("GatewayError", m.py().get_type::<GatewayError>())?;

@@ -6,16 +6,17 @@
 //! whole merge, and hands the output vectors to numpy without copying.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use lightning_core::{Call, CallView, SampleMut};
+use lightning_core::{Call, CallView, MergePlan, SampleMut};
 use numpy::{
     dtype, Element, IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray,
     PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PySlice};
 
 use crate::errors::{core_error, invalid_call};
@@ -668,25 +669,118 @@ struct CallIndex {
 /// The result of `merge_calls` (or of a store read): `samples`, `divergences`,
 /// `stats`, `rollouts`, and the packed-tree form on demand.
 #[pyclass(name = "MergeResult", module = "lightning._core", frozen)]
-#[derive(Debug)]
 pub struct PyMergeResult {
-    samples: Vec<Py<PySample>>,
+    /// The tries and sample layout; samples are written from it on first access.
+    plan: MergePlan,
+    samples: PyOnceLock<Vec<Py<PySample>>>,
     divergences: Vec<Py<PyDivergence>>,
     stats: Py<PyMergeStats>,
     calls: Vec<Py<PyCall>>,
     rollouts: Vec<Py<PyRolloutInfo>>,
     index: CallIndex,
     max_tokens: Option<usize>,
-    timings: [(&'static str, f64); 5],
+    /// Seconds borrowing the inputs and planning (tries + layout).
+    plan_timings: [(&'static str, f64); 2],
+    /// Seconds allocating, writing and wrapping the samples, once written.
+    sample_timings: OnceLock<[(&'static str, f64); 3]>,
+}
+
+impl std::fmt::Debug for PyMergeResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PyMergeResult")
+            .field("stats", &self.plan.stats)
+            .field("written", &self.sample_timings.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PyMergeResult {
+    /// Write every sample into one flat numpy buffer per field (GIL released
+    /// while writing) and wrap each as a `Sample` view.
+    fn write_samples(&self, py: Python<'_>) -> PyResult<Vec<Py<PySample>>> {
+        let calls: Vec<Bound<'_, PyCall>> = self.calls.iter().map(|c| c.bind(py).clone()).collect();
+        let views = views(&calls)?;
+        let t0 = Instant::now();
+        // One numpy buffer per field for all samples: numpy asks the kernel for
+        // huge pages on large allocations, so writing the output costs few faults.
+        let n = self.plan.stats.sample_tokens;
+        let buffers = SampleBuffers {
+            // SAFETY: `plan.write` below writes every element of all four buffers
+            // (the kept samples tile [0, sample_tokens) exactly) before any is read.
+            tokens: unsafe { PyArray1::<u32>::new(py, n, false) }.unbind(),
+            weights: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
+            logprobs: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
+            call_index: unsafe { PyArray1::<i32>::new(py, n, false) }.unbind(),
+            call_versions: Arc::clone(&self.index.version),
+        };
+        let t1 = Instant::now();
+        {
+            let mut tokens = buffers
+                .tokens
+                .bind(py)
+                .try_readwrite()
+                .map_err(busy_output)?;
+            let mut weights = buffers
+                .weights
+                .bind(py)
+                .try_readwrite()
+                .map_err(busy_output)?;
+            let mut logprobs = buffers
+                .logprobs
+                .bind(py)
+                .try_readwrite()
+                .map_err(busy_output)?;
+            let mut call_index = buffers
+                .call_index
+                .bind(py)
+                .try_readwrite()
+                .map_err(busy_output)?;
+            let out = SampleMut {
+                tokens: tokens.as_slice_mut().map_err(busy_output)?,
+                weights: weights.as_slice_mut().map_err(busy_output)?,
+                logprobs: logprobs.as_slice_mut().map_err(busy_output)?,
+                call_index: call_index.as_slice_mut().map_err(busy_output)?,
+            };
+            py.detach(|| self.plan.write(&views, out));
+        }
+        let t2 = Instant::now();
+        let buffers = Arc::new(buffers);
+        let mut start = 0;
+        let mut samples = Vec::with_capacity(self.plan.stats.samples);
+        for info in self.plan.samples(&views) {
+            let s = PySample {
+                rollout_id: info.rollout_id.to_string(),
+                group: info.group.map(str::to_string),
+                rollout_index: self.index.rollout[info.first_call] as usize,
+                buffers: Arc::clone(&buffers),
+                start,
+                len: info.len,
+                truncated: info.truncated,
+            };
+            start += info.len;
+            samples.push(Py::new(py, s)?);
+        }
+        let _ = self.sample_timings.set([
+            ("allocate", (t1 - t0).as_secs_f64()),
+            ("write", (t2 - t1).as_secs_f64()),
+            ("output", t2.elapsed().as_secs_f64()),
+        ]);
+        Ok(samples)
+    }
 }
 
 #[pymethods]
 impl PyMergeResult {
     /// Training samples, rollouts in order of first appearance, each rollout's
-    /// samples in DFS order of its trie.
+    /// samples in DFS order of its trie. Written from the merge's tries on first
+    /// access (GIL released), so a consumer of `packed()` or `stats` alone never
+    /// pays for them.
     #[getter]
-    fn samples(&self, py: Python<'_>) -> Vec<Py<PySample>> {
-        self.samples.iter().map(|s| s.clone_ref(py)).collect()
+    fn samples(&self, py: Python<'_>) -> PyResult<Vec<Py<PySample>>> {
+        let samples = self
+            .samples
+            .get_or_try_init(py, || self.write_samples(py))?;
+        Ok(samples.iter().map(|s| s.clone_ref(py)).collect())
     }
 
     /// Where a later call's prompt left an earlier call's path.
@@ -774,12 +868,15 @@ impl PyMergeResult {
         })
     }
 
-    /// Seconds spent borrowing inputs, merging (GIL released) and building the
-    /// numpy output, for benchmarks.
+    /// Seconds spent borrowing inputs and planning (GIL released), and, once
+    /// `samples` was read, allocating, writing and wrapping them, for benchmarks.
     #[getter]
     fn _timings<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (k, v) in self.timings {
+        for (k, v) in self.plan_timings {
+            d.set_item(k, v)?;
+        }
+        for (k, v) in self.sample_timings.get().into_iter().flatten() {
             d.set_item(k, v)?;
         }
         Ok(d)
@@ -788,7 +885,7 @@ impl PyMergeResult {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(
             "MergeResult(samples={}, divergences={}, stats={})",
-            self.samples.len(),
+            self.plan.stats.samples,
             self.divergences.len(),
             self.stats.bind(py).get().__repr__(py)?
         ))
@@ -906,70 +1003,7 @@ pub(crate) fn merge_pycalls(
         })
         .map_err(|e| core_error(py, e))?;
     }
-    // One numpy buffer per field for all samples: numpy asks the kernel for
-    // huge pages on large allocations, so writing the output costs few faults.
-    let n = plan.stats.sample_tokens;
-    let buffers = SampleBuffers {
-        // SAFETY: `plan.write` below writes every element of all four buffers
-        // (the kept samples tile [0, sample_tokens) exactly) before any is read.
-        tokens: unsafe { PyArray1::<u32>::new(py, n, false) }.unbind(),
-        weights: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
-        logprobs: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
-        call_index: unsafe { PyArray1::<i32>::new(py, n, false) }.unbind(),
-        call_versions: Arc::clone(&index.version),
-    };
-    let t2 = Instant::now();
-    {
-        let mut tokens = buffers
-            .tokens
-            .bind(py)
-            .try_readwrite()
-            .map_err(busy_output)?;
-        let mut weights = buffers
-            .weights
-            .bind(py)
-            .try_readwrite()
-            .map_err(busy_output)?;
-        let mut logprobs = buffers
-            .logprobs
-            .bind(py)
-            .try_readwrite()
-            .map_err(busy_output)?;
-        let mut call_index = buffers
-            .call_index
-            .bind(py)
-            .try_readwrite()
-            .map_err(busy_output)?;
-        let out = SampleMut {
-            tokens: tokens.as_slice_mut().map_err(busy_output)?,
-            weights: weights.as_slice_mut().map_err(busy_output)?,
-            logprobs: logprobs.as_slice_mut().map_err(busy_output)?,
-            call_index: call_index.as_slice_mut().map_err(busy_output)?,
-        };
-        py.detach(|| plan.write(out));
-    }
-    let t3 = Instant::now();
-    let buffers = Arc::new(buffers);
-    let mut start = 0;
-    let mut samples = Vec::with_capacity(plan.stats.samples);
-    for info in plan.samples() {
-        let rollout_index = index.rollout[info.first_call] as usize;
-        let s = PySample {
-            rollout_id: info.rollout_id.to_string(),
-            group: info.group.map(str::to_string),
-            rollout_index,
-            buffers: Arc::clone(&buffers),
-            start,
-            len: info.len,
-            truncated: info.truncated,
-        };
-        start += info.len;
-        samples.push(Py::new(py, s)?);
-    }
-    let insert_seconds = plan.insert_seconds;
-    let merged = plan;
-    let divergences = merged
-        .divergences
+    let divergences = std::mem::take(&mut plan.divergences)
         .into_iter()
         .map(|d| {
             Py::new(
@@ -984,7 +1018,7 @@ pub(crate) fn merge_pycalls(
             )
         })
         .collect::<PyResult<Vec<_>>>()?;
-    let s = merged.stats;
+    let s = &plan.stats;
     let stats = Py::new(
         py,
         PyMergeStats {
@@ -999,8 +1033,14 @@ pub(crate) fn merge_pycalls(
             skipped_calls,
         },
     )?;
+    drop(views);
     Ok(PyMergeResult {
-        samples,
+        plan_timings: [
+            ("borrow", (t1 - t0).as_secs_f64()),
+            ("plan", plan.insert_seconds),
+        ],
+        plan,
+        samples: PyOnceLock::new(),
         divergences,
         stats,
         calls: pycalls.into_iter().map(Bound::unbind).collect(),
@@ -1010,13 +1050,7 @@ pub(crate) fn merge_pycalls(
             .collect::<PyResult<_>>()?,
         index,
         max_tokens,
-        timings: [
-            ("borrow", (t1 - t0).as_secs_f64()),
-            ("insert", insert_seconds),
-            ("allocate", (t2 - t1).as_secs_f64() - insert_seconds),
-            ("write", (t3 - t2).as_secs_f64()),
-            ("output", t3.elapsed().as_secs_f64()),
-        ],
+        sample_timings: OnceLock::new(),
     })
 }
 
