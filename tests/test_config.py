@@ -3,6 +3,8 @@ a message that says what to fix."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,13 +17,42 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 @pytest.mark.parametrize("name", ["demo.toml", "gpu_qwen.toml"])
 def test_bundled_configs_validate(name: str) -> None:
-    from lightning.trainer import TrainerConfig
-
     config = RunConfig.load(EXAMPLES / name)
     # Relative paths resolve against the config file, not the working directory.
     assert Path(config.tasks.train).is_absolute()
     assert config.harness.cwd == str(EXAMPLES.resolve())
-    TrainerConfig.model_validate({"model_path": "unused", **config.trainer})
+    trainer = config.trainer_config("unused")
+    assert trainer.batching == "tree" and trainer.model == "unused"
+    assert trainer.estimator == config.algorithm.estimator and trainer.seed == config.seed
+    # A saved run config (RUN_DIR/config.json) loads again as the same config.
+    assert RunConfig.model_validate_json(config.model_dump_json()) == config
+
+
+def test_loading_a_config_does_not_import_torch() -> None:
+    code = (
+        "import sys; from lightning.config import RunConfig; "
+        f"RunConfig.load({str(EXAMPLES / 'demo.toml')!r}); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ('[trainer]\nbatchng = "tree"\n', r"trainer\.batchng\n  Extra inputs are not permitted"),
+        ('[trainer]\nbatching = "trees"\n', r"trainer\.batching\n  Input should be 'padded'"),
+        ("[trainer]\nclip_low = -1\n", r"trainer\.clip_low\n  Input should be greater"),
+        ('[trainer]\nlr_schedule = "cosine"\n', "lr_schedule 'cosine' needs total_steps"),
+        ('[trainer]\nestimator = "rloo"\n', r"set it as \[algorithm\] estimator"),
+        ("[trainer]\nseed = 3\n", "set it as the top-level seed"),
+    ],
+)
+def test_trainer_typos_fail_at_load_naming_the_field(
+    tmp_path: Path, extra: str, message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        RunConfig.load(write(tmp_path, BASE + extra))
 
 
 def write(tmp_path: Path, text: str) -> Path:

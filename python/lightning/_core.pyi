@@ -80,6 +80,9 @@ class Sample:
     def group(self) -> str | None:
         """The rollout's GRPO group, or None."""
     @property
+    def rollout_index(self) -> int:
+        """Index of this sample's rollout in ``MergeResult.rollouts``."""
+    @property
     def tokens(self) -> npt.NDArray[np.uint32]:
         """Token ids (uint32)."""
     @property
@@ -92,6 +95,9 @@ class Sample:
     def call_index(self) -> npt.NDArray[np.int32]:
         """Generating call per token (int32 index into the input, -1 for context)."""
     @property
+    def weight_version(self) -> npt.NDArray[np.int64]:
+        """Weight version of the call that generated each token (int64, -1 for context)."""
+    @property
     def truncated(self) -> int:
         """Generated tokens (summed weights) this sample lost to ``max_tokens``."""
     def __len__(self) -> int: ...
@@ -102,7 +108,9 @@ class Divergence:
 
     ``position`` is the first differing token's depth, ``left_call_index`` the latest
     earlier call whose path continued there. ``kind`` is "unclassified" without a
-    tokenizer, else "retokenization", "template" or "other".
+    tokenizer, else the cause ``classify_drift`` names: "retokenization",
+    "reasoning_stripped", "tool_call_reserialized", "truncated", "separator",
+    "compacted" or "other".
     """
 
     @property
@@ -117,6 +125,32 @@ class Divergence:
     def kind(self) -> str: ...
 
 @final
+class RolloutInfo:
+    """A rollout of a merge: its group and, when read from the store, mode, status and latest reward.
+
+    None where unknown (calls merged without rollout records, a rollout nobody rewarded).
+    """
+
+    def __new__(
+        cls,
+        rollout_id: str,
+        group: str | None = None,
+        mode: str | None = None,
+        status: str | None = None,
+        reward: float | None = None,
+    ) -> RolloutInfo: ...
+    @property
+    def rollout_id(self) -> str: ...
+    @property
+    def group(self) -> str | None: ...
+    @property
+    def mode(self) -> str | None: ...
+    @property
+    def status(self) -> str | None: ...
+    @property
+    def reward(self) -> float | None: ...
+
+@final
 class MergeStats:
     """Counts describing one merge.
 
@@ -124,7 +158,8 @@ class MergeStats:
     lengths; ``truncated_tokens`` counts generated tokens (per generating call) cut by
     ``max_tokens``; ``dropped_samples`` counts samples that truncation left with
     nothing to train; ``duplicates`` counts calls whose full sequence repeats an
-    earlier call's in the same rollout.
+    earlier call's in the same rollout; ``skipped_calls`` counts stored calls a
+    store read left out as untrainable.
     """
 
     @property
@@ -143,6 +178,8 @@ class MergeStats:
     def dropped_samples(self) -> int: ...
     @property
     def duplicates(self) -> int: ...
+    @property
+    def skipped_calls(self) -> int: ...
     def as_dict(self) -> dict[str, int]:
         """The counts as a plain dict."""
 
@@ -152,7 +189,10 @@ class PackedTree:
 
     ``parent`` is -1 at roots; ``depth`` is the position id; ``weights`` counts
     generating calls; ``gen_offsets``/``gen_call`` list the generating calls per token
-    (CSR); ``tree_offsets``/``tree_keys`` delimit the trees.
+    (CSR); ``tree_offsets``/``tree_keys`` delimit the trees. Per token, ``rollout``,
+    ``group`` and ``weight_version`` come from the first generating call (-1 for
+    context; ``group`` is the tree's for every token); ``call_rollout`` maps every
+    input call to its rollout, so a token several rollouts generated credits each.
     """
 
     @property
@@ -187,21 +227,51 @@ class PackedTree:
 
         Raises ``InvalidCallError`` naming the position where the sequence leaves the tree.
         """
+    @property
+    def rollout(self) -> npt.NDArray[np.int32]:
+        """Rollout of each token's first generator (int32 index into ``rollout_ids``, -1 for context)."""
+    @property
+    def group(self) -> npt.NDArray[np.int32]:
+        """Group of each token's tree (int32 index into ``groups``, -1 without a group)."""
+    @property
+    def weight_version(self) -> npt.NDArray[np.int64]:
+        """Weight version of each token's first generator (int64, -1 for context)."""
+    @property
+    def call_rollout(self) -> npt.NDArray[np.int32]:
+        """Rollout of every input call (int32 index into ``rollout_ids``)."""
+    @property
+    def rollout_ids(self) -> list[str]:
+        """The merge's rollouts, as in ``MergeResult.rollouts``."""
+    @property
+    def groups(self) -> list[str]:
+        """The merge's distinct groups, in order of first appearance."""
     def __len__(self) -> int: ...
 
 @final
 class MergeResult:
-    """The result of ``merge_calls``: samples, divergences, stats, and the packed tree on demand."""
+    """The result of ``merge_calls`` or a store read: samples, divergences, stats,
+    rollouts, and the packed tree on demand."""
 
     @property
     def samples(self) -> list[Sample]:
-        """Training samples; rollouts in order of first appearance, each in DFS order of its trie."""
+        """Training samples; rollouts in order of first appearance, each in DFS order of its trie.
+
+        Written from the merge's tries on first access (GIL released), so a consumer
+        of ``packed()`` or ``stats`` alone never pays for them.
+        """
     @property
     def divergences(self) -> list[Divergence]:
         """Where a later call's prompt left an earlier call's path."""
     @property
     def stats(self) -> MergeStats:
         """Counts describing the merge."""
+    @property
+    def calls(self) -> list[Call]:
+        """The merged calls, in input order (what ``call_index`` and ``gen_call`` index)."""
+    @property
+    def rollouts(self) -> list[RolloutInfo]:
+        """Every rollout of the merge: those passed in (or read from the store), including
+        rollouts without trainable calls, then any other rollout of the calls."""
     def packed(self, across_rollouts: bool = False) -> PackedTree:
         """The packed-tree form of the same calls (same ``max_tokens``).
 
@@ -211,22 +281,67 @@ class MergeResult:
         """
 
 def merge_calls(
-    calls: Iterable[Call], max_tokens: int | None = None, *, tokenizer: Any = None
+    calls: Iterable[Call],
+    max_tokens: int | None = None,
+    *,
+    tokenizer: Tokenizer | None = None,
+    rollouts: Sequence[RolloutInfo] | None = None,
 ) -> MergeResult:
     """Merge calls into training samples with a radix trie per rollout.
 
     Calls are grouped by ``rollout_id``, input order kept within a rollout; the GIL
     is released while merging. ``max_tokens`` cuts samples and reports what it cut.
-    ``tokenizer`` is reserved for divergence classification (without one every kind
-    is "unclassified"). Raises ``InvalidCallError`` (a ``ValueError``) naming the call
-    index for an empty completion, logprobs whose length differs from the
-    completion's, or calls of one rollout that disagree on ``group``.
+    With a ``tokenizer`` every divergence's cause is classified (``classify_drift``);
+    without one every kind is "unclassified". ``rollouts`` lists the rollouts (group,
+    mode, status, reward) in the order ``MergeResult.rollouts`` keeps. Raises
+    ``InvalidCallError`` (a ``ValueError``) naming the call index for an empty
+    completion, logprobs whose length differs from the completion's, or calls of one
+    rollout that disagree on ``group`` (with each other or their rollout record).
     """
+
+def _common_prefix_u32(a: npt.NDArray[np.uint32], b: npt.NDArray[np.uint32]) -> int:
+    """Common-prefix length with the merge's compare loop (for benches/merge.py)."""
 
 # --- gateway ---
 
 class GatewayError(LightningError):
     """The gateway could not start or run (bad config, port in use, store failure)."""
+
+class GatewayConfigError(GatewayError, ValueError):
+    """The gateway configuration is invalid (the message names the field). A ValueError."""
+
+class GatewayBindError(GatewayError, OSError):
+    """The gateway cannot listen on its address (port in use, no permission). An OSError."""
+
+class StoreError(GatewayError):
+    """The trace store cannot be opened or read (the message names the file)."""
+
+@final
+class StoreReader:
+    """A read-only connection to a gateway's store file. Used by ``lightning.Store``."""
+
+    def __new__(cls, path: str | os.PathLike[str]) -> StoreReader: ...
+    def rollouts(
+        self,
+        rollout_ids: Sequence[str] | None = None,
+        *,
+        group: str | None = None,
+        status: str | None = None,
+        mode: str | None = None,
+    ) -> list[dict[str, Any]]: ...
+    def records(self, rollout_id: str) -> list[dict[str, Any]]: ...
+    def events(self, rollout_id: str) -> list[tuple[int, str, str, float]]: ...
+    def trace(self, rollout_id: str) -> list[Call]: ...
+    def step(
+        self,
+        rollout_ids: Sequence[str] | None = None,
+        *,
+        group: str | None = None,
+        status: str | None = None,
+        mode: str | None = None,
+        max_tokens: int | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> MergeResult: ...
 
 @final
 class GatewayHandle:
@@ -237,6 +352,9 @@ class GatewayHandle:
     def stop(self) -> None: ...
 
 def gateway_start(config_json: str, threads: int = 2) -> GatewayHandle: ...
+def gateway_config_schema() -> str:
+    """The Rust gateway config as JSON: ``defaults``, ``upstream_defaults``, ``engines``, ``sync_modes``."""
+
 def gateway_serve(config_json: str, threads: int = 2) -> None: ...
 def gateway_main(argv: list[str]) -> int: ...
 

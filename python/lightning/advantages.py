@@ -28,12 +28,13 @@ Departures from the papers:
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import numpy as np
 import torch
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+from lightning.modes import Estimator
+
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 
 __all__ = [

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning import MergeResult
     from lightning.loop import Run
     from lightning.runner import RolloutResult
 
@@ -116,34 +117,38 @@ class PhaseLog:
 
 
 def enforce_at_use(
-    run: Run, step: int, usable: list[RolloutResult], traces: dict[str, list[Any]]
-) -> tuple[list[RolloutResult], dict[str, list[Any]], dict[str, int]]:
-    """The staleness bound at use: drop or regenerate rollouts that exceed it."""
+    run: Run, step: int, merged: MergeResult, results: Sequence[RolloutResult]
+) -> tuple[MergeResult, dict[str, int]]:
+    """The staleness bound at use: drop or regenerate rollouts that exceed it.
+
+    Versions come from the calls as recorded in the store (``merged.calls``);
+    when anything is dropped or regenerated the step's batch is read again, so
+    what trains is still exactly what is on disk."""
     alg = run.config.algorithm
     counts = {"dropped_stale": 0, "regenerated_stale": 0}
     if alg.max_staleness == 0:
-        return usable, traces, counts
-    versions = {r.rollout_id: [int(c.weight_version) for c in traces[r.rollout_id]] for r in usable}
+        return merged, counts
+    versions: dict[str, list[int]] = {r.rollout_id: [] for r in merged.rollouts}
+    for c in merged.calls:
+        versions.setdefault(c.rollout_id, []).append(int(c.weight_version))
     _, stale_ids = split_stale(step, alg.max_staleness, versions)
     if not stale_ids:
-        return usable, traces, counts
+        return merged, counts
     stale = set(stale_ids)
-    kept = [r for r in usable if r.rollout_id not in stale]
+    kept = [r.rollout_id for r in merged.rollouts if r.rollout_id not in stale]
     for rid in stale_ids:
         run.client.event(rid, "stale", {"step": step, "versions": versions[rid]})
     if alg.on_stale == "drop":
         counts["dropped_stale"] = len(stale)
-        return kept, {r.rollout_id: traces[r.rollout_id] for r in kept}, counts
-    # Regenerate on the current weights (version `step`, within any bound).
-    again = run.runner.run(
-        [(r.task, r.group) for r in usable if r.rollout_id in stale], mode="train"
-    )
-    counts["regenerated_stale"] = len(again)
-    fresh = [r for r in again if r.status == "succeeded" or not alg.drop_failed_rollouts]
-    kept += fresh
-    out = {r.rollout_id: traces[r.rollout_id] for r in kept if r.rollout_id in traces}
-    out.update({r.rollout_id: run.client.trace(r.rollout_id) for r in fresh})
-    return kept, out, counts
+    else:
+        # Regenerate on the current weights (version `step`, within any bound).
+        by_id = {r.rollout_id: r for r in results}
+        again = run.runner.run([(by_id[i].task, by_id[i].group) for i in stale_ids], mode="train")
+        counts["regenerated_stale"] = len(again)
+        kept += [
+            r.rollout_id for r in again if r.status == "succeeded" or not alg.drop_failed_rollouts
+        ]
+    return run.client.step(kept, tokenizer=run.tokenizer), counts
 
 
 def step_metrics(

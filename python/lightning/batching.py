@@ -27,15 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import numpy as np
 import torch
 
 from lightning.attention import TreePlan, plan_tree, segments, use_tree_attention
 from lightning.losses import entropy_from_logits
+from lightning.modes import BatchMode
 
-BatchMode = Literal["padded", "packed", "tree"]
 BATCH_MODES: tuple[str, ...] = get_args(BatchMode)
 
 __all__ = [

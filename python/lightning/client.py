@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import numpy as np
 
-from lightning._core import LightningError
+from lightning._core import Call, LightningError, MergeResult, RolloutInfo, Tokenizer, merge_calls
 
 RolloutStatus = Literal["queued", "running", "succeeded", "failed", "timed_out"]
 
@@ -92,9 +94,9 @@ class CallRecord:
             and self.completion_ids is not None
         )
 
-    def to_call(self) -> Any:
+    def to_call(self) -> Call:
         """As a ``lightning.Call`` (ids uint32, logprobs float32)."""
-        return make_call(
+        return Call(
             rollout_id=self.rollout_id,
             prompt_ids=self.prompt_ids if self.prompt_ids is not None else np.zeros(0, np.uint32),
             completion_ids=(
@@ -105,16 +107,6 @@ class CallRecord:
             weight_version=self.weight_version,
             group=self.group,
         )
-
-
-def make_call(**kw: Any) -> Any:
-    """Builds ``lightning.Call`` (from the native module)."""
-    import lightning
-
-    call_cls = getattr(lightning, "Call", None)
-    if call_cls is None:  # pragma: no cover - only before the merge module exists
-        raise LightningError("lightning.Call is not available in this build")
-    return call_cls(**kw)
 
 
 def decode_columnar(buf: bytes, group: str | None = None) -> list[CallRecord]:
@@ -172,14 +164,27 @@ class GatewayClient:
     """Rollout and admin API of a running gateway."""
 
     def __init__(
-        self, base_url: str, admin_key: str | None = None, *, timeout: float = 60.0
+        self,
+        base_url: str,
+        admin_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        store: str | Path | None = None,
     ) -> None:
+        """``store``: the gateway's database file, when it is on this machine;
+        traces and step batches are then read from it directly (one Rust read,
+        no HTTP), else over HTTP in the compact columnar form."""
+        from lightning.store import Store
+
         self.base_url = base_url.rstrip("/")
         self.admin_key = admin_key
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self.store = Store(store) if store is not None else None
 
     def close(self) -> None:
         self._http.close()
+        if self.store is not None:
+            self.store.close()
 
     def __enter__(self) -> GatewayClient:
         return self
@@ -262,9 +267,6 @@ class GatewayClient:
         group = None
         return decode_columnar(r.content, group)
 
-    def trace_json(self, rollout_id: str, token: str | None = None) -> dict[str, Any]:
-        return self._request("GET", f"/rollouts/{rollout_id}/trace", token=token).json()
-
     def trace(self, rollout_id: str, token: str | None = None) -> list[Any]:
         """The calls the harness actually saw, with exact ids, as ``lightning.Call``.
 
@@ -272,15 +274,48 @@ class GatewayClient:
         upstream errors) and calls the engine gave no ids for (see ``records``
         for those, with their ``status`` and ``flags``).
         """
+        if self.store is not None:
+            return self.store.trace(rollout_id)
         info = self.get_rollout(rollout_id) if self.admin_key or token else {}
-        group = info.get("group")
-        recs = self.records(rollout_id, token=token)
+        return self._http_trace(rollout_id, info.get("group"), token)
+
+    def _http_trace(self, rollout_id: str, group: str | None, token: str | None) -> list[Call]:
         out = []
-        for rec in recs:
+        for rec in self.records(rollout_id, token=token):
             rec.group = group
             if rec.trainable:
                 out.append(rec.to_call())
         return out
+
+    def step(
+        self,
+        rollout_ids: Sequence[str],
+        *,
+        max_tokens: int | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> MergeResult:
+        """A training step's batch: the rollouts (group, mode, status, latest
+        reward) and their trainable calls, merged. From the store file in one
+        read when the client has one (see ``Store.step``); else over HTTP (two
+        requests per rollout: its record and its columnar trace), returning the
+        same ``MergeResult``."""
+        if self.store is not None:
+            return self.store.step(rollout_ids, max_tokens=max_tokens, tokenizer=tokenizer)
+        infos, calls = [], []
+        for rid in rollout_ids:
+            d = self.get_rollout(rid)
+            reward = d.get("reward")
+            infos.append(
+                RolloutInfo(
+                    rid,
+                    group=d.get("group"),
+                    mode=d.get("mode"),
+                    status=d.get("status"),
+                    reward=None if reward is None else float(reward),
+                )
+            )
+            calls.extend(self._http_trace(rid, d.get("group"), None))
+        return merge_calls(calls, max_tokens, tokenizer=tokenizer, rollouts=infos)
 
     # --- admin --------------------------------------------------------------
 

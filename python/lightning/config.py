@@ -7,11 +7,26 @@ directory of the TOML file, so a config works from any working directory.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+
+from lightning.gateway import GatewayConfig, UpstreamConfig
+from lightning.modes import (
+    AggregationMode,
+    Autocast,
+    BatchMode,
+    Device,
+    Estimator,
+    KLEstimator,
+    LrSchedule,
+    OldLogprobs,
+    ParamDtype,
+    RatioLevel,
+)
 
 
 class _Section(BaseModel):
@@ -96,10 +111,44 @@ class EngineSection(_Section):
         return self
 
 
-class GatewaySection(_Section):
+class GatewaySection(GatewayConfig):
+    """``[gateway]`` of a run: any ``GatewayConfig`` field (so a typo fails at load,
+    naming it) except those the run sets itself: ``upstreams`` (the engines),
+    ``weight_version`` and the temperatures (from ``[algorithm]``)."""
+
     listen: str = "127.0.0.1:0"
-    admin_key: str | None = None
-    db: str | None = None  # default: RUN_DIR/lightning.db
+    db: str | None = None  # type: ignore[assignment]  # default: RUN_DIR/lightning.db
+    # Set by the run: rejected here, and left out of a saved run config.
+    upstreams: list[UpstreamConfig] = Field(default_factory=list, exclude=True)
+    weight_version: int = Field(default=0, exclude=True)
+    train_temperature: float | None = Field(default=None, exclude=True)
+    eval_temperature: float | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _run_sets(self) -> GatewaySection:
+        for name in ("upstreams", "weight_version", "train_temperature", "eval_temperature"):
+            if name in self.model_fields_set:
+                raise ValueError(
+                    f"[gateway] {name} is set by the run ([engine] and [algorithm]); remove it"
+                )
+        return self
+
+    def for_run(
+        self, *, db: str, admin_key: str, upstreams: list[UpstreamConfig], algorithm: Any
+    ) -> GatewayConfig:
+        """The gateway of a run: this section plus what the run decides."""
+        return GatewayConfig.model_validate(
+            {
+                **self.model_dump(exclude={"db", "admin_key", "upstreams"}),
+                "db": db,
+                "admin_key": admin_key,
+                "upstreams": upstreams,
+                # The gateway enforces the sampling temperature per mode, so even a
+                # harness that sets its own temperature samples what the trainer assumes.
+                "train_temperature": algorithm.train_temperature,
+                "eval_temperature": algorithm.eval_temperature,
+            }
+        )
 
 
 class HarnessSection(_Section):
@@ -151,7 +200,7 @@ class RewardSection(_Section):
 
 
 class AlgorithmSection(_Section):
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    estimator: Estimator = "grpo"
     group_size: int = Field(8, ge=1, description="rollouts per task (one GRPO group)")
     tasks_per_step: int = Field(2, ge=1)
     train_temperature: float = Field(1.0, ge=0.0)
@@ -176,6 +225,127 @@ class TrackingSection(_Section):
     mlflow_tracking_uri: str | None = None  # default: sqlite:///RUN_DIR/mlflow.db
 
 
+class LoraSettings(BaseModel):
+    """LoRA adapter (``peft``) on the attention projections by default."""
+
+    model_config = ConfigDict(extra="forbid")
+    r: int = Field(16, gt=0)
+    alpha: float = 32.0
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class TrainerOptions(BaseModel):
+    """Every trainer option but the model: the ``[trainer]`` section of a run
+    (``lightning train`` fills ``estimator``, ``temperature`` and ``seed`` from
+    ``[algorithm]`` and ``seed``). An unknown key or a value outside a mode's
+    closed set fails when the TOML loads, naming the field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # numerics
+    device: Device = "auto"
+    param_dtype: ParamDtype = "float32"
+    # "auto": bf16 autocast on CUDA, none (fp32) on CPU.
+    autocast: Autocast = "auto"
+    gradient_checkpointing: bool = False
+    lora: LoraSettings | None = None
+    # Under torchrun: "ddp" replicates the model, "fsdp2" shards it (lightning.fsdp).
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
+
+    # optimizer
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    lr_schedule: LrSchedule = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, gt=0, description="optimizer steps, for decay")
+    max_grad_norm: float | None = 1.0
+
+    # advantages
+    estimator: Estimator = "grpo"
+    adv_eps: float = 1e-6
+    filter_zero_adv_groups: bool = False
+    missing_reward: float | None = None
+
+    # loss
+    aggregation: AggregationMode = "token-mean"
+    max_len: int | None = Field(None, gt=0, description="L of seq-mean-token-sum-norm")
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+    ratio_level: RatioLevel = "token"
+    tis_cap: float | None = Field(None, gt=0)
+    tis_level: RatioLevel = "token"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: KLEstimator = "k3"
+    ref_model: str | None = Field(None, description="reference model dir (default: `model`)")
+    entropy_coef: float = 0.0
+
+    # schedule of one step
+    ppo_epochs: int = Field(1, gt=0)
+    mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch")
+    old_logprobs: OldLogprobs = "auto"
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="sampling temperature of the rollouts; logprobs come from logits / T "
+        "(the engine must report processed logprobs for the gap metrics to compare alike)",
+    )
+
+    # batching
+    batching: BatchMode = "packed"
+    micro_batch_tokens: int = Field(4096, gt=0)
+
+    log_dir: str | None = None
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerOptions:
+        if self.aggregation == "seq-mean-token-sum-norm" and self.max_len is None:
+            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_len (Dr. GRPO's L)")
+        if self.lr_schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps")
+        if self.parallel == "fsdp2" and self.lora is not None:
+            raise ValueError("parallel 'fsdp2' does not support lora yet; use parallel = 'ddp'")
+        return self
+
+
+class TrainerConfig(TrainerOptions):
+    """Everything :class:`lightning.trainer.Trainer` needs; load from TOML with
+    :meth:`from_toml`."""
+
+    model: str = Field(
+        description="local Hugging Face model directory",
+        validation_alias=AliasChoices("model", "model_path"),
+    )
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> TrainerConfig:
+        """Read a TOML file: top-level keys, or a ``[trainer]`` table."""
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        return cls.model_validate(data.get("trainer", data))
+
+
+class TrainerSection(TrainerOptions):
+    """``[trainer]`` of a run: every trainer option but those the run sets from
+    its other sections (rejected here, and left out of a saved run config)."""
+
+    estimator: Estimator = Field("grpo", exclude=True)
+    temperature: float = Field(1.0, gt=0, exclude=True)
+    seed: int = Field(0, exclude=True)
+
+
+# Trainer options that a run sets from its other sections.
+_RUN_SETS = {
+    "estimator": "[algorithm] estimator",
+    "temperature": "[algorithm] train_temperature",
+    "seed": "the top-level seed",
+}
+
+
 class RunConfig(_Section):
     model: ModelSection
     engine: EngineSection = Field(default_factory=EngineSection)
@@ -185,15 +355,34 @@ class RunConfig(_Section):
     reward: RewardSection = Field(default_factory=RewardSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
-    # Validated by lightning.trainer.TrainerConfig when the run starts (that module
-    # imports torch, which loading a config should not).
-    trainer: dict[str, Any] = Field(default_factory=dict)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     steps: int = Field(10, ge=0)
     eval_every: int = Field(0, ge=0, description="0 = only before and after training")
     checkpoint_every: int = Field(0, ge=0)
     traces_per_step: int = Field(2, ge=0)
     output_dir: str = "runs/latest"
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _trainer_leaves_run_fields(self) -> RunConfig:
+        for name, where in _RUN_SETS.items():
+            if name in self.trainer.model_fields_set:
+                raise ValueError(f"[trainer] {name}: set it as {where}, not in [trainer]")
+        return self
+
+    def trainer_config(self, model: str | Path) -> TrainerConfig:
+        """The trainer's configuration for this run's policy at `model`."""
+        return TrainerConfig.model_validate(
+            {
+                **self.trainer.model_dump(exclude_unset=True),
+                "model": str(model),
+                "estimator": self.algorithm.estimator,
+                # The trainer scores rollouts under the distribution they were
+                # sampled from: softmax(logits / train_temperature).
+                "temperature": self.algorithm.train_temperature or 1.0,
+                "seed": self.seed,
+            }
+        )
 
     @classmethod
     def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:

@@ -16,11 +16,24 @@ import secrets
 import sys
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lightning import _core
+
+if TYPE_CHECKING:
+    from lightning.client import GatewayClient
+
+
+# The Rust config (rust/gateway/src/config.rs) is the one definition: defaults
+# and closed sets come from it; tests/test_gateway_config.py checks every field.
+_RUST = json.loads(_core.gateway_config_schema())
+_DEFAULTS = _RUST["defaults"]
+_UPSTREAM = _RUST["upstream_defaults"]
+
+EngineKind = Literal["vllm", "sglang", "openai"]
+SyncMode = Literal["full", "normal"]
 
 
 class UpstreamConfig(BaseModel):
@@ -29,34 +42,39 @@ class UpstreamConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(description="Base URL with the API prefix, e.g. http://127.0.0.1:8000/v1")
-    weight_version: int = Field(default=0, ge=0, description="Weight version this engine serves")
-    engine: Literal["vllm", "sglang", "openai"] = "vllm"
+    weight_version: int = Field(
+        default=_UPSTREAM["weight_version"], ge=0, description="Weight version this engine serves"
+    )
+    engine: EngineKind = _UPSTREAM["engine"]
 
 
 class GatewayConfig(BaseModel):
-    """Gateway settings; field meanings match ``rust/gateway/src/config.rs``."""
+    """Gateway settings: the fields, meanings and defaults of the Rust ``Config``
+    (``rust/gateway/src/config.rs``), validated here so a bad value fails in Python
+    naming the field; ``threads`` and ``weight_version`` are Python-side only."""
 
     model_config = ConfigDict(extra="forbid")
 
-    listen: str = "127.0.0.1:8080"
+    listen: str = _DEFAULTS["listen"]
     upstreams: list[UpstreamConfig] = Field(default_factory=list)
-    db: str = "lightning.db"
+    db: str = _DEFAULTS["db"]
     admin_key: str | None = Field(
-        default=None, description="Admin key; None generates a random one on start()"
+        default=_DEFAULTS["admin_key"],
+        description="Admin key; None generates a random one on start()",
     )
-    public_url: str | None = None
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
-    upstream_timeout_s: float = Field(default=600.0, gt=0)
-    max_retries: int = Field(default=2, ge=0)
-    retry_base_ms: int = Field(default=50, ge=1)
-    mark_down_after: int = Field(default=3, ge=1)
-    down_for_s: float = Field(default=5.0, ge=0)
-    upstream_api_key: str | None = None
-    train_temperature: float | None = None
-    eval_temperature: float | None = None
-    eval_capture: bool = True
-    sync: Literal["full", "normal"] = "full"
-    drain_timeout_s: float = Field(default=30.0, ge=0)
+    public_url: str | None = _DEFAULTS["public_url"]
+    max_body_bytes: int = Field(default=_DEFAULTS["max_body_bytes"], gt=0)
+    upstream_timeout_s: float = Field(default=_DEFAULTS["upstream_timeout_s"], gt=0)
+    max_retries: int = Field(default=_DEFAULTS["max_retries"], ge=0)
+    retry_base_ms: int = Field(default=_DEFAULTS["retry_base_ms"], ge=1)
+    mark_down_after: int = Field(default=_DEFAULTS["mark_down_after"], ge=1)
+    down_for_s: float = Field(default=_DEFAULTS["down_for_s"], ge=0)
+    upstream_api_key: str | None = _DEFAULTS["upstream_api_key"]
+    train_temperature: float | None = _DEFAULTS["train_temperature"]
+    eval_temperature: float | None = _DEFAULTS["eval_temperature"]
+    eval_capture: bool = _DEFAULTS["eval_capture"]
+    sync: SyncMode = _DEFAULTS["sync"]
+    drain_timeout_s: float = Field(default=_DEFAULTS["drain_timeout_s"], ge=0)
     threads: int = Field(
         default=2, ge=1, description="tokio worker threads (not sent to Rust config)"
     )
@@ -106,7 +124,8 @@ class GatewayHandle:
         """Drain in-flight calls, flush the store, join the server thread."""
         self._inner.stop()
 
-    def client(self):
+    def client(self) -> GatewayClient:
+        """An HTTP client for this gateway."""
         from lightning.client import GatewayClient
 
         return GatewayClient(self.url, self.admin_key)

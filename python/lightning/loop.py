@@ -31,13 +31,12 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from lightning.config import RunConfig
+from lightning.config import RunConfig, TrainerConfig
 from lightning.runner import RolloutResult, Runner, load_callable
 from lightning.weight_sync import WeightSync, WeightUpdate, make_weight_sync
 
@@ -152,24 +151,19 @@ class EmbeddedEngine:
         self.log_file.close()
 
 
-def trainer_config(cfg: RunConfig, model_dir: Path) -> Any:
-    """The trainer's configuration for a run (every rank builds the same)."""
+def trainer_config(cfg: RunConfig, model_dir: Path) -> TrainerConfig:
+    """The trainer's configuration for a run (every rank builds the same):
+    ``RunConfig.trainer_config`` plus what an asynchronous run needs unless the
+    user set it (the truncated importance weight, lightning.async_loop)."""
     from lightning.async_loop import trainer_defaults
-    from lightning.trainer import TrainerConfig
 
-    return TrainerConfig.model_validate(
-        {
-            "model_path": str(model_dir),
-            "estimator": cfg.algorithm.estimator,
-            # The trainer scores rollouts under the distribution they were
-            # sampled from: softmax(logits / train_temperature).
-            "temperature": cfg.algorithm.train_temperature or 1.0,
-            "seed": cfg.seed,
-            # Asynchronous runs correct for staleness (lightning.async_loop).
-            **trainer_defaults(cfg.algorithm.max_staleness),
-            **cfg.trainer,
-        }
-    )
+    tc = cfg.trainer_config(model_dir)
+    unset = {
+        k: v
+        for k, v in trainer_defaults(cfg.algorithm.max_staleness).items()
+        if k not in cfg.trainer.model_fields_set
+    }
+    return TrainerConfig.model_validate({**tc.model_dump(), **unset}) if unset else tc
 
 
 def _make_launcher(cfg: RunConfig) -> Any:
@@ -199,12 +193,6 @@ def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
         world_sizes=e.sync_world_sizes or None,
         pause_mode=e.sync_pause,
     )
-
-
-@dataclass
-class StepRecord:
-    step: int
-    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def _eval_reward(results: Sequence[RolloutResult]) -> float:
@@ -249,7 +237,7 @@ class Run:
         self._stack.close()
 
     def _setup(self) -> None:
-        from lightning import Gateway, GatewayClient, GatewayConfig, Tokenizer, UpstreamConfig
+        from lightning import Gateway, GatewayClient, Tokenizer, UpstreamConfig
         from lightning.trainer import Trainer
 
         cfg = self.config
@@ -313,19 +301,16 @@ class Run:
         self.admin_key = cfg.gateway.admin_key or secrets.token_urlsafe(24)
         db = cfg.gateway.db or str(self.out / "lightning.db")
         version = int(self.state["weight_version"])
-        gw_config = GatewayConfig(
-            listen=cfg.gateway.listen,
-            upstreams=[UpstreamConfig(url=u, weight_version=version) for u in upstreams],
+        gw_config = cfg.gateway.for_run(
             db=db,
             admin_key=self.admin_key,
-            # The gateway enforces the sampling temperature per mode, so even a
-            # harness that sets its own temperature samples what the trainer assumes.
-            train_temperature=cfg.algorithm.train_temperature,
-            eval_temperature=cfg.algorithm.eval_temperature,
+            upstreams=[UpstreamConfig(url=u, weight_version=version) for u in upstreams],
+            algorithm=cfg.algorithm,
         )
         self.gateway = Gateway(gw_config).start()
         self._stack.callback(self.gateway.stop)
-        self.client = GatewayClient(self.gateway.url, self.admin_key)
+        # The store is on this machine: a step's batch is one Rust read of it.
+        self.client = GatewayClient(self.gateway.url, self.admin_key, store=db)
         self._stack.callback(self.client.close)
 
         harness: Any
@@ -456,23 +441,25 @@ class Run:
 
     def train_on(self, step: int, results: list[RolloutResult], *, t0: float) -> dict[str, Any]:
         """Merge, train and push the weights of one step from its finished rollouts."""
-        from lightning import merge_calls
         from lightning.async_loop import enforce_at_use, step_metrics
 
         status = Counter(r.status for r in results)
         usable = [
-            r
+            r.rollout_id
             for r in results
             if r.status == "succeeded" or not self.config.algorithm.drop_failed_rollouts
         ]
-        # trace() already leaves out what the harness never saw whole.
-        traces = {r.rollout_id: self.client.trace(r.rollout_id) for r in usable}
+        # One read of the store: calls, rewards and groups as they are on disk
+        # (what trains is what was recorded), merged with drift classified.
+        merged = self.client.step(usable, tokenizer=self.tokenizer)
         # Asynchronous hook: the staleness bound, checked again at use.
-        usable, traces, stale = enforce_at_use(self, step, usable, traces)
-        rewards = {r.rollout_id: (r.reward if r.reward is not None else 0.0) for r in usable}
-        groups = {r.rollout_id: str(r.group) for r in usable}
-        calls = [c for r in usable for c in traces[r.rollout_id]]
-        merged = merge_calls(calls, tokenizer=self.tokenizer)
+        merged, stale = enforce_at_use(self, step, merged, results)
+        unrewarded = sum(r.reward is None for r in merged.rollouts)
+        rewards = {
+            r.rollout_id: (r.reward if r.reward is not None else 0.0) for r in merged.rollouts
+        }
+        groups = {r.rollout_id: r.group for r in merged.rollouts if r.group is not None}
+        calls = merged.calls
         t_rollout = time.monotonic() - t0
         if not merged.samples:
             raise RuntimeError(
@@ -493,6 +480,8 @@ class Run:
                 "step": step,
                 "rollouts": len(results),
                 "rollout_status": dict(status),
+                "rollouts_without_reward": unrewarded,
+                "skipped_calls": merged.stats.skipped_calls,
                 "response_len_mean": float(sum(lengths) / len(lengths)) if lengths else 0.0,
                 "samples_per_rollout": (sum(per_rollout.values()) / len(per_rollout))
                 if per_rollout

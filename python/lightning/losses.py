@@ -49,21 +49,12 @@ Departures:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 import torch.distributed as dist
 
-AggregationMode = Literal[
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-    "rollout-mean",
-]
-AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
-RatioLevel = Literal["token", "sequence"]
-KLEstimator = Literal["k1", "k3"]
+from lightning.modes import AGGREGATION_MODES, AggregationMode, KLEstimator, RatioLevel
 
 __all__ = [
     "AGGREGATION_MODES",

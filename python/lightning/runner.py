@@ -47,6 +47,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from lightning._core import LightningError
+
 log = logging.getLogger("lightning.runner")
 
 RewardSource = Literal["harness", "stdout", "function"]
@@ -55,7 +57,7 @@ RolloutStatus = Literal["succeeded", "failed", "timed_out"]
 TAIL_BYTES = 4096
 
 
-class RunnerError(RuntimeError):
+class RunnerError(LightningError, RuntimeError):
     """A harness or reward function could not be set up (not: a rollout failed)."""
 
 
@@ -444,9 +446,3 @@ class Runner:
             return None
         await asyncio.to_thread(self.gateway.reward, rollout.id, value, source_name)
         return value
-
-
-def main_env_task() -> Any:
-    """For harness authors: the current task (``LIGHTNING_TASK``) or None outside lightning."""
-    raw = os.environ.get("LIGHTNING_TASK")
-    return None if raw is None else json.loads(raw)

@@ -48,30 +48,25 @@ import os
 import shutil
 import tempfile
 import time
-import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from lightning.advantages import Estimator, estimate, zero_advantage_groups
+from lightning.advantages import estimate, zero_advantage_groups
 from lightning.batching import (
-    BatchMode,
     MicroBatch,
     SeqItem,
     forward_logprobs,
     micro_batches,
     seq_items,
 )
+from lightning.config import LoraSettings, TrainerConfig
 from lightning.losses import (
-    AggregationMode,
-    KLEstimator,
     Normalizer,
-    RatioLevel,
     kl_penalty,
     policy_loss,
 )
@@ -99,101 +94,6 @@ METRIC_KEYS = (
     "samples_per_rollout",
     "single_sample_rollout_frac",
 )
-
-
-class LoraSettings(BaseModel):
-    """LoRA adapter (``peft``) on the attention projections by default."""
-
-    model_config = ConfigDict(extra="forbid")
-    r: int = Field(16, gt=0)
-    alpha: float = 32.0
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-
-class TrainerConfig(BaseModel):
-    """Everything :class:`Trainer` needs; load from TOML with :meth:`from_toml`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    # model and numerics
-    model: str = Field(
-        description="local Hugging Face model directory",
-        validation_alias=AliasChoices("model", "model_path"),
-    )
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    # "auto": bf16 autocast on CUDA, none (fp32) on CPU.
-    autocast: Literal["auto", "none", "bfloat16", "float16"] = "auto"
-    gradient_checkpointing: bool = False
-    lora: LoraSettings | None = None
-    # Under torchrun: "ddp" replicates the model, "fsdp2" shards it (lightning.fsdp).
-    parallel: Literal["ddp", "fsdp2"] = "ddp"
-
-    # optimizer
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    total_steps: int | None = Field(None, gt=0, description="optimizer steps, for decay")
-    max_grad_norm: float | None = 1.0
-
-    # advantages
-    estimator: Estimator = "grpo"
-    adv_eps: float = 1e-6
-    filter_zero_adv_groups: bool = False
-    missing_reward: float | None = None
-
-    # loss
-    aggregation: AggregationMode = "token-mean"
-    max_len: int | None = Field(None, gt=0, description="L of seq-mean-token-sum-norm")
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.2, ge=0)
-    dual_clip: float | None = Field(None, gt=1)
-    ratio_level: RatioLevel = "token"
-    tis_cap: float | None = Field(None, gt=0)
-    tis_level: RatioLevel = "token"
-    kl_coef: float = Field(0.0, ge=0)
-    kl_estimator: KLEstimator = "k3"
-    ref_model: str | None = Field(None, description="reference model dir (default: `model`)")
-    entropy_coef: float = 0.0
-
-    # schedule of one step
-    ppo_epochs: int = Field(1, gt=0)
-    mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch")
-    old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
-    temperature: float = Field(
-        1.0,
-        gt=0,
-        description="sampling temperature of the rollouts; logprobs come from logits / T "
-        "(the engine must report processed logprobs for the gap metrics to compare alike)",
-    )
-
-    # batching
-    batching: BatchMode = "packed"
-    micro_batch_tokens: int = Field(4096, gt=0)
-
-    log_dir: str | None = None
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _check(self) -> TrainerConfig:
-        if self.aggregation == "seq-mean-token-sum-norm" and self.max_len is None:
-            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_len (Dr. GRPO's L)")
-        if self.lr_schedule != "constant" and self.total_steps is None:
-            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps")
-        if self.parallel == "fsdp2" and self.lora is not None:
-            raise ValueError("parallel 'fsdp2' does not support lora yet; use parallel = 'ddp'")
-        return self
-
-    @classmethod
-    def from_toml(cls, path: str | os.PathLike[str]) -> TrainerConfig:
-        """Read a TOML file: top-level keys, or a ``[trainer]`` table."""
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        return cls.model_validate(data.get("trainer", data))
 
 
 def _world() -> tuple[int, int]:

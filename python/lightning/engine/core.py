@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from lightning._core import LightningError
 from lightning.engine import kv, tools
 from lightning.engine.sampling import (
     LOGPROBS_MODES,
@@ -50,7 +51,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class EngineError(ValueError):
+class EngineError(LightningError, ValueError):
     """A request the engine cannot run (bad parameters, prompt too long)."""
 
     def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None):

@@ -48,6 +48,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lightning._core import LightningError
 from lightning.engine import tools
 from lightning.engine.core import Engine, EngineError, Event
 from lightning.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -57,7 +58,7 @@ log = logging.getLogger("lightning.engine")
 MAX_N = 64
 
 
-class RequestError(Exception):
+class RequestError(LightningError):
     """An OpenAI-shaped error answer."""
 
     def __init__(

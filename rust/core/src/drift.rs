@@ -23,39 +23,13 @@ use serde_json::Value as Json;
 
 use crate::error::CoreError;
 use crate::tokenizer::{Piece, Tokenizer};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DriftKind {
-    Match,
-    Retokenization,
-    ReasoningStripped,
-    ToolCallReserialized,
-    Truncated,
-    Separator,
-    Compacted,
-    Other,
-}
-
-impl DriftKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DriftKind::Match => "match",
-            DriftKind::Retokenization => "retokenization",
-            DriftKind::ReasoningStripped => "reasoning_stripped",
-            DriftKind::ToolCallReserialized => "tool_call_reserialized",
-            DriftKind::Truncated => "truncated",
-            DriftKind::Separator => "separator",
-            DriftKind::Compacted => "compacted",
-            DriftKind::Other => "other",
-        }
-    }
-}
+use crate::trace::{CallView, Divergence, DivergenceKind};
 
 /// The verdict: kind, first differing token index, first differing byte of the
 /// decoded texts, and a human-readable note.
 #[derive(Debug, Clone)]
 pub struct Drift {
-    pub kind: DriftKind,
+    pub kind: DivergenceKind,
     pub position: usize,
     pub text_offset: usize,
     pub detail: String,
@@ -131,7 +105,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
     let p = prev.iter().zip(next).take_while(|(a, b)| a == b).count();
     if p == prev.len() {
         return Ok(Drift {
-            kind: DriftKind::Match,
+            kind: DivergenceKind::Match,
             position: p,
             text_offset: 0,
             detail: "the next prompt extends the previous context".into(),
@@ -147,7 +121,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
         next.get(p)
             .map_or_else(|| "<end>".to_owned(), u32::to_string)
     );
-    let verdict = |kind: DriftKind, detail: String| Drift {
+    let verdict = |kind: DivergenceKind, detail: String| Drift {
         kind,
         position: p,
         text_offset: c,
@@ -156,7 +130,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
 
     if a.is_empty() {
         return Ok(verdict(
-            DriftKind::Retokenization,
+            DivergenceKind::Retokenization,
             format!("decoded texts agree but ids differ at {id_note} (text byte {c})"),
         ));
     }
@@ -189,7 +163,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
         let next_has_reasoning = tb.contains("</think>");
         if !next_has_reasoning && (y.starts_with(&x) || x.starts_with(&y)) {
             return Ok(verdict(
-                DriftKind::ReasoningStripped,
+                DivergenceKind::ReasoningStripped,
                 format!("the template removed a <think> block from the previous turn ({id_note})"),
             ));
         }
@@ -199,7 +173,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
     let (ja, jb) = (json_objects(ta), json_objects(tb));
     if !ja.is_empty() && jb.len() >= ja.len() && ja[..] == jb[..ja.len()] {
         return Ok(verdict(
-            DriftKind::ToolCallReserialized,
+            DivergenceKind::ToolCallReserialized,
             format!(
                 "{} tool call(s) came back with equal JSON but different text ({id_note})",
                 ja.len()
@@ -220,7 +194,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
             .unwrap_or(0);
         if c >= last_turn {
             return Ok(verdict(
-                DriftKind::Truncated,
+                DivergenceKind::Truncated,
                 format!("the previous context ends without a control token (cut completion) and the next prompt rewrites its tail ({id_note})"),
             ));
         }
@@ -238,7 +212,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
     let (sa, sb) = (skel(ta), skel(tb));
     if sb.starts_with(&sa) {
         return Ok(verdict(
-            DriftKind::Separator,
+            DivergenceKind::Separator,
             format!("only whitespace or control tokens between turns changed ({id_note})"),
         ));
     }
@@ -260,7 +234,7 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
     let present = later.iter().filter(|s| sb_all.contains(s.as_str())).count();
     if !later.is_empty() && present * 2 < later.len() {
         return Ok(verdict(
-            DriftKind::Compacted,
+            DivergenceKind::Compacted,
             format!(
                 "{} of {} later turns of the previous context are absent from the next prompt: history dropped or summarized ({id_note})",
                 later.len() - present,
@@ -269,7 +243,25 @@ pub fn classify_drift(prev: &[u32], next: &[u32], tok: &Tokenizer) -> Result<Dri
         ));
     }
     Ok(verdict(
-        DriftKind::Other,
+        DivergenceKind::Other,
         format!("texts differ at byte {c} ({id_note})"),
     ))
+}
+
+/// Name the cause of every divergence of a merge over `calls`: the previous
+/// context is the left call's prompt + completion, the next is the diverging
+/// call's prompt.
+pub fn classify_divergences(
+    calls: &[CallView<'_>],
+    divergences: &mut [Divergence],
+    tok: &Tokenizer,
+) -> Result<(), CoreError> {
+    for d in divergences {
+        let left = calls[d.left_call_index];
+        let mut prev = Vec::with_capacity(left.len());
+        prev.extend_from_slice(left.prompt);
+        prev.extend_from_slice(left.completion);
+        d.kind = classify_drift(&prev, calls[d.call_index].prompt, tok)?.kind;
+    }
+    Ok(())
 }

@@ -124,26 +124,56 @@ impl<'a> CallView<'a> {
     }
 }
 
-/// Why a later call's prompt left the path of an earlier call.
+/// Why a later call's prompt left the path of an earlier call: the one set of
+/// causes, from the merge (which finds divergences, `Unclassified`) and the
+/// drift classifier (`crate::drift`, which names them with a tokenizer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DivergenceKind {
     /// No tokenizer was given, so the cause is not known.
     Unclassified,
-    /// Decoded texts are equal, token ids differ.
+    /// The next prompt extends the previous context (no divergence).
+    Match,
+    /// Decoded texts agree, token ids differ.
     Retokenization,
-    /// Texts differ only in template-controlled markup or stripped reasoning.
-    Template,
+    /// The template removed a `<think>` block from the previous turn.
+    ReasoningStripped,
+    /// Tool-call JSON came back with equal values but different text.
+    ToolCallReserialized,
+    /// The previous completion was cut (no control token) and its tail rewritten.
+    Truncated,
+    /// Only whitespace or control tokens between turns changed.
+    Separator,
+    /// Most later turns are gone: history dropped or summarized.
+    Compacted,
     /// Anything else (edited history, sub-agents, ...).
     Other,
 }
 
 impl DivergenceKind {
+    /// Every kind, in the order above.
+    pub const ALL: [DivergenceKind; 9] = [
+        DivergenceKind::Unclassified,
+        DivergenceKind::Match,
+        DivergenceKind::Retokenization,
+        DivergenceKind::ReasoningStripped,
+        DivergenceKind::ToolCallReserialized,
+        DivergenceKind::Truncated,
+        DivergenceKind::Separator,
+        DivergenceKind::Compacted,
+        DivergenceKind::Other,
+    ];
+
     /// The string Python sees.
     pub fn as_str(self) -> &'static str {
         match self {
             DivergenceKind::Unclassified => "unclassified",
+            DivergenceKind::Match => "match",
             DivergenceKind::Retokenization => "retokenization",
-            DivergenceKind::Template => "template",
+            DivergenceKind::ReasoningStripped => "reasoning_stripped",
+            DivergenceKind::ToolCallReserialized => "tool_call_reserialized",
+            DivergenceKind::Truncated => "truncated",
+            DivergenceKind::Separator => "separator",
+            DivergenceKind::Compacted => "compacted",
             DivergenceKind::Other => "other",
         }
     }
@@ -230,4 +260,31 @@ pub struct PackedTree {
     pub tree_offsets: Vec<i64>,
     /// The rollout id or group name of each tree.
     pub tree_keys: Vec<String>,
+    /// The first call (input index) of each tree: its rollout and group name the tree.
+    pub tree_call: Vec<i32>,
+}
+
+impl PackedTree {
+    /// The first generating call of each token (input index), -1 for context.
+    pub fn first_generator(&self) -> Vec<i32> {
+        self.gen_offsets
+            .windows(2)
+            .map(|w| {
+                if w[0] < w[1] {
+                    self.gen_call[w[0] as usize]
+                } else {
+                    -1
+                }
+            })
+            .collect()
+    }
+
+    /// Index of the tree each token belongs to.
+    pub fn token_tree(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.tokens.len());
+        for (t, w) in self.tree_offsets.windows(2).enumerate() {
+            out.resize(out.len() + (w[1] - w[0]) as usize, t as u32);
+        }
+        out
+    }
 }

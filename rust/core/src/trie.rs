@@ -13,6 +13,8 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use rayon::prelude::*;
+
 use crate::error::CoreError;
 use crate::trace::{CallView, Divergence, DivergenceKind, MergeStats, Merged, PackedTree, Sample};
 
@@ -62,7 +64,7 @@ const ROOT: usize = 0;
 /// Length of the common prefix of two slices. Whole-slice and chunk equality
 /// compile to `memcmp`, so equal runs (the common case) are compared in bulk.
 #[inline]
-fn lcp(a: &[u32], b: &[u32]) -> usize {
+pub fn lcp(a: &[u32], b: &[u32]) -> usize {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     if a == b {
@@ -250,6 +252,58 @@ impl<'c, 'a> Trie<'c, 'a> {
         self.calls[n.src as usize].pieces(n.start as usize, stop)
     }
 
+    /// The read-only view of this trie.
+    #[inline]
+    pub fn as_ref(&self) -> TrieRef<'_, 'c, 'a> {
+        TrieRef {
+            calls: self.calls,
+            nodes: &self.nodes,
+        }
+    }
+
+    /// The nodes, without the borrow of the calls (see [`MergePlan`]).
+    fn into_nodes(self) -> Vec<Node> {
+        self.nodes
+    }
+
+    /// Number of trie nodes including the root (for tests and benchmarks).
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Weight, first generator and logprob at `depth` on the path of call `c`
+    /// (test helper; O(path)).
+    pub fn lookup(&self, c: usize, depth: usize) -> Option<(u32, i32, f32)> {
+        let call = self.calls[c];
+        let mut node = ROOT;
+        let mut d = 0usize;
+        while d <= depth && depth < call.len() {
+            let t = call.token(d);
+            let ch = self.nodes[node]
+                .children
+                .iter()
+                .copied()
+                .find(|&ch| self.first_token(ch as usize) == t)? as usize;
+            let n = &self.nodes[ch];
+            if depth < n.end as usize {
+                return Some(self.as_ref().position(n, depth as u32));
+            }
+            d = n.end as usize;
+            node = ch;
+        }
+        None
+    }
+}
+
+/// A trie's nodes with the calls they index, read-only: what writing samples
+/// and packing need, so a plan can keep its nodes without borrowing the calls.
+#[derive(Debug, Clone, Copy)]
+pub struct TrieRef<'n, 'c, 'a> {
+    calls: &'c [CallView<'a>],
+    nodes: &'n [Node],
+}
+
+impl TrieRef<'_, '_, '_> {
     /// Weight, first generator and logprob of the token at `depth` on `node`.
     #[inline]
     fn position(&self, node: &Node, depth: u32) -> (u32, i32, f32) {
@@ -423,34 +477,6 @@ impl<'c, 'a> Trie<'c, 'a> {
             stack.push((ch, 0, last));
         }
     }
-
-    /// Number of trie nodes including the root (for tests and benchmarks).
-    pub fn node_count(&self) -> usize {
-        self.nodes.len()
-    }
-
-    /// Weight, first generator and logprob at `depth` on the path of call `c`
-    /// (test helper; O(path)).
-    pub fn lookup(&self, c: usize, depth: usize) -> Option<(u32, i32, f32)> {
-        let call = self.calls[c];
-        let mut node = ROOT;
-        let mut d = 0usize;
-        while d <= depth && depth < call.len() {
-            let t = call.token(d);
-            let ch = self.nodes[node]
-                .children
-                .iter()
-                .copied()
-                .find(|&ch| self.first_token(ch as usize) == t)? as usize;
-            let n = &self.nodes[ch];
-            if depth < n.end as usize {
-                return Some(self.position(n, depth as u32));
-            }
-            d = n.end as usize;
-            node = ch;
-        }
-        None
-    }
 }
 
 /// Validate `calls` and check `max_tokens`.
@@ -512,60 +538,100 @@ pub struct SampleMut<'o> {
 #[derive(Debug, Clone, Copy)]
 pub struct SampleInfo<'a> {
     pub rollout_id: &'a str,
+    /// Input index of the rollout's first call.
+    pub first_call: usize,
     pub group: Option<&'a str>,
     pub len: usize,
     pub truncated: usize,
 }
 
 #[derive(Debug)]
-struct RolloutPlan<'c, 'a> {
-    rollout_id: &'a str,
-    group: Option<&'a str>,
-    trie: Trie<'c, 'a>,
+struct RolloutPlan {
+    first_call: usize,
+    nodes: Vec<Node>,
     samples: Vec<Layout>,
+    /// Tokens of the kept samples.
+    tokens: usize,
 }
 
 /// A merge with its tries built and its samples laid out, before any sample
-/// token is written: the caller sizes the output from `sample_tokens` (one
-/// flat buffer per field, so large outputs cost few page faults) and then
-/// calls [`MergePlan::write`].
+/// token is written. It owns its tries (nodes index the calls it was planned
+/// from, which every method takes again), so a caller can keep it and write
+/// the samples only when they are asked for, sized from `stats.sample_tokens`.
 #[derive(Debug)]
-pub struct MergePlan<'c, 'a> {
-    rollouts: Vec<RolloutPlan<'c, 'a>>,
+pub struct MergePlan {
+    rollouts: Vec<RolloutPlan>,
     pub divergences: Vec<Divergence>,
     pub stats: MergeStats,
     /// Wall-clock seconds spent inserting calls and laying out samples.
     pub insert_seconds: f64,
 }
 
-impl<'c, 'a> MergePlan<'c, 'a> {
-    /// The kept samples, in output order.
-    pub fn samples(&self) -> impl Iterator<Item = SampleInfo<'a>> + '_ {
-        self.rollouts.iter().flat_map(|r| {
-            r.samples.iter().filter(|l| l.keep).map(|l| SampleInfo {
-                rollout_id: r.rollout_id,
-                group: r.group,
-                len: l.len,
-                truncated: l.truncated,
-            })
+impl MergePlan {
+    /// The kept samples, in output order. `calls` must be the calls planned from.
+    pub fn samples<'p, 'a>(
+        &'p self,
+        calls: &'p [CallView<'a>],
+    ) -> impl Iterator<Item = SampleInfo<'a>> + 'p {
+        self.rollouts.iter().flat_map(move |r| {
+            let first = &calls[r.first_call];
+            r.samples
+                .iter()
+                .filter(|l| l.keep)
+                .map(move |l| SampleInfo {
+                    rollout_id: first.rollout_id,
+                    first_call: r.first_call,
+                    group: first.group,
+                    len: l.len,
+                    truncated: l.truncated,
+                })
         })
     }
 
-    /// Write every kept sample back to back into buffers of `stats.sample_tokens`.
-    pub fn write(&self, out: SampleMut<'_>) {
+    /// Write every kept sample back to back into buffers of `stats.sample_tokens`,
+    /// rollouts in parallel. `calls` must be the calls planned from.
+    pub fn write(&self, calls: &[CallView<'_>], out: SampleMut<'_>) {
         let SampleMut {
             mut tokens,
             mut weights,
             mut logprobs,
             mut call_index,
         } = out;
+        // Disjoint output ranges per rollout, then one task per rollout.
+        let mut parts = Vec::with_capacity(self.rollouts.len());
         for r in &self.rollouts {
+            let (t, t_rest) = std::mem::take(&mut tokens).split_at_mut(r.tokens);
+            let (w, w_rest) = std::mem::take(&mut weights).split_at_mut(r.tokens);
+            let (p, p_rest) = std::mem::take(&mut logprobs).split_at_mut(r.tokens);
+            let (c, c_rest) = std::mem::take(&mut call_index).split_at_mut(r.tokens);
+            parts.push((
+                r,
+                SampleMut {
+                    tokens: t,
+                    weights: w,
+                    logprobs: p,
+                    call_index: c,
+                },
+            ));
+            (tokens, weights, logprobs, call_index) = (t_rest, w_rest, p_rest, c_rest);
+        }
+        parts.into_par_iter().for_each(|(r, out)| {
+            let trie = TrieRef {
+                calls,
+                nodes: &r.nodes,
+            };
+            let SampleMut {
+                mut tokens,
+                mut weights,
+                mut logprobs,
+                mut call_index,
+            } = out;
             for l in r.samples.iter().filter(|l| l.keep) {
                 let (t, t_rest) = std::mem::take(&mut tokens).split_at_mut(l.len);
                 let (w, w_rest) = std::mem::take(&mut weights).split_at_mut(l.len);
                 let (p, p_rest) = std::mem::take(&mut logprobs).split_at_mut(l.len);
                 let (c, c_rest) = std::mem::take(&mut call_index).split_at_mut(l.len);
-                r.trie.write(
+                trie.write(
                     l,
                     SampleMut {
                         tokens: t,
@@ -576,57 +642,87 @@ impl<'c, 'a> MergePlan<'c, 'a> {
                 );
                 (tokens, weights, logprobs, call_index) = (t_rest, w_rest, p_rest, c_rest);
             }
-        }
+        });
     }
 }
 
+/// What planning one rollout found.
+struct PlannedRollout {
+    plan: RolloutPlan,
+    divergences: Vec<Divergence>,
+    duplicates: usize,
+}
+
+/// Insert one rollout's calls (in input order) and lay out its samples.
+fn plan_rollout(
+    calls: &[CallView<'_>],
+    rollout_id: &str,
+    members: &[usize],
+    limit: usize,
+) -> Result<PlannedRollout, CoreError> {
+    let group = calls[members[0]].group;
+    let mut trie = Trie::new(calls);
+    let mut divergences = Vec::new();
+    let mut duplicates = 0;
+    for &c in members {
+        if calls[c].group != group {
+            return Err(CoreError::InvalidCall {
+                index: c,
+                message: format!(
+                    "group {} differs from group {} of call {} in the same rollout {:?}; \
+                     every call of a rollout must carry the same group",
+                    show_group(calls[c].group),
+                    show_group(group),
+                    members[0],
+                    rollout_id
+                ),
+            });
+        }
+        let ins = trie.insert(c);
+        if let Some((position, left)) = ins.divergence {
+            divergences.push(Divergence {
+                rollout_id: rollout_id.to_string(),
+                call_index: c,
+                position,
+                left_call_index: left,
+                kind: DivergenceKind::Unclassified,
+            });
+        }
+        duplicates += usize::from(ins.duplicate);
+    }
+    let samples = trie.as_ref().layouts(limit);
+    let tokens = samples.iter().filter(|l| l.keep).map(|l| l.len).sum();
+    Ok(PlannedRollout {
+        plan: RolloutPlan {
+            first_call: members[0],
+            nodes: trie.into_nodes(),
+            samples,
+            tokens,
+        },
+        divergences,
+        duplicates,
+    })
+}
+
 /// Build one trie per rollout (grouped by rollout id, input order kept within a
-/// rollout) and lay out the samples. Call indices in the output index `calls`.
-/// Divergences are reported with kind `Unclassified`.
-pub fn plan<'c, 'a>(
-    calls: &'c [CallView<'a>],
-    max_tokens: Option<usize>,
-) -> Result<MergePlan<'c, 'a>, CoreError> {
+/// rollout; rollouts in parallel) and lay out the samples. Call indices in the
+/// output index `calls`. Divergences are reported with kind `Unclassified`.
+pub fn plan(calls: &[CallView<'_>], max_tokens: Option<usize>) -> Result<MergePlan, CoreError> {
     let limit = check(calls, max_tokens)?;
     let t0 = Instant::now();
     let rollouts = group_by(calls, |c| c.rollout_id);
+    let planned = rollouts
+        .par_iter()
+        .map(|(rollout_id, members)| plan_rollout(calls, rollout_id, members, limit))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut plan = MergePlan {
-        rollouts: Vec::with_capacity(rollouts.len()),
+        rollouts: Vec::with_capacity(planned.len()),
         divergences: Vec::new(),
         stats: MergeStats::default(),
         insert_seconds: 0.0,
     };
-    for (rollout_id, members) in rollouts {
-        let group = calls[members[0]].group;
-        let mut trie = Trie::new(calls);
-        for &c in &members {
-            if calls[c].group != group {
-                return Err(CoreError::InvalidCall {
-                    index: c,
-                    message: format!(
-                        "group {} differs from group {} of call {} in the same rollout {:?}; \
-                         every call of a rollout must carry the same group",
-                        show_group(calls[c].group),
-                        show_group(group),
-                        members[0],
-                        rollout_id
-                    ),
-                });
-            }
-            let ins = trie.insert(c);
-            if let Some((position, left)) = ins.divergence {
-                plan.divergences.push(Divergence {
-                    rollout_id: rollout_id.to_string(),
-                    call_index: c,
-                    position,
-                    left_call_index: left,
-                    kind: DivergenceKind::Unclassified,
-                });
-            }
-            plan.stats.duplicates += usize::from(ins.duplicate);
-        }
-        let samples = trie.layouts(limit);
-        for l in &samples {
+    for p in planned {
+        for l in &p.plan.samples {
             if l.keep {
                 plan.stats.samples += 1;
                 plan.stats.sample_tokens += l.len;
@@ -634,12 +730,9 @@ pub fn plan<'c, 'a>(
                 plan.stats.dropped_samples += 1;
             }
         }
-        plan.rollouts.push(RolloutPlan {
-            rollout_id,
-            group,
-            trie,
-            samples,
-        });
+        plan.stats.duplicates += p.duplicates;
+        plan.divergences.extend(p.divergences);
+        plan.rollouts.push(p.plan);
     }
     let stats = &mut plan.stats;
     stats.calls = calls.len();
@@ -659,15 +752,18 @@ pub fn merge(calls: &[CallView<'_>], max_tokens: Option<usize>) -> Result<Merged
     let n = plan.stats.sample_tokens;
     let (mut tokens, mut weights) = (vec![0u32; n], vec![0f32; n]);
     let (mut logprobs, mut call_index) = (vec![0f32; n], vec![0i32; n]);
-    plan.write(SampleMut {
-        tokens: &mut tokens,
-        weights: &mut weights,
-        logprobs: &mut logprobs,
-        call_index: &mut call_index,
-    });
+    plan.write(
+        calls,
+        SampleMut {
+            tokens: &mut tokens,
+            weights: &mut weights,
+            logprobs: &mut logprobs,
+            call_index: &mut call_index,
+        },
+    );
     let mut at = 0;
     let samples = plan
-        .samples()
+        .samples(calls)
         .map(|info| {
             let r = at..at + info.len;
             at += info.len;
@@ -721,8 +817,9 @@ pub fn pack(
         for &c in members {
             trie.insert(c);
         }
-        trie.pack_into(limit, &mut out);
+        trie.as_ref().pack_into(limit, &mut out);
         out.tree_offsets.push(out.tokens.len() as i64);
+        out.tree_call.push(members[0] as i32);
         out.tree_keys.push(match key {
             TreeKey::Rollout(s) | TreeKey::Group(s) => s.to_string(),
         });
@@ -755,8 +852,10 @@ pub fn pack_sequences(seqs: &[&[u32]]) -> PackedTree {
     for c in 0..calls.len() {
         trie.insert(c);
     }
-    trie.pack_into(usize::MAX, &mut out);
+    trie.as_ref().pack_into(usize::MAX, &mut out);
     out.tree_offsets.push(out.tokens.len() as i64);
+    // No rollouts here: the one tree has no first call to name.
+    out.tree_call.push(-1);
     out.tree_keys.push(String::new());
     out
 }
@@ -1010,10 +1109,15 @@ mod tests {
         assert_eq!(p.gen_offsets, vec![0, 0, 0, 2, 3]);
         assert_eq!(p.gen_call, vec![0, 2, 1]);
         assert_eq!(p.tree_keys, vec!["g".to_string()]);
+        assert_eq!(p.tree_call, vec![0]);
+        assert_eq!(p.first_generator(), vec![-1, -1, 0, 1]);
+        assert_eq!(p.token_tree(), vec![0; 4]);
         assert_eq!(p.tree_offsets, vec![0, 4]);
         let per_rollout = pack(&calls, None, false).unwrap();
         assert_eq!(per_rollout.tokens.len(), 9);
         assert_eq!(per_rollout.tree_keys, ["r1", "r2", "r3"]);
+        assert_eq!(per_rollout.tree_call, vec![0, 1, 2]);
+        assert_eq!(per_rollout.token_tree(), vec![0, 0, 0, 1, 1, 1, 2, 2, 2]);
         let cut = pack(&calls, Some(2), true).unwrap();
         assert_eq!(cut.tokens, vec![1, 2]);
     }

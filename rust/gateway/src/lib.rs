@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod online;
 pub mod protocol;
 pub mod proxy;
+pub mod reader;
 pub mod routes;
 pub mod state;
 pub mod store;

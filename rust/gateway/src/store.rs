@@ -591,46 +591,9 @@ impl Store {
         })
     }
 
+    /// Every recorded call of a rollout (see [`crate::reader::records`]).
     pub fn trace(&self, id: &str) -> Result<Vec<StoredCall>, GatewayError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT seq, request_id, choice_index, kind, prompt_ids, completion_ids, logprobs,
-                        finish_reason, text, status, flags, delivered, retry_count, weight_version,
-                        upstream, http_status, latency_ms, usage, created
-                 FROM calls WHERE rollout_id = ?1 ORDER BY seq",
-            )?;
-            let rows = stmt.query_map(params![id], |r| {
-                let flags: String = r.get(10)?;
-                Ok(StoredCall {
-                    seq: r.get(0)?,
-                    request_id: r.get(1)?,
-                    choice_index: r.get(2)?,
-                    kind: r.get(3)?,
-                    prompt_ids: r.get::<_, Option<Vec<u8>>>(4)?.map(|b| blob_to_ids(&b)),
-                    completion_ids: r.get::<_, Option<Vec<u8>>>(5)?.map(|b| blob_to_ids(&b)),
-                    logprobs: r.get::<_, Option<Vec<u8>>>(6)?.map(|b| blob_to_f32s(&b)),
-                    finish_reason: r.get(7)?,
-                    text: r.get(8)?,
-                    status: r.get(9)?,
-                    flags: flags
-                        .split(',')
-                        .filter(|s| !s.is_empty())
-                        .map(str::to_string)
-                        .collect(),
-                    delivered: r.get::<_, i64>(11)? != 0,
-                    retry_count: r.get(12)?,
-                    weight_version: r.get(13)?,
-                    upstream: r.get(14)?,
-                    http_status: r.get(15)?,
-                    latency_ms: r.get(16)?,
-                    usage: r
-                        .get::<_, Option<String>>(17)?
-                        .and_then(|s| serde_json::from_str(&s).ok()),
-                    created: r.get(18)?,
-                })
-            })?;
-            rows.collect()
-        })
+        self.read(|c| crate::reader::records(c, id))
     }
 }
 

@@ -2,7 +2,7 @@
 //! subclass the builtin a Python user would expect to catch.
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::{PyException, PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -14,18 +14,20 @@ create_exception!(
     "Root of all lightning errors."
 );
 
-/// `InvalidCallError(LightningError, ValueError)`: bad call data. Built with
-/// `type()` because `create_exception!` takes a single base class.
+/// Exception classes with two bases (ours and a builtin), built with `type()`
+/// because `create_exception!` takes a single base class.
 static INVALID_CALL_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static GATEWAY_CONFIG_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static GATEWAY_BIND_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
-fn value_error_type(py: Python<'_>, name: &str, doc: &str) -> PyResult<Py<PyType>> {
-    let bases = PyTuple::new(
-        py,
-        [
-            py.get_type::<LightningError>().into_any(),
-            py.get_type::<PyValueError>().into_any(),
-        ],
-    )?;
+fn two_base_type(
+    py: Python<'_>,
+    name: &str,
+    doc: &str,
+    ours: Bound<'_, PyType>,
+    builtin: Bound<'_, PyType>,
+) -> PyResult<Py<PyType>> {
+    let bases = PyTuple::new(py, [ours.into_any(), builtin.into_any()])?;
     let ns = PyDict::new(py);
     ns.set_item("__module__", "lightning._core")?;
     ns.set_item("__doc__", doc)?;
@@ -35,20 +37,62 @@ fn value_error_type(py: Python<'_>, name: &str, doc: &str) -> PyResult<Py<PyType
 
 fn invalid_call_type(py: Python<'_>) -> PyResult<&Py<PyType>> {
     INVALID_CALL_ERROR.get_or_try_init(py, || {
-        value_error_type(
+        two_base_type(
             py,
             "InvalidCallError",
             "A call's data cannot be merged (bad ids, lengths that disagree, ...). A ValueError.",
+            py.get_type::<LightningError>(),
+            py.get_type::<PyValueError>(),
         )
     })
 }
 
-/// Raise `InvalidCallError` (a `ValueError`) with `message`.
-pub fn invalid_call(py: Python<'_>, message: String) -> PyErr {
-    match invalid_call_type(py) {
+fn gateway_config_type(py: Python<'_>) -> PyResult<&Py<PyType>> {
+    GATEWAY_CONFIG_ERROR.get_or_try_init(py, || {
+        two_base_type(
+            py,
+            "GatewayConfigError",
+            "The gateway configuration is invalid (the message names the field). A ValueError.",
+            py.get_type::<GatewayError>(),
+            py.get_type::<PyValueError>(),
+        )
+    })
+}
+
+fn gateway_bind_type(py: Python<'_>) -> PyResult<&Py<PyType>> {
+    GATEWAY_BIND_ERROR.get_or_try_init(py, || {
+        two_base_type(
+            py,
+            "GatewayBindError",
+            "The gateway cannot listen on its address (port in use, no permission). An OSError.",
+            py.get_type::<GatewayError>(),
+            py.get_type::<PyOSError>(),
+        )
+    })
+}
+
+fn raise(ty: PyResult<&Py<PyType>>, py: Python<'_>, message: String) -> PyErr {
+    match ty {
         Ok(ty) => PyErr::from_type(ty.bind(py).clone(), message),
         Err(e) => e,
     }
+}
+
+/// Map the gateway crate's error enum onto the Python tree, keeping its kind.
+pub fn gateway_error(py: Python<'_>, err: lightning_gateway::GatewayError) -> PyErr {
+    use lightning_gateway::GatewayError as E;
+    let message = err.to_string();
+    match err {
+        E::Config(_) => raise(gateway_config_type(py), py, message),
+        E::Bind { .. } => raise(gateway_bind_type(py), py, message),
+        E::Store { .. } | E::StoreClosed => StoreError::new_err(message),
+        E::Io(_) => GatewayError::new_err(message),
+    }
+}
+
+/// Raise `InvalidCallError` (a `ValueError`) with `message`.
+pub fn invalid_call(py: Python<'_>, message: String) -> PyErr {
+    raise(invalid_call_type(py), py, message)
 }
 
 /// Map lightning-core's error enum onto the Python tree (the one place that does).
@@ -73,6 +117,12 @@ create_exception!(
 );
 create_exception!(
     _core,
+    StoreError,
+    GatewayError,
+    "The trace store cannot be opened or read (the message names the file)."
+);
+create_exception!(
+    _core,
     TemplateError,
     LightningError,
     "A chat template failed to compile or raised (the template's own message)."
@@ -85,9 +135,27 @@ create_exception!(
 );
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // `create_exception!` names the module `_core`; tracebacks and pickling
+    // should say where the class lives.
+    let py = m.py();
+    for ty in [
+        py.get_type::<LightningError>(),
+        py.get_type::<GatewayError>(),
+        py.get_type::<StoreError>(),
+        py.get_type::<TemplateError>(),
+        py.get_type::<TokenizerError>(),
+    ] {
+        ty.setattr("__module__", "lightning._core")?;
+    }
     m.add("LightningError", m.py().get_type::<LightningError>())?;
     m.add("InvalidCallError", invalid_call_type(m.py())?.bind(m.py()))?;
     m.add("GatewayError", m.py().get_type::<GatewayError>())?;
+    m.add(
+        "GatewayConfigError",
+        gateway_config_type(m.py())?.bind(m.py()),
+    )?;
+    m.add("GatewayBindError", gateway_bind_type(m.py())?.bind(m.py()))?;
+    m.add("StoreError", m.py().get_type::<StoreError>())?;
     m.add("TemplateError", m.py().get_type::<TemplateError>())?;
     m.add("TokenizerError", m.py().get_type::<TokenizerError>())?;
     Ok(())

@@ -6,9 +6,9 @@ use pyo3::prelude::*;
 use std::sync::{mpsc, Mutex};
 use std::thread::JoinHandle;
 
-use lightning_gateway::{Config, Server};
+use lightning_gateway::{Config, Engine, Server, SyncMode};
 
-use crate::errors::GatewayError;
+use crate::errors::{gateway_error, GatewayError};
 
 fn to_py(e: impl std::fmt::Display) -> PyErr {
     GatewayError::new_err(e.to_string())
@@ -78,9 +78,9 @@ fn init_logging() {
 #[pyo3(signature = (config_json, threads=2))]
 fn gateway_start(py: Python<'_>, config_json: &str, threads: usize) -> PyResult<PyGatewayHandle> {
     init_logging();
-    let cfg = Config::from_json(config_json).map_err(to_py)?;
-    cfg.validate().map_err(to_py)?;
-    let (ready_tx, ready_rx) = mpsc::channel::<Result<String, String>>();
+    let cfg = Config::from_json(config_json).map_err(|e| gateway_error(py, e))?;
+    cfg.validate().map_err(|e| gateway_error(py, e))?;
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<String, lightning_gateway::GatewayError>>();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::Builder::new()
         .name("lightning-gateway".into())
@@ -94,7 +94,9 @@ fn gateway_start(py: Python<'_>, config_json: &str, threads: usize) -> PyResult<
             let rt = match rt {
                 Ok(rt) => rt,
                 Err(e) => {
-                    let _ = ready_tx.send(Err(e.clone()));
+                    let _ = ready_tx.send(Err(lightning_gateway::GatewayError::Io(
+                        std::io::Error::other(e.clone()),
+                    )));
                     return Err(e);
                 }
             };
@@ -102,8 +104,9 @@ fn gateway_start(py: Python<'_>, config_json: &str, threads: usize) -> PyResult<
                 let server = match Server::bind(cfg).await {
                     Ok(s) => s,
                     Err(e) => {
-                        let _ = ready_tx.send(Err(e.to_string()));
-                        return Err(e.to_string());
+                        let msg = e.to_string();
+                        let _ = ready_tx.send(Err(e));
+                        return Err(msg);
                     }
                 };
                 let _ = ready_tx.send(Ok(format!("http://{}", server.local_addr())));
@@ -123,9 +126,9 @@ fn gateway_start(py: Python<'_>, config_json: &str, threads: usize) -> PyResult<
             stop_tx: Mutex::new(Some(stop_tx)),
             thread: Mutex::new(Some(thread)),
         }),
-        Ok(Err(msg)) => {
+        Ok(Err(e)) => {
             let _ = thread.join();
-            Err(to_py(msg))
+            Err(gateway_error(py, e))
         }
         Err(_) => Err(to_py("the gateway thread exited before listening")),
     }
@@ -135,10 +138,10 @@ fn gateway_start(py: Python<'_>, config_json: &str, threads: usize) -> PyResult<
 #[pyfunction]
 #[pyo3(signature = (config_json, threads=2))]
 fn gateway_serve(py: Python<'_>, config_json: &str, threads: usize) -> PyResult<()> {
-    let cfg = Config::from_json(config_json).map_err(to_py)?;
+    let cfg = Config::from_json(config_json).map_err(|e| gateway_error(py, e))?;
     lightning_gateway::cli::init_logging();
     py.detach(move || lightning_gateway::serve_blocking(cfg, threads))
-        .map_err(to_py)
+        .map_err(|e| gateway_error(py, e))
 }
 
 /// The `lightning-gateway` command line (same flags as the Rust binary);
@@ -148,7 +151,39 @@ fn gateway_main(py: Python<'_>, argv: Vec<String>) -> i32 {
     py.detach(move || lightning_gateway::cli::main_with_args(&argv))
 }
 
+/// The gateway configuration as Rust defines it, as JSON: `defaults` (every
+/// field of the config with its default), `upstream_defaults`, and the closed
+/// sets `engines` and `sync_modes`. Python's `GatewayConfig` takes its defaults
+/// from here and a test checks it field for field.
+#[pyfunction]
+fn gateway_config_schema() -> PyResult<String> {
+    // A match per enum: a new variant fails to compile here until it is listed.
+    let engines = [Engine::Vllm, Engine::Sglang, Engine::Openai].map(|e| match e {
+        Engine::Vllm | Engine::Sglang | Engine::Openai => e,
+    });
+    let sync_modes = [SyncMode::Full, SyncMode::Normal].map(|s| match s {
+        SyncMode::Full | SyncMode::Normal => s,
+    });
+    let upstream = lightning_gateway::UpstreamConfig {
+        url: String::new(),
+        weight_version: 0,
+        engine: Engine::default(),
+    };
+    let mut upstream = serde_json::to_value(upstream).map_err(to_py)?;
+    if let Some(o) = upstream.as_object_mut() {
+        o.remove("url");
+    }
+    let schema = serde_json::json!({
+        "defaults": Config::default(),
+        "upstream_defaults": upstream,
+        "engines": engines,
+        "sync_modes": sync_modes,
+    });
+    Ok(schema.to_string())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(gateway_config_schema, m)?)?;
     m.add_class::<PyGatewayHandle>()?;
     m.add_function(wrap_pyfunction!(gateway_start, m)?)?;
     m.add_function(wrap_pyfunction!(gateway_serve, m)?)?;

@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 mod errors;
 mod gateway;
 mod merge;
+mod store;
 mod tokenizer;
 
 #[pymodule]
@@ -19,5 +20,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     merge::register(m)?;
     gateway::register(m)?;
     tokenizer::register(m)?;
+    store::register(m)?;
     Ok(())
 }

@@ -5,20 +5,22 @@
 //! error; `merge_calls` borrows every buffer read-only, releases the GIL for the
 //! whole merge, and hands the output vectors to numpy without copying.
 
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use std::sync::{Arc, OnceLock};
-
-use lightning_core::{CallView, PackedTree, SampleMut, TreeIndex};
+use lightning_core::{Call, CallView, MergePlan, PackedTree, SampleMut, TreeIndex};
 use numpy::{
     dtype, Element, IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray,
     PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PySlice};
 
 use crate::errors::{core_error, invalid_call};
+use crate::tokenizer::PyTokenizer;
 
 const U32_RANGE: &str = "outside the uint32 token-id range [0, 4294967295]";
 
@@ -300,6 +302,24 @@ impl PyCall {
     }
 }
 
+impl PyCall {
+    /// A call read from the store: its vectors become numpy arrays without copying.
+    pub(crate) fn from_core(py: Python<'_>, c: Call) -> PyResult<Self> {
+        Ok(PyCall {
+            rollout_id: c.rollout_id,
+            prompt_ids: freeze(c.prompt_ids.into_pyarray(py))?,
+            completion_ids: freeze(c.completion_ids.into_pyarray(py))?,
+            logprobs: match c.logprobs {
+                Some(l) => Some(freeze(l.into_pyarray(py))?),
+                None => None,
+            },
+            finish_reason: c.finish_reason,
+            weight_version: c.weight_version,
+            group: c.group,
+        })
+    }
+}
+
 /// Every call's buffers as slices, for reading with the GIL released.
 ///
 /// numpy's borrow tracking is skipped on purpose: it costs microseconds per
@@ -331,6 +351,11 @@ fn views<'a>(calls: &'a [Bound<'_, PyCall>]) -> PyResult<Vec<CallView<'a>>> {
     Ok(out)
 }
 
+/// An optional string as Python shows it (`None` or a quoted string).
+fn py_repr(s: Option<&str>) -> String {
+    s.map_or_else(|| "None".to_string(), |s| format!("{s:?}"))
+}
+
 fn busy_output<E: std::fmt::Display>(e: E) -> PyErr {
     pyo3::exceptions::PyRuntimeError::new_err(format!("merge output buffer unavailable: {e}"))
 }
@@ -347,6 +372,7 @@ fn busy_output<E: std::fmt::Display>(e: E) -> PyErr {
 pub struct PySample {
     rollout_id: String,
     group: Option<String>,
+    rollout_index: usize,
     buffers: Arc<SampleBuffers>,
     start: usize,
     len: usize,
@@ -360,6 +386,8 @@ struct SampleBuffers {
     weights: Py<PyArray1<f32>>,
     logprobs: Py<PyArray1<f32>>,
     call_index: Py<PyArray1<i32>>,
+    /// Weight version of each input call.
+    call_versions: Arc<[i64]>,
 }
 
 impl PySample {
@@ -388,6 +416,12 @@ impl PySample {
         self.group.as_deref()
     }
 
+    /// Index of this sample's rollout in `MergeResult.rollouts`.
+    #[getter]
+    fn rollout_index(&self) -> usize {
+        self.rollout_index
+    }
+
     /// Token ids (uint32).
     #[getter]
     fn tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
@@ -412,6 +446,21 @@ impl PySample {
         self.view(py, &self.buffers.call_index)
     }
 
+    /// Weight version of the call that generated each token (int64, -1 for
+    /// context); computed on access from `call_index`.
+    #[getter]
+    fn weight_version<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let ci = self.view(py, &self.buffers.call_index)?;
+        let ci = ci.readonly();
+        let versions = &self.buffers.call_versions;
+        let out: Vec<i64> = ci
+            .as_array()
+            .iter()
+            .map(|&c| if c < 0 { -1 } else { versions[c as usize] })
+            .collect();
+        Ok(out.into_pyarray(py))
+    }
+
     /// Generated tokens (summed weights) this sample lost to `max_tokens`.
     #[getter]
     fn truncated(&self) -> usize {
@@ -424,8 +473,11 @@ impl PySample {
 
     fn __repr__(&self) -> String {
         format!(
-            "Sample(rollout_id={:?}, group={:?}, tokens={}, truncated={})",
-            self.rollout_id, self.group, self.len, self.truncated
+            "Sample(rollout_id={:?}, group={}, tokens={}, truncated={})",
+            self.rollout_id,
+            py_repr(self.group.as_deref()),
+            self.len,
+            self.truncated
         )
     }
 }
@@ -433,8 +485,9 @@ impl PySample {
 /// A point where a call's prompt departs from a path that an earlier call of
 /// the same rollout produced: `position` is the first differing token's depth,
 /// `left_call_index` the latest earlier call whose path continued there. `kind`
-/// is "unclassified" without a tokenizer, else "retokenization", "template" or
-/// "other".
+/// is "unclassified" without a tokenizer, else the cause `classify_drift`
+/// names ("retokenization", "reasoning_stripped", "tool_call_reserialized",
+/// "truncated", "separator", "compacted" or "other").
 #[pyclass(name = "Divergence", module = "lightning._core", frozen, get_all)]
 #[derive(Debug)]
 pub struct PyDivergence {
@@ -442,7 +495,7 @@ pub struct PyDivergence {
     call_index: usize,
     position: usize,
     left_call_index: usize,
-    kind: String,
+    kind: &'static str,
 }
 
 #[pymethods]
@@ -455,11 +508,58 @@ impl PyDivergence {
     }
 }
 
+/// A rollout of a merge: its group and, when read from the store, its mode,
+/// status and latest reward (None where unknown: calls merged without rollout
+/// records, or a rollout nobody rewarded).
+#[pyclass(name = "RolloutInfo", module = "lightning._core", frozen, get_all)]
+#[derive(Debug, Clone)]
+pub struct PyRolloutInfo {
+    pub rollout_id: String,
+    pub group: Option<String>,
+    pub mode: Option<String>,
+    pub status: Option<String>,
+    pub reward: Option<f64>,
+}
+
+#[pymethods]
+impl PyRolloutInfo {
+    #[new]
+    #[pyo3(signature = (rollout_id, group=None, mode=None, status=None, reward=None))]
+    fn new(
+        rollout_id: String,
+        group: Option<String>,
+        mode: Option<String>,
+        status: Option<String>,
+        reward: Option<f64>,
+    ) -> Self {
+        PyRolloutInfo {
+            rollout_id,
+            group,
+            mode,
+            status,
+            reward,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "RolloutInfo(rollout_id={:?}, group={}, mode={}, status={}, reward={})",
+            self.rollout_id,
+            py_repr(self.group.as_deref()),
+            py_repr(self.mode.as_deref()),
+            py_repr(self.status.as_deref()),
+            self.reward
+                .map_or_else(|| "None".to_string(), |r| r.to_string())
+        )
+    }
+}
+
 /// Counts describing one merge. `generated_tokens` sums completion lengths;
 /// `sample_tokens` sums sample lengths; `truncated_tokens` counts generated
 /// tokens (per generating call) cut by `max_tokens`; `dropped_samples` counts
 /// samples that truncation left with nothing to train; `duplicates` counts calls
-/// whose full sequence repeats an earlier call's in the same rollout.
+/// whose full sequence repeats an earlier call's in the same rollout;
+/// `skipped_calls` counts stored calls a store read left out as untrainable.
 #[pyclass(name = "MergeStats", module = "lightning._core", frozen, get_all)]
 #[derive(Debug)]
 pub struct PyMergeStats {
@@ -471,6 +571,7 @@ pub struct PyMergeStats {
     truncated_tokens: usize,
     dropped_samples: usize,
     duplicates: usize,
+    skipped_calls: usize,
 }
 
 #[pymethods]
@@ -486,6 +587,7 @@ impl PyMergeStats {
         d.set_item("truncated_tokens", self.truncated_tokens)?;
         d.set_item("dropped_samples", self.dropped_samples)?;
         d.set_item("duplicates", self.duplicates)?;
+        d.set_item("skipped_calls", self.skipped_calls)?;
         Ok(d)
     }
 
@@ -499,24 +601,66 @@ impl PyMergeStats {
 /// shared prefix once. `parent` is -1 at roots; `depth` is the position id;
 /// `weights` counts generating calls; `gen_offsets`/`gen_call` list the
 /// generating calls per token (CSR); `tree_offsets`/`tree_keys` delimit trees.
+/// Per token, `rollout`, `group` and `weight_version` come from the first
+/// generating call (-1 for context; `group` is the tree's for every token);
+/// `call_rollout` maps every input call to its rollout, so a token that calls
+/// of several rollouts generated can credit each (via `gen_call`).
 #[pyclass(name = "PackedTree", module = "lightning._core", frozen)]
 #[derive(Debug)]
 pub struct PyPackedTree {
+    /// Token ids in DFS order (uint32).
+    #[pyo3(get)]
     tokens: Py<PyArray1<u32>>,
+    /// Index of each token's parent (int64, -1 at a root).
+    #[pyo3(get)]
     parent: Py<PyArray1<i64>>,
+    /// Position id of each token (int64).
+    #[pyo3(get)]
     depth: Py<PyArray1<i64>>,
+    /// Number of calls that generated each token (float32, 0 for context).
+    #[pyo3(get)]
     weights: Py<PyArray1<f32>>,
+    /// Rollout logprob of each token (float32, NaN where unknown).
+    #[pyo3(get)]
     logprobs: Py<PyArray1<f32>>,
+    /// CSR offsets into `gen_call` (int64, length len(tokens) + 1).
+    #[pyo3(get)]
     gen_offsets: Py<PyArray1<i64>>,
+    /// Generating call indices (int32), in input order per token.
+    #[pyo3(get)]
     gen_call: Py<PyArray1<i32>>,
+    /// Start of each tree (int64, length len(tree_keys) + 1).
+    #[pyo3(get)]
     tree_offsets: Py<PyArray1<i64>>,
+    /// Rollout id (or group name, when packed across rollouts) of each tree.
+    #[pyo3(get)]
     tree_keys: Vec<String>,
+    /// Rollout of each token's first generator (int32 index into `rollout_ids`, -1 for context).
+    #[pyo3(get)]
+    rollout: Py<PyArray1<i32>>,
+    /// Group of each token's tree (int32 index into `groups`, -1 without a group).
+    #[pyo3(get)]
+    group: Py<PyArray1<i32>>,
+    /// Weight version of each token's first generator (int64, -1 for context).
+    #[pyo3(get)]
+    weight_version: Py<PyArray1<i64>>,
+    /// Rollout of every input call (int32 index into `rollout_ids`).
+    #[pyo3(get)]
+    call_rollout: Py<PyArray1<i32>>,
+    /// The merge's rollouts, as in `MergeResult.rollouts`.
+    #[pyo3(get)]
+    rollout_ids: Vec<String>,
+    /// The merge's distinct groups, in order of first appearance.
+    #[pyo3(get)]
+    groups: Vec<String>,
     /// Child lookup for `locate`, built on first use.
     index: OnceLock<TreeIndex>,
 }
 
 impl PyPackedTree {
+    /// A tree of plain sequences (`pack_sequences`): no rollouts, groups or versions.
     fn from_core(py: Python<'_>, t: PackedTree) -> Self {
+        let n = t.tokens.len();
         PyPackedTree {
             tokens: t.tokens.into_pyarray(py).unbind(),
             parent: t.parent.into_pyarray(py).unbind(),
@@ -527,6 +671,12 @@ impl PyPackedTree {
             gen_call: t.gen_call.into_pyarray(py).unbind(),
             tree_offsets: t.tree_offsets.into_pyarray(py).unbind(),
             tree_keys: t.tree_keys,
+            rollout: vec![-1i32; n].into_pyarray(py).unbind(),
+            group: vec![-1i32; n].into_pyarray(py).unbind(),
+            weight_version: vec![-1i64; n].into_pyarray(py).unbind(),
+            call_rollout: Vec::<i32>::new().into_pyarray(py).unbind(),
+            rollout_ids: Vec::new(),
+            groups: Vec::new(),
             index: OnceLock::new(),
         }
     }
@@ -534,60 +684,6 @@ impl PyPackedTree {
 
 #[pymethods]
 impl PyPackedTree {
-    /// Token ids in DFS order (uint32).
-    #[getter]
-    fn tokens(&self, py: Python<'_>) -> Py<PyArray1<u32>> {
-        self.tokens.clone_ref(py)
-    }
-
-    /// Index of each token's parent (int64, -1 at a root).
-    #[getter]
-    fn parent(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
-        self.parent.clone_ref(py)
-    }
-
-    /// Position id of each token (int64).
-    #[getter]
-    fn depth(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
-        self.depth.clone_ref(py)
-    }
-
-    /// Number of calls that generated each token (float32, 0 for context).
-    #[getter]
-    fn weights(&self, py: Python<'_>) -> Py<PyArray1<f32>> {
-        self.weights.clone_ref(py)
-    }
-
-    /// Rollout logprob of each token (float32, NaN where unknown).
-    #[getter]
-    fn logprobs(&self, py: Python<'_>) -> Py<PyArray1<f32>> {
-        self.logprobs.clone_ref(py)
-    }
-
-    /// CSR offsets into `gen_call` (int64, length len(tokens) + 1).
-    #[getter]
-    fn gen_offsets(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
-        self.gen_offsets.clone_ref(py)
-    }
-
-    /// Generating call indices (int32), in input order per token.
-    #[getter]
-    fn gen_call(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
-        self.gen_call.clone_ref(py)
-    }
-
-    /// Start of each tree (int64, length len(tree_keys) + 1).
-    #[getter]
-    fn tree_offsets(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
-        self.tree_offsets.clone_ref(py)
-    }
-
-    /// Rollout id (or group name, when packed across rollouts) of each tree.
-    #[getter]
-    fn tree_keys(&self) -> Vec<String> {
-        self.tree_keys.clone()
-    }
-
     /// The node of each position of a token sequence (int64), found by walking
     /// from a root; raises `InvalidCallError` (a `ValueError`) naming the
     /// position where the sequence leaves the tree.
@@ -636,26 +732,132 @@ impl PyPackedTree {
     }
 }
 
-/// The result of `merge_calls`: `samples`, `divergences`, `stats`, and the
-/// packed-tree form on demand.
-#[pyclass(name = "MergeResult", module = "lightning._core", frozen)]
+/// Per-call facts the outputs are annotated with.
 #[derive(Debug)]
+struct CallIndex {
+    /// Rollout (index into the result's rollouts) of each call.
+    rollout: Vec<i32>,
+    /// Group (index into `groups`, -1 for none) of each call.
+    group: Vec<i32>,
+    version: Arc<[i64]>,
+    groups: Vec<String>,
+}
+
+/// The result of `merge_calls` (or of a store read): `samples`, `divergences`,
+/// `stats`, `rollouts`, and the packed-tree form on demand.
+#[pyclass(name = "MergeResult", module = "lightning._core", frozen)]
 pub struct PyMergeResult {
-    samples: Vec<Py<PySample>>,
+    /// The tries and sample layout; samples are written from it on first access.
+    plan: MergePlan,
+    samples: PyOnceLock<Vec<Py<PySample>>>,
     divergences: Vec<Py<PyDivergence>>,
     stats: Py<PyMergeStats>,
     calls: Vec<Py<PyCall>>,
+    rollouts: Vec<Py<PyRolloutInfo>>,
+    index: CallIndex,
     max_tokens: Option<usize>,
-    timings: [(&'static str, f64); 5],
+    /// Seconds borrowing the inputs and planning (tries + layout).
+    plan_timings: [(&'static str, f64); 2],
+    /// Seconds allocating, writing and wrapping the samples, once written.
+    sample_timings: OnceLock<[(&'static str, f64); 3]>,
+}
+
+impl std::fmt::Debug for PyMergeResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PyMergeResult")
+            .field("stats", &self.plan.stats)
+            .field("written", &self.sample_timings.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PyMergeResult {
+    /// Write every sample into one flat numpy buffer per field (GIL released
+    /// while writing) and wrap each as a `Sample` view.
+    fn write_samples(&self, py: Python<'_>) -> PyResult<Vec<Py<PySample>>> {
+        let calls: Vec<Bound<'_, PyCall>> = self.calls.iter().map(|c| c.bind(py).clone()).collect();
+        let views = views(&calls)?;
+        let t0 = Instant::now();
+        // One numpy buffer per field for all samples: numpy asks the kernel for
+        // huge pages on large allocations, so writing the output costs few faults.
+        let n = self.plan.stats.sample_tokens;
+        let buffers = SampleBuffers {
+            // SAFETY: `plan.write` below writes every element of all four buffers
+            // (the kept samples tile [0, sample_tokens) exactly) before any is read.
+            tokens: unsafe { PyArray1::<u32>::new(py, n, false) }.unbind(),
+            weights: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
+            logprobs: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
+            call_index: unsafe { PyArray1::<i32>::new(py, n, false) }.unbind(),
+            call_versions: Arc::clone(&self.index.version),
+        };
+        let t1 = Instant::now();
+        {
+            let mut tokens = buffers
+                .tokens
+                .bind(py)
+                .try_readwrite()
+                .map_err(busy_output)?;
+            let mut weights = buffers
+                .weights
+                .bind(py)
+                .try_readwrite()
+                .map_err(busy_output)?;
+            let mut logprobs = buffers
+                .logprobs
+                .bind(py)
+                .try_readwrite()
+                .map_err(busy_output)?;
+            let mut call_index = buffers
+                .call_index
+                .bind(py)
+                .try_readwrite()
+                .map_err(busy_output)?;
+            let out = SampleMut {
+                tokens: tokens.as_slice_mut().map_err(busy_output)?,
+                weights: weights.as_slice_mut().map_err(busy_output)?,
+                logprobs: logprobs.as_slice_mut().map_err(busy_output)?,
+                call_index: call_index.as_slice_mut().map_err(busy_output)?,
+            };
+            py.detach(|| self.plan.write(&views, out));
+        }
+        let t2 = Instant::now();
+        let buffers = Arc::new(buffers);
+        let mut start = 0;
+        let mut samples = Vec::with_capacity(self.plan.stats.samples);
+        for info in self.plan.samples(&views) {
+            let s = PySample {
+                rollout_id: info.rollout_id.to_string(),
+                group: info.group.map(str::to_string),
+                rollout_index: self.index.rollout[info.first_call] as usize,
+                buffers: Arc::clone(&buffers),
+                start,
+                len: info.len,
+                truncated: info.truncated,
+            };
+            start += info.len;
+            samples.push(Py::new(py, s)?);
+        }
+        let _ = self.sample_timings.set([
+            ("allocate", (t1 - t0).as_secs_f64()),
+            ("write", (t2 - t1).as_secs_f64()),
+            ("output", t2.elapsed().as_secs_f64()),
+        ]);
+        Ok(samples)
+    }
 }
 
 #[pymethods]
 impl PyMergeResult {
     /// Training samples, rollouts in order of first appearance, each rollout's
-    /// samples in DFS order of its trie.
+    /// samples in DFS order of its trie. Written from the merge's tries on first
+    /// access (GIL released), so a consumer of `packed()` or `stats` alone never
+    /// pays for them.
     #[getter]
-    fn samples(&self, py: Python<'_>) -> Vec<Py<PySample>> {
-        self.samples.iter().map(|s| s.clone_ref(py)).collect()
+    fn samples(&self, py: Python<'_>) -> PyResult<Vec<Py<PySample>>> {
+        let samples = self
+            .samples
+            .get_or_try_init(py, || self.write_samples(py))?;
+        Ok(samples.iter().map(|s| s.clone_ref(py)).collect())
     }
 
     /// Where a later call's prompt left an earlier call's path.
@@ -670,6 +872,20 @@ impl PyMergeResult {
         self.stats.clone_ref(py)
     }
 
+    /// The merged calls, in input order (what `call_index` and `gen_call` index).
+    #[getter]
+    fn calls(&self, py: Python<'_>) -> Vec<Py<PyCall>> {
+        self.calls.iter().map(|c| c.clone_ref(py)).collect()
+    }
+
+    /// Every rollout of the merge: those passed in (or read from the store),
+    /// including rollouts without trainable calls, then any other rollout of
+    /// the calls in order of first appearance.
+    #[getter]
+    fn rollouts(&self, py: Python<'_>) -> Vec<Py<PyRolloutInfo>> {
+        self.rollouts.iter().map(|r| r.clone_ref(py)).collect()
+    }
+
     /// The packed-tree form of the same calls (same `max_tokens`). One tree per
     /// rollout; with `across_rollouts=True` one tree per `group` (calls whose
     /// group is None stay in their rollout's tree), so a group's shared prompt
@@ -679,18 +895,66 @@ impl PyMergeResult {
         let calls: Vec<Bound<'_, PyCall>> = self.calls.iter().map(|c| c.bind(py).clone()).collect();
         let views = views(&calls)?;
         let max_tokens = self.max_tokens;
-        let packed = py
-            .detach(|| lightning_core::pack(&views, max_tokens, across_rollouts))
+        let index = &self.index;
+        let (t, rollout, group, version) = py
+            .detach(|| {
+                let t = lightning_core::pack(&views, max_tokens, across_rollouts)?;
+                let first = t.first_generator();
+                let tree_group: Vec<i32> = t
+                    .tree_call
+                    .iter()
+                    .map(|&c| index.group[c as usize])
+                    .collect();
+                let group: Vec<i32> = t
+                    .token_tree()
+                    .iter()
+                    .map(|&k| tree_group[k as usize])
+                    .collect();
+                let rollout: Vec<i32> = first
+                    .iter()
+                    .map(|&c| if c < 0 { -1 } else { index.rollout[c as usize] })
+                    .collect();
+                let version: Vec<i64> = first
+                    .iter()
+                    .map(|&c| if c < 0 { -1 } else { index.version[c as usize] })
+                    .collect();
+                Ok::<_, lightning_core::CoreError>((t, rollout, group, version))
+            })
             .map_err(|e| core_error(py, e))?;
-        Ok(PyPackedTree::from_core(py, packed))
+        let rollout_ids = self
+            .rollouts
+            .iter()
+            .map(|r| r.get().rollout_id.clone())
+            .collect();
+        Ok(PyPackedTree {
+            tokens: t.tokens.into_pyarray(py).unbind(),
+            parent: t.parent.into_pyarray(py).unbind(),
+            depth: t.depth.into_pyarray(py).unbind(),
+            weights: t.weights.into_pyarray(py).unbind(),
+            logprobs: t.logprobs.into_pyarray(py).unbind(),
+            gen_offsets: t.gen_offsets.into_pyarray(py).unbind(),
+            gen_call: t.gen_call.into_pyarray(py).unbind(),
+            tree_offsets: t.tree_offsets.into_pyarray(py).unbind(),
+            tree_keys: t.tree_keys,
+            rollout: rollout.into_pyarray(py).unbind(),
+            group: group.into_pyarray(py).unbind(),
+            weight_version: version.into_pyarray(py).unbind(),
+            call_rollout: self.index.rollout.clone().into_pyarray(py).unbind(),
+            rollout_ids,
+            groups: self.index.groups.clone(),
+            index: OnceLock::new(),
+        })
     }
 
-    /// Seconds spent borrowing inputs, merging (GIL released) and building the
-    /// numpy output, for benchmarks.
+    /// Seconds spent borrowing inputs and planning (GIL released), and, once
+    /// `samples` was read, allocating, writing and wrapping them, for benchmarks.
     #[getter]
     fn _timings<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (k, v) in self.timings {
+        for (k, v) in self.plan_timings {
+            d.set_item(k, v)?;
+        }
+        for (k, v) in self.sample_timings.get().into_iter().flatten() {
             d.set_item(k, v)?;
         }
         Ok(d)
@@ -699,38 +963,207 @@ impl PyMergeResult {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(
             "MergeResult(samples={}, divergences={}, stats={})",
-            self.samples.len(),
+            self.plan.stats.samples,
             self.divergences.len(),
             self.stats.bind(py).get().__repr__(py)?
         ))
     }
 }
 
-/// Merge calls into training samples with a radix trie per rollout (grouped by
-/// `rollout_id`, input order kept within a rollout); the GIL is released while
-/// merging. `max_tokens` cuts samples and reports what it cut. `tokenizer` is
-/// reserved for divergence classification (without one every kind is
-/// "unclassified"). Raises `InvalidCallError` (a `ValueError`) naming the call
-/// index for an empty completion, logprobs whose length differs from the
-/// completion's, or calls of one rollout that disagree on `group`.
-#[pyfunction]
-#[pyo3(signature = (calls, max_tokens=None, *, tokenizer=None))]
-fn merge_calls(
+/// The rollouts of a merge and every call's rollout, group and weight version.
+/// A call whose group differs from its rollout record's is an error.
+fn index_calls(
     py: Python<'_>,
-    calls: &Bound<'_, PyAny>,
-    max_tokens: Option<i64>,
-    tokenizer: Option<&Bound<'_, PyAny>>,
-) -> PyResult<PyMergeResult> {
-    let max_tokens = match max_tokens {
-        None => None,
-        Some(m) if m >= 1 => Some(m as usize),
-        Some(m) => {
+    calls: &[Bound<'_, PyCall>],
+    given: Vec<PyRolloutInfo>,
+) -> PyResult<(Vec<PyRolloutInfo>, CallIndex)> {
+    let mut rollouts = given;
+    let mut at: HashMap<String, usize> = HashMap::with_capacity(rollouts.len());
+    for (i, r) in rollouts.iter().enumerate() {
+        if at.insert(r.rollout_id.clone(), i).is_some() {
             return Err(invalid_call(
                 py,
-                format!("max_tokens = {m}; it must be at least 1 (or None for no limit)"),
-            ))
+                format!(
+                    "rollouts lists {:?} twice; pass each rollout once",
+                    r.rollout_id
+                ),
+            ));
         }
+    }
+    let mut index = CallIndex {
+        rollout: Vec::with_capacity(calls.len()),
+        group: Vec::with_capacity(calls.len()),
+        version: Arc::from(Vec::new()),
+        groups: Vec::new(),
     };
+    let mut versions = Vec::with_capacity(calls.len());
+    for (i, c) in calls.iter().enumerate() {
+        let c = c.get();
+        let r = match at.get(&c.rollout_id) {
+            Some(&r) => {
+                if rollouts[r].group != c.group {
+                    return Err(invalid_call(
+                        py,
+                        format!(
+                            "call {i}: group {} differs from group {} of its rollout {:?}; \
+                             pass the rollout records the calls were read with",
+                            py_repr(c.group.as_deref()),
+                            py_repr(rollouts[r].group.as_deref()),
+                            c.rollout_id
+                        ),
+                    ));
+                }
+                r
+            }
+            None => {
+                at.insert(c.rollout_id.clone(), rollouts.len());
+                rollouts.push(PyRolloutInfo::new(
+                    c.rollout_id.clone(),
+                    c.group.clone(),
+                    None,
+                    None,
+                    None,
+                ));
+                rollouts.len() - 1
+            }
+        };
+        index.rollout.push(r as i32);
+        versions.push(i64::try_from(c.weight_version).unwrap_or(i64::MAX));
+    }
+    let mut group_at: HashMap<&str, i32> = HashMap::new();
+    for r in &rollouts {
+        if let Some(g) = r.group.as_deref() {
+            if !group_at.contains_key(g) {
+                group_at.insert(g, index.groups.len() as i32);
+                index.groups.push(g.to_string());
+            }
+        }
+    }
+    for c in calls {
+        let g = c.get().group.as_deref();
+        index
+            .group
+            .push(g.and_then(|g| group_at.get(g).copied()).unwrap_or(-1));
+    }
+    index.version = Arc::from(versions);
+    Ok((rollouts, index))
+}
+
+/// The merge behind `merge_calls` and the store reads.
+pub(crate) fn merge_pycalls(
+    py: Python<'_>,
+    pycalls: Vec<Bound<'_, PyCall>>,
+    max_tokens: Option<usize>,
+    tokenizer: Option<&Bound<'_, PyAny>>,
+    rollouts: Vec<PyRolloutInfo>,
+    skipped_calls: usize,
+) -> PyResult<PyMergeResult> {
+    let tokenizer = match tokenizer {
+        None => None,
+        Some(t) => Some(t.cast::<PyTokenizer>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "tokenizer must be a lightning.Tokenizer (e.g. lightning.Tokenizer.from_dir(model_dir)), got {}",
+                t.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            ))
+        })?),
+    };
+    let (rollouts, index) = index_calls(py, &pycalls, rollouts)?;
+    let t0 = Instant::now();
+    let views = views(&pycalls)?;
+    let t1 = Instant::now();
+    let mut plan = py
+        .detach(|| lightning_core::plan(&views, max_tokens))
+        .map_err(|e| core_error(py, e))?;
+    if let Some(tok) = tokenizer {
+        let tok = tok.get().core();
+        py.detach(|| {
+            lightning_core::drift::classify_divergences(&views, &mut plan.divergences, tok)
+        })
+        .map_err(|e| core_error(py, e))?;
+    }
+    let divergences = std::mem::take(&mut plan.divergences)
+        .into_iter()
+        .map(|d| {
+            Py::new(
+                py,
+                PyDivergence {
+                    rollout_id: d.rollout_id,
+                    call_index: d.call_index,
+                    position: d.position,
+                    left_call_index: d.left_call_index,
+                    kind: d.kind.as_str(),
+                },
+            )
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let s = &plan.stats;
+    let stats = Py::new(
+        py,
+        PyMergeStats {
+            calls: s.calls,
+            rollouts: rollouts.len(),
+            samples: s.samples,
+            generated_tokens: s.generated_tokens,
+            sample_tokens: s.sample_tokens,
+            truncated_tokens: s.truncated_tokens,
+            dropped_samples: s.dropped_samples,
+            duplicates: s.duplicates,
+            skipped_calls,
+        },
+    )?;
+    drop(views);
+    Ok(PyMergeResult {
+        plan_timings: [
+            ("borrow", (t1 - t0).as_secs_f64()),
+            ("plan", plan.insert_seconds),
+        ],
+        plan,
+        samples: PyOnceLock::new(),
+        divergences,
+        stats,
+        calls: pycalls.into_iter().map(Bound::unbind).collect(),
+        rollouts: rollouts
+            .into_iter()
+            .map(|r| Py::new(py, r))
+            .collect::<PyResult<_>>()?,
+        index,
+        max_tokens,
+        sample_timings: OnceLock::new(),
+    })
+}
+
+/// `max_tokens` as the core takes it; at least 1.
+pub(crate) fn max_tokens_arg(py: Python<'_>, max_tokens: Option<i64>) -> PyResult<Option<usize>> {
+    match max_tokens {
+        None => Ok(None),
+        Some(m) if m >= 1 => Ok(Some(m as usize)),
+        Some(m) => Err(invalid_call(
+            py,
+            format!("max_tokens = {m}; it must be at least 1 (or None for no limit)"),
+        )),
+    }
+}
+
+/// Merge calls into training samples with a radix trie per rollout (grouped by
+/// `rollout_id`, input order kept within a rollout); the GIL is released while
+/// merging. `max_tokens` cuts samples and reports what it cut. With a
+/// `tokenizer`, every divergence's cause is classified (see `classify_drift`);
+/// without one every kind is "unclassified". `rollouts` (optional) lists the
+/// rollouts with group, mode, status and reward, in the order
+/// `MergeResult.rollouts` keeps. Raises `InvalidCallError` (a `ValueError`)
+/// naming the call index for an empty completion, logprobs whose length
+/// differs from the completion's, or calls of one rollout that disagree on
+/// `group` (with each other or with their rollout record).
+#[pyfunction]
+#[pyo3(signature = (calls, max_tokens=None, *, tokenizer=None, rollouts=None))]
+fn merge_calls<'py>(
+    py: Python<'py>,
+    calls: &Bound<'py, PyAny>,
+    max_tokens: Option<i64>,
+    tokenizer: Option<&Bound<'py, PyAny>>,
+    rollouts: Option<Vec<Bound<'py, PyRolloutInfo>>>,
+) -> PyResult<PyMergeResult> {
+    let max_tokens = max_tokens_arg(py, max_tokens)?;
     let mut pycalls: Vec<Bound<'_, PyCall>> = Vec::new();
     for (i, item) in calls.try_iter()?.enumerate() {
         let item = item?;
@@ -744,127 +1177,31 @@ fn merge_calls(
             }
         }
     }
-    let t0 = Instant::now();
-    let views = views(&pycalls)?;
-    let t1 = Instant::now();
-    let plan = py
-        .detach(|| lightning_core::plan(&views, max_tokens))
-        .map_err(|e| core_error(py, e))?;
-    // One numpy buffer per field for all samples: numpy asks the kernel for
-    // huge pages on large allocations, so writing the output costs few faults.
-    let n = plan.stats.sample_tokens;
-    let buffers = SampleBuffers {
-        // SAFETY: `plan.write` below writes every element of all four buffers
-        // (the kept samples tile [0, sample_tokens) exactly) before any is read.
-        tokens: unsafe { PyArray1::<u32>::new(py, n, false) }.unbind(),
-        weights: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
-        logprobs: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
-        call_index: unsafe { PyArray1::<i32>::new(py, n, false) }.unbind(),
-    };
-    let t2 = Instant::now();
-    {
-        let mut tokens = buffers
-            .tokens
-            .bind(py)
-            .try_readwrite()
-            .map_err(busy_output)?;
-        let mut weights = buffers
-            .weights
-            .bind(py)
-            .try_readwrite()
-            .map_err(busy_output)?;
-        let mut logprobs = buffers
-            .logprobs
-            .bind(py)
-            .try_readwrite()
-            .map_err(busy_output)?;
-        let mut call_index = buffers
-            .call_index
-            .bind(py)
-            .try_readwrite()
-            .map_err(busy_output)?;
-        let out = SampleMut {
-            tokens: tokens.as_slice_mut().map_err(busy_output)?,
-            weights: weights.as_slice_mut().map_err(busy_output)?,
-            logprobs: logprobs.as_slice_mut().map_err(busy_output)?,
-            call_index: call_index.as_slice_mut().map_err(busy_output)?,
-        };
-        py.detach(|| plan.write(out));
-    }
-    let t3 = Instant::now();
-    let buffers = Arc::new(buffers);
-    let mut start = 0;
-    let samples = plan
-        .samples()
-        .map(|info| {
-            let s = PySample {
-                rollout_id: info.rollout_id.to_string(),
-                group: info.group.map(str::to_string),
-                buffers: Arc::clone(&buffers),
-                start,
-                len: info.len,
-                truncated: info.truncated,
-            };
-            start += info.len;
-            Py::new(py, s)
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    let insert_seconds = plan.insert_seconds;
-    let merged = plan;
-    let divergences = merged
-        .divergences
-        .into_iter()
-        .map(|d| {
-            // With a tokenizer, name the cause (lightning.classify_drift).
-            let kind = match tokenizer {
-                Some(tok) => crate::tokenizer::classify_divergence(
-                    py,
-                    tok,
-                    pycalls[d.left_call_index].as_any(),
-                    pycalls[d.call_index].as_any(),
-                )?,
-                None => d.kind.as_str().to_string(),
-            };
-            Py::new(
-                py,
-                PyDivergence {
-                    rollout_id: d.rollout_id,
-                    call_index: d.call_index,
-                    position: d.position,
-                    left_call_index: d.left_call_index,
-                    kind,
-                },
-            )
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    let s = merged.stats;
-    let stats = Py::new(
+    merge_pycalls(
         py,
-        PyMergeStats {
-            calls: s.calls,
-            rollouts: s.rollouts,
-            samples: s.samples,
-            generated_tokens: s.generated_tokens,
-            sample_tokens: s.sample_tokens,
-            truncated_tokens: s.truncated_tokens,
-            dropped_samples: s.dropped_samples,
-            duplicates: s.duplicates,
-        },
-    )?;
-    Ok(PyMergeResult {
-        samples,
-        divergences,
-        stats,
-        calls: pycalls.into_iter().map(Bound::unbind).collect(),
+        pycalls,
         max_tokens,
-        timings: [
-            ("borrow", (t1 - t0).as_secs_f64()),
-            ("insert", insert_seconds),
-            ("allocate", (t2 - t1).as_secs_f64() - insert_seconds),
-            ("write", (t3 - t2).as_secs_f64()),
-            ("output", t3.elapsed().as_secs_f64()),
-        ],
-    })
+        tokenizer,
+        rollouts
+            .unwrap_or_default()
+            .iter()
+            .map(|r| r.get().clone())
+            .collect(),
+        0,
+    )
+}
+
+/// Length of the common prefix of two uint32 arrays, compared with the merge's
+/// own loop with the GIL released: `benches/merge.py` times it on arrays far
+/// larger than the caches to measure the memory-bandwidth ceiling of a merge.
+#[pyfunction]
+fn _common_prefix_u32(
+    py: Python<'_>,
+    a: numpy::PyReadonlyArray1<'_, u32>,
+    b: numpy::PyReadonlyArray1<'_, u32>,
+) -> PyResult<usize> {
+    let (a, b) = (a.as_slice()?, b.as_slice()?);
+    Ok(py.detach(|| lightning_core::trie::lcp(a, b)))
 }
 
 /// The packed tree of plain token sequences: one forest in which every shared
@@ -887,9 +1224,11 @@ fn pack_sequences(py: Python<'_>, sequences: &Bound<'_, PyAny>) -> PyResult<PyPa
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_common_prefix_u32, m)?)?;
     m.add_class::<PyCall>()?;
     m.add_class::<PySample>()?;
     m.add_class::<PyDivergence>()?;
+    m.add_class::<PyRolloutInfo>()?;
     m.add_class::<PyMergeStats>()?;
     m.add_class::<PyPackedTree>()?;
     m.add_class::<PyMergeResult>()?;

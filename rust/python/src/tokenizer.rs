@@ -557,27 +557,3 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(classify_drift, m)?)?;
     Ok(())
 }
-
-/// Kind of a merge divergence: `left`'s prompt + completion against `call`'s
-/// prompt, classified by `classify_drift` (used by `merge_calls(tokenizer=...)`).
-pub fn classify_divergence(
-    py: Python<'_>,
-    tokenizer: &Bound<'_, PyAny>,
-    left: &Bound<'_, PyAny>,
-    call: &Bound<'_, PyAny>,
-) -> PyResult<String> {
-    let tok = tokenizer.cast::<PyTokenizer>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "tokenizer must be a lightning.Tokenizer (e.g. lightning.Tokenizer.from_dir(model_dir)), got {}",
-            tokenizer.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-        ))
-    })?;
-    let mut prev = ids_arg(&left.getattr("prompt_ids")?, "prompt_ids")?;
-    prev.extend(ids_arg(&left.getattr("completion_ids")?, "completion_ids")?);
-    let next = ids_arg(&call.getattr("prompt_ids")?, "prompt_ids")?;
-    let inner = &tok.get().inner;
-    let d = py
-        .detach(|| core_classify(&prev, &next, inner))
-        .map_err(to_py)?;
-    Ok(d.kind.as_str().to_owned())
-}

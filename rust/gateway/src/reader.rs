@@ -1,0 +1,416 @@
+//! The one reader of the trace store: every read that leaves the gateway
+//! (the HTTP trace route, `lightning.Store`, a training step) goes through the
+//! functions here, so the SQL that turns rows back into calls exists once.
+//!
+//! [`Reader`] opens the SQLite file read-only beside a running gateway (WAL mode
+//! lets it see every committed call without blocking the writer). A training
+//! step's batch comes out in one read transaction ([`Reader::step`]): the
+//! selected rollouts with group, mode, status and latest reward, and their
+//! trainable calls with exact ids, logprobs and weight versions, so what trains
+//! is a consistent snapshot of what is on disk.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use lightning_core::Call;
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
+
+use crate::error::GatewayError;
+use crate::store::{blob_to_f32s, blob_to_ids, StoredCall};
+
+/// Which rollouts to read; every given filter must hold. `rollout_ids` also
+/// fixes the output order (else: creation order).
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    pub rollout_ids: Option<Vec<String>>,
+    pub group: Option<String>,
+    pub status: Option<String>,
+    pub mode: Option<String>,
+}
+
+/// A rollout as read back, with its latest reward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutRecord {
+    pub rollout_id: String,
+    pub group: Option<String>,
+    /// The task as stored (JSON text).
+    pub task: String,
+    pub mode: String,
+    pub status: String,
+    /// The value of the rollout's latest `reward` event, if any.
+    pub reward: Option<f64>,
+    pub created: f64,
+    pub updated: f64,
+}
+
+/// One event of a rollout (`data` is the stored JSON text).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventRecord {
+    pub seq: i64,
+    pub kind: String,
+    pub data: String,
+    pub created: f64,
+}
+
+/// A step's batch: the selected rollouts and, rollout by rollout in that order,
+/// their trainable calls in seq order (what the harness saw whole, with ids).
+#[derive(Debug, Clone, Default)]
+pub struct StepData {
+    pub rollouts: Vec<RolloutRecord>,
+    pub calls: Vec<Call>,
+    /// Calls left out because they cannot be trained on (aborted, upstream
+    /// errors, not delivered whole, no ids, empty completion).
+    pub skipped_calls: usize,
+}
+
+const ROLLOUT_COLUMNS: &str = "id, grp, task, mode, status, created, updated";
+
+fn rollout_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RolloutRecord> {
+    Ok(RolloutRecord {
+        rollout_id: r.get(0)?,
+        group: r.get(1)?,
+        task: r.get(2)?,
+        mode: r.get(3)?,
+        status: r.get(4)?,
+        reward: None,
+        created: r.get(5)?,
+        updated: r.get(6)?,
+    })
+}
+
+/// The latest reward of a rollout (`None` without one, or when its `value` is
+/// not a number).
+pub fn latest_reward(conn: &Connection, rollout_id: &str) -> rusqlite::Result<Option<f64>> {
+    let data: Option<String> = conn
+        .prepare_cached(
+            "SELECT data FROM events WHERE rollout_id = ?1 AND type = 'reward' ORDER BY seq DESC LIMIT 1",
+        )?
+        .query_row(params![rollout_id], |r| r.get(0))
+        .optional()?;
+    Ok(data
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+        .and_then(|v| v.get("value").and_then(serde_json::Value::as_f64)))
+}
+
+/// Rollouts matching `sel`, each with its latest reward.
+pub fn rollouts(conn: &Connection, sel: &Selection) -> rusqlite::Result<Vec<RolloutRecord>> {
+    let mut out = match &sel.rollout_ids {
+        Some(ids) => {
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE id = ?1"
+            ))?;
+            let mut out = Vec::with_capacity(ids.len());
+            for id in ids {
+                if let Some(r) = stmt.query_row(params![id], rollout_row).optional()? {
+                    out.push(r);
+                }
+            }
+            out.retain(|r| {
+                sel.group
+                    .as_ref()
+                    .is_none_or(|g| r.group.as_ref() == Some(g))
+                    && sel.status.as_ref().is_none_or(|s| &r.status == s)
+                    && sel.mode.as_ref().is_none_or(|m| &r.mode == m)
+            });
+            out
+        }
+        None => {
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {ROLLOUT_COLUMNS} FROM rollouts
+                 WHERE (?1 IS NULL OR grp = ?1) AND (?2 IS NULL OR status = ?2) AND (?3 IS NULL OR mode = ?3)
+                 ORDER BY created, id"
+            ))?;
+            let rows = stmt.query_map(params![sel.group, sel.status, sel.mode], rollout_row)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()?
+        }
+    };
+    for r in &mut out {
+        r.reward = latest_reward(conn, &r.rollout_id)?;
+    }
+    Ok(out)
+}
+
+/// Every recorded call of a rollout in seq order, trainable or not.
+pub fn records(conn: &Connection, rollout_id: &str) -> rusqlite::Result<Vec<StoredCall>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT seq, request_id, choice_index, kind, prompt_ids, completion_ids, logprobs,
+                finish_reason, text, status, flags, delivered, retry_count, weight_version,
+                upstream, http_status, latency_ms, usage, created
+         FROM calls WHERE rollout_id = ?1 ORDER BY seq",
+    )?;
+    let rows = stmt.query_map(params![rollout_id], |r| {
+        let flags: String = r.get(10)?;
+        Ok(StoredCall {
+            seq: r.get(0)?,
+            request_id: r.get(1)?,
+            choice_index: r.get(2)?,
+            kind: r.get(3)?,
+            prompt_ids: r.get::<_, Option<Vec<u8>>>(4)?.map(|b| blob_to_ids(&b)),
+            completion_ids: r.get::<_, Option<Vec<u8>>>(5)?.map(|b| blob_to_ids(&b)),
+            logprobs: r.get::<_, Option<Vec<u8>>>(6)?.map(|b| blob_to_f32s(&b)),
+            finish_reason: r.get(7)?,
+            text: r.get(8)?,
+            status: r.get(9)?,
+            flags: flags
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect(),
+            delivered: r.get::<_, i64>(11)? != 0,
+            retry_count: r.get(12)?,
+            weight_version: r.get(13)?,
+            upstream: r.get(14)?,
+            http_status: r.get(15)?,
+            latency_ms: r.get(16)?,
+            usage: r
+                .get::<_, Option<String>>(17)?
+                .and_then(|s| serde_json::from_str(&s).ok()),
+            created: r.get(18)?,
+        })
+    })?;
+    rows.collect()
+}
+
+/// Every event of a rollout in seq order.
+pub fn events(conn: &Connection, rollout_id: &str) -> rusqlite::Result<Vec<EventRecord>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT seq, type, data, created FROM events WHERE rollout_id = ?1 ORDER BY seq",
+    )?;
+    let rows = stmt.query_map(params![rollout_id], |r| {
+        Ok(EventRecord {
+            seq: r.get(0)?,
+            kind: r.get(1)?,
+            data: r.get(2)?,
+            created: r.get(3)?,
+        })
+    })?;
+    rows.collect()
+}
+
+/// Logprobs aligned with the completion: a flagged call whose engine sent
+/// fewer logprobs than ids is padded with NaN (unknown), extra ones dropped,
+/// the same as the columnar HTTP form.
+fn aligned_logprobs(lp: Option<Vec<f32>>, n: usize) -> Option<Vec<f32>> {
+    lp.map(|mut l| {
+        l.resize(n, f32::NAN);
+        l
+    })
+}
+
+/// A stored call as a merge input, when the harness saw it whole and it has
+/// exact ids and at least one completion token; else `None`.
+pub fn trainable(rollout: &RolloutRecord, c: StoredCall) -> Option<Call> {
+    if c.status != "ok" || !c.delivered {
+        return None;
+    }
+    let (Some(prompt_ids), Some(completion_ids)) = (c.prompt_ids, c.completion_ids) else {
+        return None;
+    };
+    if completion_ids.is_empty() {
+        return None;
+    }
+    let logprobs = aligned_logprobs(c.logprobs, completion_ids.len());
+    Some(Call {
+        rollout_id: rollout.rollout_id.clone(),
+        order: u32::try_from(c.seq).unwrap_or(u32::MAX),
+        prompt_ids,
+        completion_ids,
+        logprobs,
+        finish_reason: c.finish_reason,
+        weight_version: u64::try_from(c.weight_version).unwrap_or(0),
+        group: rollout.group.clone(),
+    })
+}
+
+/// A read-only connection to a gateway's store file.
+#[derive(Debug)]
+pub struct Reader {
+    path: PathBuf,
+    conn: Mutex<Connection>,
+}
+
+impl Reader {
+    /// Opens `path` read-only; fails if there is no store there.
+    pub fn open(path: &Path) -> Result<Reader, GatewayError> {
+        if !path.is_file() {
+            return Err(GatewayError::store(
+                path.display(),
+                "no gateway store here; pass the --db path the gateway was started with",
+            ));
+        }
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(path, flags)
+            .map_err(|e| GatewayError::store(path.display(), e))?;
+        conn.busy_timeout(std::time::Duration::from_secs(30))
+            .map_err(|e| GatewayError::store(path.display(), e))?;
+        Ok(Reader {
+            path: path.to_path_buf(),
+            conn: Mutex::new(conn),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> rusqlite::Result<T>,
+    ) -> Result<T, GatewayError> {
+        let mut conn = self
+            .conn
+            .lock()
+            .map_err(|_| GatewayError::store(self.path.display(), "reader lock poisoned"))?;
+        f(&mut conn).map_err(|e| GatewayError::store(self.path.display(), e))
+    }
+
+    pub fn rollouts(&self, sel: &Selection) -> Result<Vec<RolloutRecord>, GatewayError> {
+        self.with(|c| rollouts(c, sel))
+    }
+
+    pub fn records(&self, rollout_id: &str) -> Result<Vec<StoredCall>, GatewayError> {
+        self.with(|c| records(c, rollout_id))
+    }
+
+    pub fn events(&self, rollout_id: &str) -> Result<Vec<EventRecord>, GatewayError> {
+        self.with(|c| events(c, rollout_id))
+    }
+
+    /// The trainable calls of one rollout (empty for an unknown rollout).
+    pub fn trace(&self, rollout_id: &str) -> Result<Vec<Call>, GatewayError> {
+        let sel = Selection {
+            rollout_ids: Some(vec![rollout_id.to_string()]),
+            ..Selection::default()
+        };
+        Ok(self.step(&sel)?.calls)
+    }
+
+    /// The selected rollouts and their trainable calls, in one read transaction.
+    pub fn step(&self, sel: &Selection) -> Result<StepData, GatewayError> {
+        self.with(|conn| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
+            let mut out = StepData {
+                rollouts: rollouts(&tx, sel)?,
+                ..StepData::default()
+            };
+            for r in &out.rollouts {
+                for c in records(&tx, &r.rollout_id)? {
+                    match trainable(r, c) {
+                        Some(call) => out.calls.push(call),
+                        None => out.skipped_calls += 1,
+                    }
+                }
+            }
+            tx.finish()?;
+            Ok(out)
+        })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::config::SyncMode;
+    use crate::store::{CallRecord, CallStatus, NewRollout, Store};
+
+    fn record(rollout: &str, status: CallStatus, completion: Vec<u32>, lp: usize) -> CallRecord {
+        CallRecord {
+            rollout_id: rollout.into(),
+            request_id: "req".into(),
+            choice_index: 0,
+            kind: "chat",
+            request: "{}".into(),
+            prompt_ids: Some(vec![1, 2]),
+            logprobs: Some(vec![-0.5; lp]),
+            completion_ids: Some(completion),
+            finish_reason: Some("stop".into()),
+            text: None,
+            status,
+            flags: vec![],
+            delivered: true,
+            retry_count: 0,
+            weight_version: 3,
+            upstream: "u".into(),
+            http_status: 200,
+            latency_ms: 1.0,
+            usage: None,
+            created: 0.0,
+            protocol: "openai_chat",
+            harness_request: "{}".into(),
+            response_id: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn step_reads_rollouts_rewards_and_trainable_calls() {
+        let dir = std::env::temp_dir().join(format!("lightning-reader-{}", std::process::id()));
+        let path = dir.join("t.db");
+        let _ = std::fs::remove_file(&path);
+        let store = Store::open(&path, SyncMode::Normal).unwrap();
+        for (id, grp) in [("a", Some("g")), ("b", Some("g")), ("c", None)] {
+            store
+                .create_rollout(NewRollout {
+                    id: id.into(),
+                    group: grp.map(str::to_string),
+                    task: "{\"q\": 1}".into(),
+                    mode: "train".into(),
+                    token_hash: format!("h{id}"),
+                })
+                .await
+                .unwrap();
+        }
+        let recs = vec![
+            record("a", CallStatus::Ok, vec![3, 4], 1),
+            record("a", CallStatus::Aborted, vec![5], 1),
+            record("a", CallStatus::Ok, vec![], 0),
+        ];
+        store.insert_calls(recs, true, None).await.unwrap();
+        store
+            .insert_calls(vec![record("b", CallStatus::Ok, vec![7], 1)], true, None)
+            .await
+            .unwrap();
+        store
+            .insert_event("a", "reward", "{\"value\": 0.25}".into())
+            .await
+            .unwrap();
+        store
+            .insert_event("a", "reward", "{\"value\": 1.0}".into())
+            .await
+            .unwrap();
+        let reader = Reader::open(&path).unwrap();
+        let sel = Selection {
+            rollout_ids: Some(vec!["b".into(), "a".into(), "missing".into()]),
+            ..Selection::default()
+        };
+        let step = reader.step(&sel).unwrap();
+        let ids: Vec<_> = step
+            .rollouts
+            .iter()
+            .map(|r| r.rollout_id.as_str())
+            .collect();
+        assert_eq!(ids, ["b", "a"]);
+        assert_eq!(step.rollouts[1].reward, Some(1.0));
+        assert_eq!(step.rollouts[0].reward, None);
+        assert_eq!(step.calls.len(), 2);
+        assert_eq!(step.calls[0].rollout_id, "b");
+        let a = &step.calls[1];
+        assert_eq!(a.completion_ids, vec![3, 4]);
+        // One logprob for two ids: padded with NaN, never shifted.
+        let lp = a.logprobs.as_ref().unwrap();
+        assert_eq!(lp[0], -0.5);
+        assert!(lp[1].is_nan());
+        assert_eq!((a.weight_version, a.group.as_deref()), (3, Some("g")));
+        assert_eq!(step.skipped_calls, 2);
+        let by_group = Selection {
+            group: Some("g".into()),
+            ..Selection::default()
+        };
+        assert_eq!(reader.rollouts(&by_group).unwrap().len(), 2);
+        assert_eq!(reader.events("a").unwrap().len(), 2);
+        assert_eq!(reader.records("a").unwrap().len(), 3);
+        store.close();
+        assert!(Reader::open(&dir.join("none.db")).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

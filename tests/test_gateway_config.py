@@ -1,0 +1,74 @@
+"""One gateway configuration: Python's `GatewayConfig` and the `[gateway]`
+section of `lightning train` match the Rust `Config` field for field."""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from lightning import _core
+from lightning.config import GatewaySection, RunConfig
+from lightning.gateway import GatewayConfig, UpstreamConfig
+
+RUST = json.loads(_core.gateway_config_schema())
+PYTHON_ONLY = {"threads", "weight_version"}
+
+
+def test_fields_and_defaults_match_rust() -> None:
+    fields = GatewayConfig.model_fields
+    assert set(fields) - PYTHON_ONLY == set(RUST["defaults"])
+    python_defaults = json.loads(GatewayConfig().to_json())
+    assert python_defaults == RUST["defaults"]
+    upstream = UpstreamConfig(url="http://x/v1").model_dump(exclude={"url"})
+    assert upstream == RUST["upstream_defaults"]
+
+
+def test_closed_sets_match_rust() -> None:
+    engine = UpstreamConfig.model_fields["engine"].annotation
+    assert set(typing.get_args(engine)) == set(RUST["engines"])
+    sync = GatewayConfig.model_fields["sync"].annotation
+    assert set(typing.get_args(sync)) == set(RUST["sync_modes"])
+
+
+def test_every_python_config_starts_in_rust(tmp_path: Path) -> None:
+    """A config Python accepts, with every field off its default, is one Rust accepts."""
+    cfg = GatewayConfig(
+        listen="127.0.0.1:0",
+        upstreams=[{"url": "http://127.0.0.1:9/v1", "weight_version": 2, "engine": "sglang"}],
+        db=str(tmp_path / "g.db"),
+        admin_key="k" * 16,
+        public_url="http://example/",
+        max_body_bytes=1024,
+        upstream_timeout_s=1.5,
+        max_retries=0,
+        retry_base_ms=2,
+        mark_down_after=1,
+        down_for_s=0.5,
+        upstream_api_key="up",
+        train_temperature=0.7,
+        eval_temperature=0.0,
+        eval_capture=False,
+        sync="normal",
+        drain_timeout_s=1.0,
+    )
+    handle = _core.gateway_start(cfg.to_json(), 1)
+    handle.stop()
+
+
+def test_run_gateway_section_is_the_gateway_config() -> None:
+    assert issubclass(GatewaySection, GatewayConfig)
+    section = GatewaySection(max_retries=5, sync="normal")
+    algo = RunConfig.model_fields["algorithm"].default_factory()  # type: ignore[misc]
+    cfg = section.for_run(db="x.db", admin_key="k" * 16, upstreams=[], algorithm=algo)
+    assert (cfg.max_retries, cfg.sync, cfg.listen, cfg.db) == (5, "normal", "127.0.0.1:0", "x.db")
+    assert cfg.train_temperature == algo.train_temperature
+    # A saved run config loads again (the run-set fields are not written out).
+    assert GatewaySection.model_validate(section.model_dump()) == section
+    with pytest.raises(ValidationError, match="max_retrys"):
+        GatewaySection(max_retrys=5)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="upstreams is set by the run"):
+        GatewaySection(upstreams=["http://x/v1"])  # type: ignore[list-item]
