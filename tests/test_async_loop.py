@@ -108,19 +108,32 @@ def test_phase_busy_time_matches_unit_cells(
 
 
 class _Client:
-    def __init__(self) -> None:
+    """Records events; `step` re-reads a batch from the 'store' (the calls below)."""
+
+    def __init__(self, store: dict[str, list[int]]) -> None:
         self.events: list[tuple[str, str, Any]] = []
+        self.store = store
 
     def event(self, rid: str, type: str, data: Any) -> None:
         self.events.append((rid, type, data))
 
-    def trace(self, rid: str) -> list[Any]:
-        return [SimpleNamespace(weight_version=5, completion_ids=[1])]
+    def step(self, ids: list[str], tokenizer: Any = None) -> Any:
+        return _merged(ids, self.store)
+
+
+def _merged(ids: list[str], store: dict[str, list[int]]) -> Any:
+    """A MergeResult as the loop reads it: rollouts in the order asked, their calls."""
+    return SimpleNamespace(
+        rollouts=[SimpleNamespace(rollout_id=r) for r in ids],
+        calls=[SimpleNamespace(rollout_id=r, weight_version=v) for r in ids for v in store[r]],
+    )
 
 
 def _run(k: int, on_stale: str) -> Any:
     alg = SimpleNamespace(max_staleness=k, on_stale=on_stale, drop_failed_rollouts=True)
     again: list[Any] = []
+    # Calls as recorded, by rollout: trained at step 5; "new*" are regenerated on 5.
+    store = {"a": [5, 5], "b": [3, 5], "c": [4], "new0": [5]}
 
     def rerun(jobs: list[Any], mode: str) -> list[Any]:
         again.extend(jobs)
@@ -131,49 +144,51 @@ def _run(k: int, on_stale: str) -> Any:
 
     return SimpleNamespace(
         config=SimpleNamespace(algorithm=alg),
-        client=_Client(),
+        client=_Client(store),
         runner=SimpleNamespace(run=rerun),
+        tokenizer=None,
         again=again,
+        store=store,
     )
 
 
-def _batch() -> tuple[list[Any], dict[str, list[Any]]]:
-    usable = [
+def _batch(run: Any) -> tuple[Any, list[Any]]:
+    results = [
         SimpleNamespace(rollout_id=r, status="succeeded", task={"t": r}, group="g")
         for r in ("a", "b", "c")
     ]
-    versions = {"a": [5, 5], "b": [3, 5], "c": [4]}  # trained at step 5
-    traces = {
-        r: [SimpleNamespace(weight_version=v, completion_ids=[1]) for v in vs]
-        for r, vs in versions.items()
-    }
-    return usable, traces
+    return _merged(["a", "b", "c"], run.store), results
+
+
+def _ids(merged: Any) -> list[str]:
+    return [r.rollout_id for r in merged.rollouts]
 
 
 def test_stale_rollouts_are_dropped_and_counted() -> None:
     run = _run(k=1, on_stale="drop")
-    usable, traces = _batch()
-    kept, kept_traces, counts = enforce_at_use(run, 5, usable, traces)
-    assert [r.rollout_id for r in kept] == ["a", "c"] and set(kept_traces) == {"a", "c"}
+    merged, results = _batch(run)
+    kept, counts = enforce_at_use(run, 5, merged, results)
+    assert _ids(kept) == ["a", "c"]
+    assert {c.rollout_id for c in kept.calls} == {"a", "c"}
     assert counts == {"dropped_stale": 1, "regenerated_stale": 0}
     assert run.client.events == [("b", "stale", {"step": 5, "versions": [3, 5]})]
 
 
 def test_stale_rollouts_are_regenerated_on_current_weights() -> None:
     run = _run(k=1, on_stale="regenerate")
-    usable, traces = _batch()
-    kept, kept_traces, counts = enforce_at_use(run, 5, usable, traces)
-    assert [r.rollout_id for r in kept] == ["a", "c", "new0"]
+    merged, results = _batch(run)
+    kept, counts = enforce_at_use(run, 5, merged, results)
+    assert _ids(kept) == ["a", "c", "new0"]
     assert run.again == [({"t": "b"}, "g")]
     assert counts == {"dropped_stale": 0, "regenerated_stale": 1}
-    assert [c.weight_version for c in kept_traces["new0"]] == [5]
+    assert [c.weight_version for c in kept.calls if c.rollout_id == "new0"] == [5]
 
 
 def test_synchronous_runs_check_nothing() -> None:
     run = _run(k=0, on_stale="drop")
-    usable, traces = _batch()
-    kept, _, counts = enforce_at_use(run, 5, usable, traces)
-    assert kept == usable and counts == {"dropped_stale": 0, "regenerated_stale": 0}
+    merged, results = _batch(run)
+    kept, counts = enforce_at_use(run, 5, merged, results)
+    assert kept is merged and counts == {"dropped_stale": 0, "regenerated_stale": 0}
 
 
 # -- off-policy weighting ----------------------------------------------------------------

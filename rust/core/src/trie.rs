@@ -861,25 +861,55 @@ pub fn pack_sequences(seqs: &[&[u32]]) -> PackedTree {
 }
 
 /// Child lookup over a [`PackedTree`]: finds the node of every position of a
-/// sequence by walking from a root.
+/// sequence by walking from a root of one of its trees.
+///
+/// Roots are keyed by their tree, not by the shared parent -1: the trees of a
+/// group-packed batch usually start with the same system prompt, and one
+/// lookup for all of them would only ever find the first.
 #[derive(Debug, Clone, Default)]
 pub struct TreeIndex {
     children: HashMap<(i64, u32), i64>,
+    trees: usize,
 }
 
 impl TreeIndex {
     pub fn new(tree: &PackedTree) -> Self {
+        let bounds = &tree.tree_offsets;
         let mut children = HashMap::with_capacity(tree.tokens.len());
+        let mut k = 0usize;
         for (i, (&p, &t)) in tree.parent.iter().zip(&tree.tokens).enumerate() {
-            children.entry((p, t)).or_insert(i as i64);
+            while k + 2 < bounds.len() && i as i64 >= bounds[k + 1] {
+                k += 1;
+            }
+            let parent = if p < 0 { Self::root_key(k) } else { p };
+            children.entry((parent, t)).or_insert(i as i64);
         }
-        TreeIndex { children }
+        TreeIndex {
+            children,
+            trees: bounds.len().saturating_sub(1).max(1),
+        }
     }
 
-    /// The node of each position of `tokens`, or `Err(position)` where the
-    /// sequence leaves the tree.
+    fn root_key(tree: usize) -> i64 {
+        -2 - tree as i64
+    }
+
+    /// The node of each position of `tokens`, in the first tree that holds
+    /// the whole sequence, or `Err(position)`: the furthest any tree got.
     pub fn locate(&self, tokens: &[u32]) -> Result<Vec<i64>, usize> {
-        let mut node = -1i64;
+        let mut furthest = 0;
+        for k in 0..self.trees {
+            match self.locate_in(k, tokens) {
+                Ok(nodes) => return Ok(nodes),
+                Err(at) => furthest = furthest.max(at),
+            }
+        }
+        Err(furthest)
+    }
+
+    /// [`Self::locate`] within tree `tree` only.
+    pub fn locate_in(&self, tree: usize, tokens: &[u32]) -> Result<Vec<i64>, usize> {
+        let mut node = Self::root_key(tree);
         let mut out = Vec::with_capacity(tokens.len());
         for (k, &t) in tokens.iter().enumerate() {
             node = *self.children.get(&(node, t)).ok_or(k)?;
@@ -907,6 +937,28 @@ mod tests {
             completion,
             logprobs,
         }
+    }
+
+    #[test]
+    fn locate_finds_sequences_in_every_tree_that_starts_alike() {
+        // Two groups share a system prompt [1, 2]: one tree each, same roots.
+        let calls = [
+            CallView {
+                group: Some("g0"),
+                ..call("a", &[1, 2], &[3], None)
+            },
+            CallView {
+                group: Some("g1"),
+                ..call("b", &[1, 2], &[4], None)
+            },
+        ];
+        let tree = pack(&calls, None, true).unwrap();
+        assert_eq!(tree.tree_keys, vec!["g0", "g1"]);
+        let index = TreeIndex::new(&tree);
+        assert_eq!(index.locate(&[1, 2, 3]).unwrap(), vec![0, 1, 2]);
+        assert_eq!(index.locate(&[1, 2, 4]).unwrap(), vec![3, 4, 5]);
+        assert_eq!(index.locate(&[1, 2, 5]), Err(2));
+        assert_eq!(index.locate_in(0, &[1, 2, 4]), Err(2));
     }
 
     #[test]

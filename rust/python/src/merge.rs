@@ -700,9 +700,11 @@ impl PyPackedTree {
         let index = self.index.get_or_init(|| {
             let parent = self.parent.bind(py).readonly();
             let tokens = self.tokens.bind(py).readonly();
+            let bounds = self.tree_offsets.bind(py).readonly();
             let tree = PackedTree {
                 parent: parent.as_slice().map(<[i64]>::to_vec).unwrap_or_default(),
                 tokens: tokens.as_slice().map(<[u32]>::to_vec).unwrap_or_default(),
+                tree_offsets: bounds.as_slice().map(<[i64]>::to_vec).unwrap_or_default(),
                 ..PackedTree::default()
             };
             TreeIndex::new(&tree)
