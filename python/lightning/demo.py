@@ -5,8 +5,10 @@ embedded engine behind the gateway; the bundled harness ``examples/arith_agent.p
 (an ordinary openai-SDK program that answers, checks its answer with a tool and
 retries once) runs once per rollout; GRPO updates the model and pushes the
 weights back after every step. Tasks come from a seeded generator and pass
-through the data-cleaning pipeline. The eval reward on held-out tasks is printed
-before and after training, and the run report is written at the end.
+through the data-cleaning pipeline. The eval reward on held-out tasks, with its
+95% interval, is printed before, during and after training; the demo ends on
+the final weights (no checkpoint is picked by its held-out score). The run
+report is written at the end.
 """
 
 from __future__ import annotations
@@ -36,6 +38,27 @@ def _load(path: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def eval_lines(metrics_path: Path, steps: int) -> list[str]:
+    """The held-out rewards of a run with their 95% intervals, one line each."""
+    lines = []
+    for raw in metrics_path.read_text().splitlines():
+        row = json.loads(raw)
+        if "eval_reward" not in row:
+            continue
+        step = int(row["step"])
+        label = (
+            "before training"
+            if step < 0
+            else "after training"
+            if step >= steps
+            else f"after step {step + 1}"
+        )
+        low, high = row.get("eval_ci_low"), row.get("eval_ci_high")
+        ci = f" (95% CI {low:.3f}–{high:.3f})" if low is not None and high is not None else ""
+        lines.append(f"held-out reward {label}: {row['eval_reward']:.3f}{ci}")
+    return lines
 
 
 def main(argv: list[str]) -> int:
@@ -72,14 +95,20 @@ def main(argv: list[str]) -> int:
     }
     if args.steps is not None:
         overrides["steps"] = args.steps
+        # The learning-rate schedule decays over the run's own length.
+        overrides["trainer.total_steps"] = max(1, args.steps)
     if args.model:
         overrides["model.builtin"] = args.model
     config = RunConfig.load(config_path, overrides)
+    started = time.monotonic()
     summary = train(config)
-    before, after = summary.get("eval_before"), summary.get("eval_after")
     print(json.dumps(summary, indent=2))
-    if isinstance(before, float) and isinstance(after, float):
-        print(f"[lightning] held-out reward: {before:.3f} before → {after:.3f} after training")
+    for line in eval_lines(Path(config.output_dir) / "metrics.jsonl", config.steps):
+        print(f"[lightning] {line}")
+    print(
+        f"[lightning] the demo ends on the final weights (step {config.steps}); "
+        f"training took {time.monotonic() - started:.0f} s"
+    )
     if "report" in summary:
         print(f"[lightning] report: {summary['report']}")
     return 0
