@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -40,25 +41,45 @@ def _load(path: Path) -> Any:
     return module
 
 
-def eval_lines(metrics_path: Path, steps: int) -> list[str]:
-    """The held-out rewards of a run with their 95% intervals, one line each."""
-    lines = []
+def evals(metrics_path: Path, steps: int) -> list[dict[str, Any]]:
+    """The held-out evals of a run: label, mean and 95% interval, in order."""
+    out = []
     for raw in metrics_path.read_text().splitlines():
         row = json.loads(raw)
         if "eval_reward" not in row:
             continue
         step = int(row["step"])
-        label = (
-            "before training"
-            if step < 0
-            else "after training"
-            if step >= steps
-            else f"after step {step + 1}"
+        label = "before" if step < 0 else "final" if step >= steps else f"step {step + 1}"
+        out.append(
+            {
+                "label": label,
+                "reward": row["eval_reward"],
+                "low": row.get("eval_ci_low"),
+                "high": row.get("eval_ci_high"),
+            }
         )
-        low, high = row.get("eval_ci_low"), row.get("eval_ci_high")
-        ci = f" (95% CI {low:.3f}–{high:.3f})" if low is not None and high is not None else ""
-        lines.append(f"held-out reward {label}: {row['eval_reward']:.3f}{ci}")
-    return lines
+    return out
+
+
+def _fmt(e: dict[str, Any]) -> str:
+    if e["low"] is None or e["high"] is None:
+        return f"{e['reward']:.3f}"
+    return f"{e['reward']:.3f} ({e['low']:.3f}–{e['high']:.3f})"
+
+
+def table(run_dirs: list[str]) -> str:
+    """README's demo table from the ``demo.json`` of finished demo runs."""
+    records = [json.loads((Path(d) / "demo.json").read_text()) for d in run_dirs]
+    mids = max((len(r["evals"]) - 2 for r in records), default=0)
+    mid_labels = [e["label"] for e in records[0]["evals"][1:-1]] if records else []
+    head = ["seed", "before", *[f"after {m}" for m in mid_labels], "final", "wall clock"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in records:
+        before, *mid, final = [_fmt(e) for e in r["evals"]]
+        mid += ["–"] * (mids - len(mid))
+        cells = [str(r["seed"]), before, *mid, final, f"{r['wall_s'] / 60:.1f} min"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -75,7 +96,18 @@ def main(argv: list[str]) -> int:
         help="override the model (tiny: a random model, for smoke tests)",
     )
     p.add_argument("--config", help="default: examples/demo.toml")
+    p.add_argument(
+        "--table",
+        nargs="+",
+        metavar="DEMO_DIR",
+        help="print README's table (before, mid, final with 95%% intervals, wall clock) "
+        "from finished demo output dirs, and run nothing",
+    )
     args = p.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
+    started = time.monotonic()
 
     examples = examples_dir()
     config_path = Path(args.config) if args.config else examples / "demo.toml"
@@ -100,14 +132,22 @@ def main(argv: list[str]) -> int:
     if args.model:
         overrides["model.builtin"] = args.model
     config = RunConfig.load(config_path, overrides)
-    started = time.monotonic()
     summary = train(config)
     print(json.dumps(summary, indent=2))
-    for line in eval_lines(Path(config.output_dir) / "metrics.jsonl", config.steps):
-        print(f"[lightning] {line}")
+    record = {
+        "seed": args.seed,
+        "steps": config.steps,
+        "evals": evals(Path(config.output_dir) / "metrics.jsonl", config.steps),
+        # From the start of the demo (task generation) to the end of the final eval.
+        "wall_s": time.monotonic() - started,
+        "load1_at_end": os.getloadavg()[0],
+    }
+    (out / "demo.json").write_text(json.dumps(record, indent=2))
+    for e in record["evals"]:
+        print(f"[lightning] held-out reward, {e['label']}: {_fmt(e)}  (95% interval)")
     print(
-        f"[lightning] the demo ends on the final weights (step {config.steps}); "
-        f"training took {time.monotonic() - started:.0f} s"
+        f"[lightning] the demo ends on the final weights (after step {config.steps}); "
+        f"{record['wall_s']:.0f} s wall clock; summary in {out / 'demo.json'}"
     )
     if "report" in summary:
         print(f"[lightning] report: {summary['report']}")
