@@ -23,8 +23,8 @@ OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b
 PROMPT = "What is {a} {op} {b}? Answer with just the number."
 
 # What `lightning demo` generates: sums of operands 1..12, a range of difficulty
-# from one-digit sums (SmolLM2-135M answers about a third right at temperature
-# 0.7) to sums with two-digit operands (fewer). Single-digit sums alone give
+# from one-digit sums to sums with a two-digit operand (harder for SmolLM2-135M;
+# its held-out reward over the mix starts near 0.3 at temperature 0.7). Single-digit sums alone give
 # only 81 distinct tasks, too few for a held-out set that can tell a gain from
 # noise; 1..12 gives 144: 48 held out, 96 to train on.
 DEMO_FLAGS = ["--n", "1500", "--lo", "1", "--hi", "12", "--ops", "+", "--eval-size", "48"]
