@@ -27,9 +27,19 @@ $(DEPS_STAMP): pyproject.toml .ci/deps.py
 	touch $@
 
 # Editable install: python/ is live, the extension is built in release mode
-# (tests, benches and the demo all want the fast one).
+# (tests, benches and the demo all want the fast one). Rebuilt only when a
+# Rust source, a manifest or the venv changed (or the built module is gone):
+# `make demo` twice in a row builds once.
+RUST_SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find rust -name '*.rs' -o -name Cargo.toml -o -name build.rs)
+BUILD_STAMP := $(VENV)/.lightning-build
+
 build: venv
+	@ls python/lightning/_core*.so >/dev/null 2>&1 || rm -f $(BUILD_STAMP)
+	@$(MAKE) --no-print-directory $(BUILD_STAMP)
+
+$(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SOURCES)
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --quiet
+	touch $@
 
 lint: venv
 	# A tracked symlink that leaves the repository breaks every fresh clone.

@@ -24,7 +24,10 @@ answers): 1.0 right on the first try, 0.5 right after the retry, 0.0 otherwise.
 
 Settings, task field first, then environment, then default:
 temperature (``AGENT_TEMPERATURE``, 1.0), max_tokens (``AGENT_MAX_TOKENS``, 16),
-model (``OPENAI_MODEL``, "default").
+model (``OPENAI_MODEL``, "default"). A task's ``sampling_seed`` (lightning's
+loop derives one per rollout from the run seed) becomes the request ``seed`` of
+the first turn (plus the turn number after), so a run can repeat its own draws;
+without it the engine draws fresh randomness.
 """
 
 from __future__ import annotations
@@ -97,13 +100,19 @@ async def solve(task: dict[str, Any], client: Any) -> Result:
     temperature = _setting(task, "temperature", "AGENT_TEMPERATURE", 1.0)
     max_tokens = int(_setting(task, "max_tokens", "AGENT_MAX_TOKENS", 16))
     model = str(task.get("model") or os.environ.get("OPENAI_MODEL") or "default")
+    seed = task.get("sampling_seed")
 
     messages: list[dict[str, str]] = [{"role": "user", "content": task["prompt"]}]
     result = Result(reward=0.0, turns=0, correct=False, expected=str(task["answer"]))
     result.task_id = str(task.get("id", ""))
     for turn in range(MAX_TURNS):
+        extra: dict[str, Any] = {} if seed is None else {"seed": int(seed) + turn}
         reply = client.chat.completions.create(
-            model=model, messages=messages, temperature=temperature, max_tokens=max_tokens
+            model=model,
+            messages=messages,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            **extra,
         )
         if inspect.isawaitable(reply):
             reply = await reply

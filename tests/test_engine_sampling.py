@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning.engine.sampling import SamplingParams, filtered_logits, sample_row
+from lightning.engine.sampling import SamplingParams, filtered_logits, sample_row, sample_rows
 
 
 def reference_filter(logits: list[float], temperature: float, top_k: int, top_p: float) -> set[int]:
@@ -96,3 +96,37 @@ def test_bad_params_name_the_field() -> None:
     ):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_batched_rows_draw_what_each_row_draws_alone(mode: str) -> None:
+    # The scheduler samples a whole decode step at once; a row must draw the same
+    # token and report the same logprobs as it would alone (seeds reproduce
+    # whatever the batch).
+    logits = torch.randn(7, 3000, generator=torch.Generator().manual_seed(3)) * 3
+    raw = torch.log_softmax(logits, -1)
+    params = [
+        SamplingParams(temperature=0.7, logprobs=2),
+        SamplingParams(temperature=0.0, logprobs=1),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.9, top_k=4),
+        SamplingParams(temperature=1.3, top_p=0.5, logprobs=3),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=2.0, logprobs=0),
+    ]
+
+    def generators() -> list[torch.Generator | None]:
+        return [torch.Generator().manual_seed(10 + i) for i in range(len(params))]
+
+    gens = generators()
+    batch = sample_rows(logits, raw, params, gens, mode)  # type: ignore[arg-type]
+    alone_gens = generators()
+    alone = [
+        sample_row(logits[i], raw[i], params[i], alone_gens[i], mode)  # type: ignore[arg-type]
+        for i in range(len(params))
+    ]
+    assert [c.token for c in batch] == [c.token for c in alone]
+    assert [c.logprob for c in batch] == [c.logprob for c in alone]
+    assert [c.top for c in batch] == [c.top for c in alone]
+    assert batch[1].token == int(logits[1].argmax())
+    assert batch[3].token in set(torch.topk(logits[3], 4).indices.tolist())

@@ -176,6 +176,15 @@ def test_retry_extends_the_first_conversation(stub_factory: Any) -> None:
     assert all(r["temperature"] == 0.3 for r in stub.requests)
 
 
+def test_sampling_seed_becomes_the_request_seed(stub_factory: Any) -> None:
+    stub = stub_factory(["41", "42"])
+    solve_in_process(stub, {**TASK, "sampling_seed": 1234})
+    assert [r["seed"] for r in stub.requests] == [1234, 1235]
+    unseeded = stub_factory(["42"])
+    solve_in_process(unseeded, TASK)
+    assert "seed" not in unseeded.requests[0]
+
+
 def test_wrong_twice_gets_zero(stub_factory: Any) -> None:
     stub = stub_factory(["41", "43"])
     result = solve_in_process(stub, TASK)

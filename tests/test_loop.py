@@ -17,7 +17,7 @@ import pytest
 
 from lightning import cli
 from lightning.config import RunConfig
-from lightning.loop import Run, read_tasks
+from lightning.loop import Run, read_tasks, sampling_seed
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -71,6 +71,11 @@ def test_two_steps_of_the_demo_on_the_tiny_model(
     assert "eval_before" in summary and "eval_after" in summary
 
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in metrics if "eval_reward" in m]
+    assert [m["step"] for m in evals] == [-1, 2]
+    for m in evals:  # the 95% interval of every eval is recorded around its mean
+        assert m["eval_ci_low"] <= m["eval_reward"] <= m["eval_ci_high"]
+        assert m["eval_n"] == 4
     steps = [m for m in metrics if m["step"] in (0, 1)]
     assert len(steps) == 2
     for m in steps:
@@ -81,6 +86,16 @@ def test_two_steps_of_the_demo_on_the_tiny_model(
             assert key in m
     # Every call of every rollout is in the durable store, with token ids.
     db = sqlite3.connect(out / "lightning.db")
+    # Every rollout's request carried the sampling seed the run derived for it.
+    # Each eval reuses the same seeds (they differ by the policy, not the draws).
+    seeds = {
+        mode: [json.loads(t)["sampling_seed"] for (t,) in rows]
+        for mode in ("train", "eval")
+        if (rows := db.execute("select task from rollouts where mode = ?", (mode,)).fetchall())
+    }
+    assert len(set(seeds["train"])) == len(seeds["train"]) == 12
+    assert len(seeds["eval"]) == 8 and len(set(seeds["eval"])) == 4
+    assert sampling_seed(0, 0, 0) == sampling_seed(0, 0, 0) != sampling_seed(1, 0, 0)
     (n_rollouts,) = db.execute("select count(*) from rollouts").fetchone()
     (n_calls,) = db.execute("select count(*) from calls").fetchone()
     assert n_rollouts == 2 * 6 + 2 * 4  # train rollouts + eval before and after

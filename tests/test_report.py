@@ -261,3 +261,23 @@ def test_report_module_imports_fast_without_torch_or_matplotlib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False False"
+
+
+def test_eval_points_carry_their_interval() -> None:
+    from matplotlib.container import ErrorbarContainer
+    from matplotlib.figure import Figure
+
+    from lightning.report import _draw_reward
+
+    rows = [
+        {"step": -1, "eval_reward": 0.3, "eval_ci_low": 0.2, "eval_ci_high": 0.4},
+        {"step": 0, "reward_mean": 0.5},
+        {"step": 1, "reward_mean": 0.7, "eval_reward": 0.8},  # an eval without an interval
+        {"step": 2, "eval_reward": 0.9, "eval_ci_low": 0.85, "eval_ci_high": 0.95},
+    ]
+    ax = Figure().add_subplot()
+    _draw_reward(ax, rows)
+    (bars,) = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    (segments,) = bars.lines[2]
+    spans = sorted((float(s[0][1]), float(s[1][1])) for s in segments.get_segments())
+    assert spans == [(0.2, 0.4), (0.85, 0.95)]

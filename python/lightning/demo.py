@@ -5,8 +5,10 @@ embedded engine behind the gateway; the bundled harness ``examples/arith_agent.p
 (an ordinary openai-SDK program that answers, checks its answer with a tool and
 retries once) runs once per rollout; GRPO updates the model and pushes the
 weights back after every step. Tasks come from a seeded generator and pass
-through the data-cleaning pipeline. The eval reward on held-out tasks is printed
-before and after training, and the run report is written at the end.
+through the data-cleaning pipeline. The eval reward on held-out tasks, with its
+95% interval, is printed before, during and after training; the demo ends on
+the final weights (no checkpoint is picked by its held-out score). The run
+report is written at the end.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,47 @@ def _load(path: Path) -> Any:
     return module
 
 
+def evals(metrics_path: Path, steps: int) -> list[dict[str, Any]]:
+    """The held-out evals of a run: label, mean and 95% interval, in order."""
+    out = []
+    for raw in metrics_path.read_text().splitlines():
+        row = json.loads(raw)
+        if "eval_reward" not in row:
+            continue
+        step = int(row["step"])
+        label = "before" if step < 0 else "final" if step >= steps else f"step {step + 1}"
+        out.append(
+            {
+                "label": label,
+                "reward": row["eval_reward"],
+                "low": row.get("eval_ci_low"),
+                "high": row.get("eval_ci_high"),
+            }
+        )
+    return out
+
+
+def _fmt(e: dict[str, Any]) -> str:
+    if e["low"] is None or e["high"] is None:
+        return f"{e['reward']:.3f}"
+    return f"{e['reward']:.3f} ({e['low']:.3f}–{e['high']:.3f})"
+
+
+def table(run_dirs: list[str]) -> str:
+    """README's demo table from the ``demo.json`` of finished demo runs."""
+    records = [json.loads((Path(d) / "demo.json").read_text()) for d in run_dirs]
+    mids = max((len(r["evals"]) - 2 for r in records), default=0)
+    mid_labels = [e["label"] for e in records[0]["evals"][1:-1]] if records else []
+    head = ["seed", "before", *[f"after {m}" for m in mid_labels], "final", "wall clock"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in records:
+        before, *mid, final = [_fmt(e) for e in r["evals"]]
+        mid += ["–"] * (mids - len(mid))
+        cells = [str(r["seed"]), before, *mid, final, f"{r['wall_s'] / 60:.1f} min"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     from lightning.config import RunConfig
     from lightning.loop import train
@@ -52,7 +96,18 @@ def main(argv: list[str]) -> int:
         help="override the model (tiny: a random model, for smoke tests)",
     )
     p.add_argument("--config", help="default: examples/demo.toml")
+    p.add_argument(
+        "--table",
+        nargs="+",
+        metavar="DEMO_DIR",
+        help="print README's table (before, mid, final with 95%% intervals, wall clock) "
+        "from finished demo output dirs, and run nothing",
+    )
     args = p.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
+    started = time.monotonic()
 
     examples = examples_dir()
     config_path = Path(args.config) if args.config else examples / "demo.toml"
@@ -72,14 +127,28 @@ def main(argv: list[str]) -> int:
     }
     if args.steps is not None:
         overrides["steps"] = args.steps
+        # The learning-rate schedule decays over the run's own length.
+        overrides["trainer.total_steps"] = max(1, args.steps)
     if args.model:
         overrides["model.builtin"] = args.model
     config = RunConfig.load(config_path, overrides)
     summary = train(config)
-    before, after = summary.get("eval_before"), summary.get("eval_after")
     print(json.dumps(summary, indent=2))
-    if isinstance(before, float) and isinstance(after, float):
-        print(f"[lightning] held-out reward: {before:.3f} before → {after:.3f} after training")
+    record = {
+        "seed": args.seed,
+        "steps": config.steps,
+        "evals": evals(Path(config.output_dir) / "metrics.jsonl", config.steps),
+        # From the start of the demo (task generation) to the end of the final eval.
+        "wall_s": time.monotonic() - started,
+        "load1_at_end": os.getloadavg()[0],
+    }
+    (out / "demo.json").write_text(json.dumps(record, indent=2))
+    for e in record["evals"]:
+        print(f"[lightning] held-out reward, {e['label']}: {_fmt(e)}  (95% interval)")
+    print(
+        f"[lightning] the demo ends on the final weights (after step {config.steps}); "
+        f"{record['wall_s']:.0f} s wall clock; summary in {out / 'demo.json'}"
+    )
     if "report" in summary:
         print(f"[lightning] report: {summary['report']}")
     return 0

@@ -19,6 +19,7 @@ gateway's store: every call and reward), ``metrics.jsonl`` (one object per step)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ import httpx
 
 from lightning.config import RunConfig, TrainerConfig
 from lightning.runner import RolloutResult, Runner, load_callable
+from lightning.stats import Interval, reward_interval
 from lightning.weight_sync import WeightSync, WeightUpdate, make_weight_sync
 
 log = logging.getLogger("lightning.loop")
@@ -195,9 +197,25 @@ def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
     )
 
 
-def _eval_reward(results: Sequence[RolloutResult]) -> float:
-    rewards = [r.reward if r.reward is not None else 0.0 for r in results]
-    return float(sum(rewards) / len(rewards)) if rewards else float("nan")
+def sampling_seed(run_seed: int, step: int, job: int) -> int:
+    """The sampling seed of rollout ``job`` of ``step`` (-1: evals), derived from the run seed.
+
+    Harnesses that pass it on as the request's ``seed`` (examples/arith_agent.py
+    does) make a run repeat its own draws.
+    """
+    digest = hashlib.blake2b(f"{run_seed}/{step}/{job}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _eval_metrics(interval: Interval | None) -> dict[str, Any]:
+    if interval is None:
+        return {"eval_reward": float("nan")}
+    return {
+        "eval_reward": interval.mean,
+        "eval_ci_low": interval.low,
+        "eval_ci_high": interval.high,
+        "eval_n": interval.tasks * interval.samples,
+    }
 
 
 class Run:
@@ -341,21 +359,35 @@ class Run:
 
     # -- the loop ---------------------------------------------------------------
 
-    def evaluate(self, label: str) -> float:
+    def evaluate(self, label: str) -> Interval | None:
+        """Run every held-out task ``eval_samples`` times; the mean with its 95% interval.
+
+        Job j of every eval gets the same sampling seed, so evals before, during
+        and after training differ by the policy, not by the draws.
+        """
         if not self.eval_tasks:
-            return float("nan")
+            return None
         temp = self.config.algorithm.eval_temperature
         k = self.config.algorithm.eval_samples
-        jobs = [({**t, "temperature": temp}, None) for t in self.eval_tasks for _ in range(k)]
+        jobs = [
+            (
+                {**t, "temperature": temp, "sampling_seed": sampling_seed(self.config.seed, -1, j)},
+                None,
+            )
+            for j, t in enumerate(t for t in self.eval_tasks for _ in range(k))
+        ]
         t0 = time.monotonic()
         results = self.runner.run(jobs, mode="eval")
         self.phases.record("generate", t0, time.monotonic())
-        reward = _eval_reward(results)
+        by_task: dict[str, list[float]] = {}
+        for i, r in enumerate(results):
+            by_task.setdefault(str(i // k), []).append(r.reward if r.reward is not None else 0.0)
+        interval = reward_interval(by_task, seed=self.config.seed)
         self._say(
-            f"eval ({label}): mean reward {reward:.3f} over {len(self.eval_tasks)} held-out "
+            f"eval ({label}): mean reward {interval} over {interval.tasks} held-out "
             f"tasks × {k} at temperature {temp:g}"
         )
-        return reward
+        return interval
 
     def _rollouts(self, step: int) -> list[RolloutResult]:
         return self.runner.run(self._jobs(step), mode="train")
@@ -371,7 +403,9 @@ class Run:
         for i, task in enumerate(chosen):
             group = f"step{step}-task{i}-{task.get('id', i)}"
             for _ in range(cfg.algorithm.group_size):
-                jobs.append(({**task, "temperature": cfg.algorithm.train_temperature}, group))
+                seed = sampling_seed(cfg.seed, step, len(jobs))
+                temp = cfg.algorithm.train_temperature
+                jobs.append(({**task, "temperature": temp, "sampling_seed": seed}, group))
         return jobs
 
     def _sync_weights(self, version: int) -> None:
@@ -505,8 +539,10 @@ class Run:
         start = int(self.state["step"])
         summary: dict[str, Any] = {"output_dir": str(self.out)}
         if start == 0:
-            summary["eval_before"] = self.evaluate("before training")
-            self._append_metrics({"step": -1, "eval_reward": summary["eval_before"]})
+            before = _eval_metrics(self.evaluate("before training"))
+            summary["eval_before"] = before["eval_reward"]
+            summary["eval_before_ci"] = [before.get("eval_ci_low"), before.get("eval_ci_high")]
+            self._append_metrics({"step": -1, **before})
         else:
             self._say(f"resuming at step {start}")
         from lightning.async_loop import RolloutPipeline
@@ -517,15 +553,17 @@ class Run:
             for step in range(start, cfg.steps):
                 metrics = self.step(step) if pipeline is None else pipeline.step(step)
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                    metrics["eval_reward"] = self.evaluate(f"after step {step + 1}")
+                    metrics.update(_eval_metrics(self.evaluate(f"after step {step + 1}")))
                 self._append_metrics(metrics)
                 self.state = {"step": step + 1, "weight_version": step + 1}
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     self._checkpoint()
                 self.state_path.write_text(json.dumps(self.state))
                 tick(metrics)
-        summary["eval_after"] = self.evaluate("after training")
-        self._append_metrics({"step": cfg.steps, "eval_reward": summary["eval_after"]})
+        after = _eval_metrics(self.evaluate("after training"))
+        summary["eval_after"] = after["eval_reward"]
+        summary["eval_after_ci"] = [after.get("eval_ci_low"), after.get("eval_ci_high")]
+        self._append_metrics({"step": cfg.steps, **after})
         self._checkpoint()
         self.state_path.write_text(json.dumps(self.state))
         try:

@@ -115,6 +115,35 @@ def _draw_reward(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
     ex, ey = series(rows, "eval_reward")
     if ex:
         ax.plot(ex, ey, color="#e45756", marker="o", linewidth=2, label="eval (held out)")
+        # The eval's 95% interval (bootstrap over tasks, lightning.stats), where recorded.
+        bars = [
+            (x, y, lo, hi)
+            for x, y, lo, hi in zip(
+                ex,
+                ey,
+                (
+                    _num(r.get("eval_ci_low"))
+                    for r in rows
+                    if _num(r.get("eval_reward")) is not None
+                ),
+                (
+                    _num(r.get("eval_ci_high"))
+                    for r in rows
+                    if _num(r.get("eval_reward")) is not None
+                ),
+                strict=True,
+            )
+            if lo is not None and hi is not None
+        ]
+        if bars:
+            bx, by, blo, bhi = zip(*bars, strict=True)
+            yerr = [
+                [y - lo for y, lo in zip(by, blo, strict=True)],
+                [hi - y for y, hi in zip(by, bhi, strict=True)],
+            ]
+            ax.errorbar(
+                bx, by, yerr=yerr, fmt="none", ecolor="#e45756", capsize=4, label="eval 95% CI"
+            )
     ax.legend(loc="best", fontsize=8)
 
 

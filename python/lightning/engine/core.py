@@ -33,13 +33,14 @@ from typing import Any
 import torch
 
 from lightning._core import LightningError
-from lightning.engine import kv, tools
+from lightning.engine import kv, linear, tools
 from lightning.engine.sampling import (
     LOGPROBS_MODES,
     Choice,
     LogprobsMode,
     SamplingParams,
     sample_row,
+    sample_rows,
 )
 
 log = logging.getLogger("lightning.engine")
@@ -212,6 +213,7 @@ class Engine:
         max_model_len: int | None = None,
         chat_template: str | os.PathLike[str] | None = None,
         tool_call_parser: str = "auto",
+        prepack: bool = True,
     ) -> None:
         """``chat_template``: a Jinja file used instead of the model's own template
         (vLLM's ``--chat-template``); ``tool_call_parser``: ``auto`` (from the
@@ -274,6 +276,11 @@ class Engine:
             )
         self.model.to(self.device)
         self.model.eval()
+        # Decode multiplies a few rows by every weight: pack the weights once for
+        # oneDNN instead of letting every call re-pack them (see linear.py).
+        self.prepacked = prepack and linear.available(self.device, torch_dtype)
+        if self.prepacked:
+            linear.pack(self.model, batch_hint=max_batch)
         self.model_path = str(source)
         self.model_name = served_model_name or default_name
         self.max_batch = max_batch
@@ -464,6 +471,8 @@ class Engine:
         try:
             with torch.no_grad():
                 self.model.load_state_dict(reload.state, strict=False)
+                if self.prepacked:
+                    linear.repack(self.model)
             self.weight_version = reload.version
             log.info("loaded weights version %d", reload.version)
             reload.done.set_result(reload.version)
@@ -625,12 +634,14 @@ class Engine:
         )
         raw = torch.log_softmax(logits, dim=-1)  # [B, V]
         self.stats["steps"] += 1
+        choices = sample_rows(
+            logits, raw, [s.params for s in rows], [s.generator for s in rows], self.logprobs_mode
+        )
         keep: list[int] = []
-        for i, seq in enumerate(rows):
+        for i, (seq, choice) in enumerate(zip(rows, choices, strict=True)):
             seq.kv_len += 1
             if seq.cancelled:
                 continue
-            choice = sample_row(logits[i], raw[i], seq.params, seq.generator, self.logprobs_mode)
             self._accept(seq, choice)
             if seq.finish_reason is None:
                 keep.append(i)

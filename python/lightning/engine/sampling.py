@@ -17,6 +17,7 @@ and top-k/top-p filtering); greedy rows report raw logprobs in both modes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -105,28 +106,92 @@ def sample_row(
     generator: torch.Generator | None,
     mode: LogprobsMode,
 ) -> Choice:
-    """Pick the next token of one sequence.
+    """Pick the next token of one sequence (``sample_rows`` with one row).
 
     logits: [V] float32 raw model logits; raw_logprobs: [V] = log_softmax(logits).
     """
-    if params.greedy:
-        token = int(torch.argmax(logits))
-        reported = raw_logprobs
-    else:
-        processed = filtered_logits(logits, params)
-        probs = torch.softmax(processed, dim=-1)
-        # Inverse-CDF draw: one uniform per token from the sequence's own generator
-        # (so seeds reproduce whatever the batch), ~100x cheaper than multinomial on
-        # a 49k vocabulary. Clamped so float rounding in the cumsum never runs off
-        # the end or lands on a zero-probability token.
-        cdf = torch.cumsum(probs, dim=-1)
-        u = torch.rand((1,), generator=generator, dtype=cdf.dtype) * cdf[-1]
-        token = int(torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1))
-        if probs[token] <= 0:
-            token = int(torch.argmax(probs))
-        reported = raw_logprobs if mode == "raw_logprobs" else torch.log_softmax(processed, -1)
-    top: list[tuple[int, float]] | None = None
-    if params.logprobs:
-        values, ids = torch.topk(reported, params.logprobs)
-        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
-    return Choice(token=token, logprob=float(reported[token]), top=top)
+    return sample_rows(logits[None], raw_logprobs[None], [params], [generator], mode)[0]
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    raw_logprobs: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    mode: LogprobsMode,
+) -> list[Choice]:
+    """Pick the next token of every row of a decode step.
+
+    logits: [B, V] float32 raw model logits; raw_logprobs: [B, V] = log_softmax(logits).
+
+    Rows that only set a temperature (the common case) are sampled together:
+    one softmax and one cumsum over [b, V] instead of b small calls. Both run
+    row by row over the vocabulary whatever b is, so a row draws the same token
+    alone or in any batch; each row still takes its uniform from its own
+    generator, so seeds reproduce whatever the batch. Rows with top-k/top-p go
+    through the per-row filter.
+    """
+    b = logits.shape[0]
+    tokens = [0] * b
+    reported: list[torch.Tensor | None] = [None] * b
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    plain = [i for i, p in enumerate(params) if not p.greedy and not _filters(p)]
+    filtered = [i for i, p in enumerate(params) if not p.greedy and _filters(p)]
+    if greedy:
+        index = torch.tensor(greedy)
+        for i, t in zip(greedy, logits[index].argmax(-1).tolist(), strict=True):
+            tokens[i] = t
+    if plain:
+        index = torch.tensor(plain)
+        temps = torch.tensor([params[i].temperature for i in plain], dtype=logits.dtype)
+        scaled = logits[index] / temps[:, None]  # [b, V]
+        drawn, processed = _draw(scaled, [generators[i] for i in plain], mode)
+        for j, i in enumerate(plain):
+            tokens[i] = drawn[j]
+            reported[i] = processed[j] if processed is not None else None
+    for i in filtered:
+        scaled = filtered_logits(logits[i], params[i])[None]  # [1, V]
+        drawn, processed = _draw(scaled, [generators[i]], mode)
+        tokens[i] = drawn[0]
+        reported[i] = processed[0] if processed is not None else None
+    picked = raw_logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    choices = []
+    for i, p in enumerate(params):
+        row = reported[i]
+        if row is None:
+            row = raw_logprobs[i]
+        else:
+            picked[i] = float(row[tokens[i]])
+        top: list[tuple[int, float]] | None = None
+        if p.logprobs:
+            values, ids = torch.topk(row, p.logprobs)
+            top = [(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        choices.append(Choice(token=tokens[i], logprob=picked[i], top=top))
+    return choices
+
+
+def _filters(params: SamplingParams) -> bool:
+    return 0 < params.top_k or params.top_p < 1.0
+
+
+def _draw(
+    scaled: torch.Tensor, generators: Sequence[torch.Generator | None], mode: LogprobsMode
+) -> tuple[list[int], torch.Tensor | None]:
+    """Inverse-CDF draws from softmax(scaled) rows, and the processed logprobs if reported.
+
+    scaled: [b, V] (removed tokens at -inf) -> (b tokens, [b, V] or None)
+
+    One uniform per row from the row's own generator (~100x cheaper than
+    multinomial on a 49k vocabulary). Clamped so float rounding in the cumsum
+    never runs off the end or lands on a zero-probability token.
+    """
+    probs = torch.softmax(scaled, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)  # [b, V]
+    u = torch.cat([torch.rand((1,), generator=g, dtype=cdf.dtype) for g in generators])
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    drawn = drawn.clamp_(max=cdf.shape[-1] - 1)
+    zero = probs.gather(1, drawn[:, None])[:, 0] <= 0
+    if bool(zero.any()):
+        drawn = torch.where(zero, probs.argmax(-1), drawn)
+    processed = torch.log_softmax(scaled, dim=-1) if mode == "processed_logprobs" else None
+    return drawn.tolist(), processed

@@ -1,0 +1,51 @@
+"""`lightning demo`'s record of a run and README's table built from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lightning import demo
+
+
+def _run(tmp_path: Path, seed: int, rows: list[dict[str, object]]) -> Path:
+    out = tmp_path / f"demo-seed{seed}"
+    (out / "run").mkdir(parents=True)
+    (out / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = {
+        "seed": seed,
+        "steps": 12,
+        "evals": demo.evals(out / "run" / "metrics.jsonl", 12),
+        "wall_s": 540.0,
+    }
+    (out / "demo.json").write_text(json.dumps(record))
+    return out
+
+
+def test_evals_and_table(tmp_path: Path) -> None:
+    rows: list[dict[str, object]] = [
+        {"step": -1, "eval_reward": 0.4, "eval_ci_low": 0.3, "eval_ci_high": 0.5},
+        {"step": 0, "reward_mean": 0.2},
+        {
+            "step": 5,
+            "reward_mean": 0.9,
+            "eval_reward": 0.8,
+            "eval_ci_low": 0.7,
+            "eval_ci_high": 0.9,
+        },
+        {"step": 12, "eval_reward": 0.85, "eval_ci_low": 0.75, "eval_ci_high": 0.95},
+    ]
+    first = _run(tmp_path, 0, rows)
+    assert [e["label"] for e in demo.evals(first / "run" / "metrics.jsonl", 12)] == [
+        "before",
+        "step 6",
+        "final",
+    ]
+    second = _run(tmp_path, 1, rows[:2] + rows[3:])  # a run without its mid-run eval
+    lines = demo.table([str(first), str(second)]).splitlines()
+    assert lines[0] == "| seed | before | after step 6 | final | wall clock |"
+    assert (
+        lines[2]
+        == "| 0 | 0.400 (0.300–0.500) | 0.800 (0.700–0.900) | 0.850 (0.750–0.950) | 9.0 min |"
+    )
+    assert lines[3] == "| 1 | 0.400 (0.300–0.500) | – | 0.850 (0.750–0.950) | 9.0 min |"
