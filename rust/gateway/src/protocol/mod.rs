@@ -51,6 +51,25 @@ pub mod openai_chat;
 pub mod openai_completions;
 pub mod openai_responses;
 
+/// The property tests' config: `cases` per property, a fixed seed under
+/// `CI=true` (so `make test` in CI is reproducible; `PROPTEST_RNG_SEED` picks
+/// another), random otherwise, and shrinking capped at 10 s so a failure
+/// cannot stall the suite.
+#[cfg(test)]
+pub(crate) fn proptest_config(cases: u32) -> proptest::test_runner::Config {
+    use proptest::test_runner::{Config, RngSeed};
+    let mut cfg = Config {
+        cases,
+        max_shrink_time: 10_000,
+        ..Config::default()
+    };
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    if ci && std::env::var_os("PROPTEST_RNG_SEED").is_none() {
+        cfg.rng_seed = RngSeed::Fixed(0x11e7_2026);
+    }
+    cfg
+}
+
 /// What the pipeline tells an adapter about one call.
 #[derive(Debug, Clone, Default)]
 pub struct Ctx {
