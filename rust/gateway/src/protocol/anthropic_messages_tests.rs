@@ -400,7 +400,7 @@ fn translate(chunks: &[Value]) -> (Vec<u8>, Vec<u8>) {
     }
     sse_frame(&mut sse, None, b"[DONE]");
     let events = Parser::new().feed(&sse).unwrap_or_default();
-    let mut t = AnthropicMessages.translator(&mut ctx(true));
+    let mut t = AnthropicMessages.translator(&ctx(true));
     let mut early = Vec::new();
     for ev in &events {
         t.on_event(ev, &mut early);
@@ -573,7 +573,7 @@ fn the_stream_holds_back_only_the_end() {
 
 #[test]
 fn a_failed_stream_ends_with_an_error_event() {
-    let mut t = AnthropicMessages.translator(&mut ctx(true));
+    let mut t = AnthropicMessages.translator(&ctx(true));
     let out = t.fail(&ApiError::new(
         502,
         "server_error",
@@ -587,7 +587,7 @@ fn a_failed_stream_ends_with_an_error_event() {
         "{s}"
     );
     // An engine error inside the stream ends it the same way.
-    let mut t = AnthropicMessages.translator(&mut ctx(true));
+    let mut t = AnthropicMessages.translator(&ctx(true));
     let mut out = Vec::new();
     let evs = Parser::new()
         .feed(b"data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\n")
@@ -669,10 +669,10 @@ proptest! {
     /// No engine bytes make the answer side or the stream translator panic.
     #[test]
     fn answers_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512), v in json_strategy()) {
-        let _ = AnthropicMessages.answer(StatusCode::OK, &Bytes::from(bytes.clone()), &mut ctx(true));
-        let _ = AnthropicMessages.answer(StatusCode::OK, &Bytes::from(v.to_string()), &mut ctx(true));
-        let _ = AnthropicMessages.answer(StatusCode::BAD_REQUEST, &Bytes::from(bytes.clone()), &mut ctx(true));
-        let mut t = AnthropicMessages.translator(&mut ctx(true));
+        let _ = AnthropicMessages.answer(StatusCode::OK, &Bytes::from(bytes.clone()), &ctx(true));
+        let _ = AnthropicMessages.answer(StatusCode::OK, &Bytes::from(v.to_string()), &ctx(true));
+        let _ = AnthropicMessages.answer(StatusCode::BAD_REQUEST, &Bytes::from(bytes.clone()), &ctx(true));
+        let mut t = AnthropicMessages.translator(&ctx(true));
         let mut out = Vec::new();
         let mut frames = Vec::new();
         sse_frame(&mut frames, None, &bytes);
