@@ -35,6 +35,12 @@ chat template is ChatML-like. Message markers steer the answer: ``[[tool]]`` mak
 tool call, ``[[len:N]]`` sets the answer length in tokens, ``[[slow:S]]`` sleeps S
 seconds between streamed tokens.
 
+Faults (``POST /_control``): ``fail_next=N, fail_status=S`` answers the next N
+requests with status S and a vLLM error body; ``fault_next=N, fault=KIND`` breaks
+the next N answers: ``garbage`` sends 200 with a body (or SSE event) that is not
+JSON, ``cut`` closes the connection half-way through the body (after the first
+streamed event).
+
 Scripted answers (``--script JSON_OR_FILE``, ``FakeEngine(script=...)`` or ``POST
 /_script`` with the list): a list of steps; a chat request whose conversation holds
 k assistant messages gets step k (the last step once the list runs out), so each
@@ -178,6 +184,8 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:
         pass
 
+    fault = ""  # set per request from CONTROL["fault"]
+
     def _json(self, status: int, obj: Any) -> None:
         body = json.dumps(obj).encode()
         self.send_response(status)
@@ -185,7 +193,25 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("x-fake-server", self.server_name)
         self.end_headers()
+        if self.fault == "cut":
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            raise ClientGone("fault: cut")
         self.wfile.write(body)
+
+    def _garbage(self, raw: bytes) -> None:
+        stream = b'"stream": true' in raw or b'"stream":true' in raw
+        if not stream:
+            body = b'{"id": "chatcmpl-garbage", "choices": [ this is not json'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self._sse_start()
+        self._sse("{not json at all")
+        self._sse("[DONE]")
 
     def do_GET(self) -> None:
         if self.path in ("/health", "/v1/health"):
@@ -213,6 +239,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _post(self) -> None:
+        self.fault = ""
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
         if self.path == "/_script":
@@ -235,8 +262,15 @@ class Handler(BaseHTTPRequestHandler):
             if fail:
                 CONTROL["fail_next"] = fail - 1
             delay = float(CONTROL.get("delay_s", 0.0))
+            fault_n = CONTROL.get("fault_next", 0)
+            if fault_n:
+                CONTROL["fault_next"] = fault_n - 1
+                self.fault = str(CONTROL.get("fault", ""))
         if delay:
             time.sleep(delay)
+        if self.fault == "garbage":
+            self._garbage(raw)
+            return
         if fail:
             status = int(CONTROL.get("fail_status", 503))
             self._json(
@@ -332,6 +366,8 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError) as e:
             # The client (the gateway) hung up: vLLM aborts the request here.
             raise ClientGone from e
+        if self.fault == "cut":
+            raise ClientGone("fault: cut after the first event")
 
     def tokenize(self, req: dict[str, Any]) -> None:
         """vLLM's ``POST /tokenize`` (server root, not ``/v1``): ``TokenizeChatRequest``

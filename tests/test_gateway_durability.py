@@ -1,6 +1,7 @@
 """Durability: kill -9 the gateway (started through the ``lightning-gateway``
 console entry point) with calls in flight; everything the harness saw
-complete and every acknowledged reward must be in the store after restart."""
+complete (chat, Responses and Messages, streamed and not) and every
+acknowledged reward must be in the store after restart."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -97,34 +100,52 @@ def test_kill9_keeps_every_acknowledged_write(engine: FakeEngine, tmp_path: Path
     stop = threading.Event()
     errors: list[str] = []
 
+    def ask(oa: openai.OpenAI, an: anthropic.Anthropic, kind: int, text: str) -> str:
+        """One harness call; kinds cycle through every protocol, whole and streamed."""
+        msgs: Any = [{"role": "user", "content": text}]
+        stream = kind % 2 == 1
+        if kind < 2:
+            if not stream:
+                return (
+                    oa.chat.completions.create(model="m", messages=msgs).choices[0].message.content
+                    or ""
+                )
+            parts = oa.chat.completions.create(model="m", messages=msgs, stream=True)
+            return "".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices)
+        if kind < 4:
+            if not stream:
+                return oa.responses.create(model="m", input=text).output_text
+            events = oa.responses.create(model="m", input=text, stream=True)
+            done = [e.response.output_text for e in events if e.type == "response.completed"]
+            if not done:
+                raise openai.APIError(
+                    "stream ended without response.completed", httpx.Request("POST", url), body=None
+                )
+            return done[0]
+        if not stream:
+            msg = an.messages.create(model="m", max_tokens=64, messages=msgs)
+            return "".join(b.text for b in msg.content if b.type == "text")
+        with an.messages.stream(model="m", max_tokens=64, messages=msgs) as s:
+            return "".join(s.text_stream)
+
     def worker(i: int) -> None:
         r = rollouts[i]
         oa = openai.OpenAI(base_url=r.base_url, api_key=r.token, max_retries=0, timeout=5)
+        an = anthropic.Anthropic(
+            base_url=r.anthropic_base_url, api_key=r.token, max_retries=0, timeout=5
+        )
         rc = GatewayClient(url, timeout=5)
         n = 0
         while not stop.is_set():
-            msgs = [{"role": "user", "content": f"turn {n} [[len:8]]"}]
             try:
-                if n % 2:
-                    text = "".join(
-                        ch.choices[0].delta.content or ""
-                        for ch in oa.chat.completions.create(model="m", messages=msgs, stream=True)
-                        if ch.choices
-                    )
-                else:
-                    text = (
-                        oa.chat.completions.create(model="m", messages=msgs)
-                        .choices[0]
-                        .message.content
-                        or ""
-                    )
-                seen[r.id].append(text)
+                seen[r.id].append(ask(oa, an, (n + i) % 6, f"turn {n} [[len:8]]"))
                 rewards[r.id].append(rc.reward(r.id, float(n), token=r.token))
-            except (openai.APIError, httpx.HTTPError) as e:
+            except (openai.APIError, anthropic.APIError, httpx.HTTPError) as e:
                 errors.append(repr(e))
                 break
             n += 1
         oa.close()
+        an.close()
         rc.close()
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(rollouts))]

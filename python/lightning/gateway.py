@@ -62,6 +62,10 @@ class GatewayConfig(BaseModel):
         default=_DEFAULTS["admin_key"],
         description="Admin key; None generates a random one on start()",
     )
+    insecure_local: bool = Field(
+        default=_DEFAULTS["insecure_local"],
+        description="Run without an admin key (admin routes open); only on a loopback listen address",
+    )
     public_url: str | None = _DEFAULTS["public_url"]
     max_body_bytes: int = Field(default=_DEFAULTS["max_body_bytes"], gt=0)
     upstream_timeout_s: float = Field(default=_DEFAULTS["upstream_timeout_s"], gt=0)
@@ -149,14 +153,13 @@ class Gateway:
         if overrides:
             cfg = cfg.model_copy(update=overrides)
             cfg = GatewayConfig.model_validate(cfg.model_dump())
-        if cfg.admin_key is None:
+        if cfg.admin_key is None and not cfg.insecure_local:
             cfg = cfg.model_copy(update={"admin_key": secrets.token_urlsafe(24)})
         self.config = cfg
 
     @property
     def admin_key(self) -> str:
-        assert self.config.admin_key is not None
-        return self.config.admin_key
+        return self.config.admin_key or ""
 
     def start(self) -> GatewayHandle:
         inner = _core.gateway_start(self.config.to_json(), self.config.threads)

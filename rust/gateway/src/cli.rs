@@ -34,6 +34,9 @@ pub struct Args {
     /// Guards rollout creation and /admin routes.
     #[arg(long, env = "LIGHTNING_ADMIN_KEY", hide_env_values = true)]
     pub admin_key: Option<String>,
+    /// Run without an admin key (admin routes open); only on a loopback --listen.
+    #[arg(long)]
+    pub insecure_local: bool,
     /// Base URL handed to harnesses in `POST /rollouts`.
     #[arg(long, value_name = "URL")]
     pub public_url: Option<String>,
@@ -88,6 +91,9 @@ impl Args {
         }
         if let Some(k) = self.admin_key.filter(|k| !k.is_empty()) {
             cfg.admin_key = Some(k);
+        }
+        if self.insecure_local {
+            cfg.insecure_local = true;
         }
         if let Some(u) = self.public_url {
             cfg.public_url = Some(u);

@@ -74,8 +74,11 @@ pub struct Config {
     pub upstreams: Vec<UpstreamConfig>,
     /// SQLite file of the trace store.
     pub db: PathBuf,
-    /// Guards rollout creation and `/admin/*`. Required.
+    /// Guards rollout creation and `/admin/*`. Required unless `insecure_local`.
     pub admin_key: Option<String>,
+    /// Run without an admin key (admin routes open to anyone who can connect);
+    /// accepted only with a loopback `listen` address, for a single-user machine.
+    pub insecure_local: bool,
     /// Base URL handed to harnesses in `POST /rollouts`; defaults to `http://{listen}`.
     pub public_url: Option<String>,
     /// Largest accepted request body (413 above).
@@ -112,6 +115,7 @@ impl Default for Config {
             upstreams: Vec::new(),
             db: PathBuf::from("lightning.db"),
             admin_key: None,
+            insecure_local: false,
             public_url: None,
             max_body_bytes: 32 * 1024 * 1024,
             upstream_timeout_s: 600.0,
@@ -141,10 +145,18 @@ impl Config {
 
     /// Checks values a server cannot run with; messages name the field and the fix.
     pub fn validate(&self) -> Result<(), GatewayError> {
-        match &self.admin_key {
-            None => {
+        match self.admin_key.as_deref() {
+            None | Some("") if self.insecure_local => {
+                if !is_loopback_listen(&self.listen) {
+                    return Err(GatewayError::Config(format!(
+                        "insecure_local runs without an admin key and is only allowed on a loopback listener, not {:?}; listen on 127.0.0.1 or set admin_key",
+                        self.listen
+                    )));
+                }
+            }
+            None | Some("") => {
                 return Err(GatewayError::Config(
-                    "admin_key is not set; pass --admin-key, set LIGHTNING_ADMIN_KEY or admin_key in the config"
+                    "admin_key is not set; pass --admin-key, set LIGHTNING_ADMIN_KEY or admin_key in the config (or --insecure-local on a loopback listener)"
                         .into(),
                 ))
             }
@@ -171,9 +183,49 @@ impl Config {
     }
 }
 
+/// Whether `host:port` binds only a loopback interface (`127.0.0.0/8`, `::1`, `localhost`).
+pub fn is_loopback_listen(listen: &str) -> bool {
+    let host = match listen.rsplit_once(':') {
+        Some((h, _)) => h,
+        None => listen,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.eq_ignore_ascii_case("localhost") {
+        return true;
+    }
+    host.parse::<std::net::IpAddr>()
+        .map(|ip| ip.is_loopback())
+        .unwrap_or(false)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn keyless(listen: &str, insecure_local: bool) -> Config {
+        Config {
+            listen: listen.into(),
+            insecure_local,
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn empty_admin_key_needs_insecure_local_on_loopback() {
+        assert!(keyless("127.0.0.1:0", false).validate().is_err());
+        let mut empty = keyless("127.0.0.1:0", false);
+        empty.admin_key = Some(String::new());
+        assert!(empty.validate().is_err());
+        for ok in ["127.0.0.1:0", "127.0.0.2:80", "[::1]:8080", "localhost:1"] {
+            assert!(keyless(ok, true).validate().is_ok(), "{ok}");
+        }
+        for bad in ["0.0.0.0:8080", "[::]:1", "10.0.0.1:80", "example.com:80"] {
+            match keyless(bad, true).validate() {
+                Err(e) => assert!(e.to_string().contains("loopback"), "{bad}: {e}"),
+                Ok(()) => panic!("{bad} is not loopback yet was accepted"),
+            }
+        }
+    }
 
     #[test]
     fn parses_base_urls() {

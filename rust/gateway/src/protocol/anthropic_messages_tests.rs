@@ -638,7 +638,7 @@ fn answer_strategy() -> impl Strategy<Value = EngineAnswer> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(crate::protocol::proptest_config(256))]
 
     /// Streamed and whole translations of the same engine answer agree.
     #[test]
@@ -880,7 +880,7 @@ fn turn_strategy() -> impl Strategy<Value = Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(crate::protocol::proptest_config(256))]
 
     /// A random conversation keeps every item, in order, through the translation.
     #[test]

@@ -246,7 +246,7 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
                 "upstream_failed",
                 format!("upstream {} broke off its answer: {e}", upstream.url),
             );
-            finish_failed(&st, &meta, &upstream, err, reply).await;
+            finish_failed(&st, &meta, &upstream, err, reply, false).await;
             return;
         }
         Err(_) => {
@@ -259,24 +259,38 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
                     upstream.url, st.cfg.upstream_timeout_s
                 ),
             );
-            finish_failed(&st, &meta, &upstream, err, reply).await;
+            finish_failed(&st, &meta, &upstream, err, reply, false).await;
             return;
         }
     };
-    let (cap, parse_error, call_status) = if status.is_success() {
+    let (cap, call_status) = if status.is_success() {
         match capture::parse_answer(&bytes) {
-            Ok(c) => (Some(c), false, CallStatus::Ok),
-            Err(_) => (None, true, CallStatus::Ok),
+            Ok(c) => (Some(c), CallStatus::Ok),
+            Err(e) => {
+                // A 2xx the gateway cannot read is a broken engine, not an
+                // answer: the harness gets a typed 502, never the garbage.
+                let err = ApiError::new(
+                    502,
+                    "server_error",
+                    "upstream_bad_answer",
+                    format!(
+                        "upstream {} answered {status} with a body that is not a completion ({e})",
+                        upstream.url
+                    ),
+                );
+                finish_failed(&st, &meta, &upstream, err, reply, true).await;
+                return;
+            }
         }
     } else {
-        (None, false, CallStatus::UpstreamError)
+        (None, CallStatus::UpstreamError)
     };
     let (answer, kept) = proto.answer(status, &bytes, &ctx);
     let aborted = reply.is_closed();
     let records = build_records(
         &meta,
         cap,
-        parse_error,
+        false,
         if aborted {
             CallStatus::Aborted
         } else {
@@ -305,12 +319,13 @@ async fn finish_failed(
     upstream: &Arc<Upstream>,
     err: ApiError,
     reply: Reply,
+    unparseable: bool,
 ) {
     st.pool.record_failure(upstream);
     let records = build_records(
         meta,
         None,
-        false,
+        unparseable,
         CallStatus::UpstreamError,
         false,
         Some(upstream),
@@ -392,15 +407,33 @@ async fn pump(
             Err(e) => return fail("upstream_bad_stream", e),
         };
         let mut out: Vec<u8> = Vec::new();
+        let mut unreadable = false;
         for ev in &events {
             if ev.is_done() {
                 saw_done = true;
             } else {
+                let before = s.cap.bad_chunks;
                 s.cap.feed(&ev.data);
+                // An event we cannot read lost its ids: stop before the
+                // harness sees it, and tell it in its own vocabulary.
+                if s.cap.bad_chunks > before {
+                    unreadable = true;
+                    break;
+                }
             }
             s.translator.on_event(ev, &mut out);
         }
-        if !out.is_empty() && tx.send(Bytes::from(out)).await.is_err() {
+        let sent = out.is_empty() || tx.send(Bytes::from(out)).await.is_ok();
+        if unreadable {
+            return fail(
+                "upstream_bad_stream",
+                format!(
+                    "upstream {} sent a stream event that is not JSON",
+                    upstream.url
+                ),
+            );
+        }
+        if !sent {
             return Pumped {
                 status: CallStatus::Aborted,
                 failure: None,
@@ -486,10 +519,10 @@ async fn stream_call(
             ));
         }
     }
+    let bad_chunks = cap.bad_chunks;
     if failure.is_some() {
         st.pool.record_failure(&upstream);
     }
-    let bad_chunks = cap.bad_chunks;
     let (held, kept) = if status == CallStatus::Ok {
         translator.finish()
     } else {

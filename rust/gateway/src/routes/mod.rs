@@ -241,6 +241,13 @@ impl Server {
                 source: e,
             })?;
         let addr = listener.local_addr()?;
+        // `validate` judged the name; this judges the address it resolved to.
+        let keyless = cfg.admin_key.as_deref().is_none_or(str::is_empty);
+        if keyless && !addr.ip().is_loopback() {
+            return Err(GatewayError::Config(format!(
+                "insecure_local (no admin key) bound {addr}, which is not a loopback address; listen on 127.0.0.1 or set admin_key"
+            )));
+        }
         let public_url = cfg
             .public_url
             .clone()
