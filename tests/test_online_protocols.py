@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -218,3 +219,45 @@ def test_responses_previous_response_id_session_and_export(gw: Gw, tmp_path: Pat
         {"role": "user", "content": "erin turn 1"},
         {"role": "assistant", "content": second.output_text},
     ]
+
+
+def test_concurrent_sessions_and_user_fields(gw: Gw, tmp_path: Path) -> None:
+    """Many calls of one session at once stay one session on both protocols (the
+    header for Messages, Responses' ``metadata.session_id``); a user field
+    (Anthropic ``metadata.user_id``) names the user, not the session."""
+    key = new_key(gw, "harness")
+    oa = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+    an = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0)
+
+    def resp(i: int) -> str:
+        return oa.responses.create(
+            model="m", input=f"burst r{i}", metadata={"session_id": "burst-r"}
+        ).id
+
+    def msg(i: int) -> str:
+        return an.messages.create(
+            model="m", max_tokens=64, messages=[{"role": "user", "content": f"burst m{i}"}],
+            extra_headers={"x-session-id": "burst-m"},
+        ).id  # fmt: skip
+
+    with ThreadPoolExecutor(16) as pool:
+        r_ids = list(pool.map(resp, range(8)))
+        m_ids = list(pool.map(msg, range(8)))
+    same_user = [
+        an.messages.create(
+            model="m", max_tokens=64, messages=[{"role": "user", "content": f"topic {t}"}],
+            metadata={"user_id": "u-42"},
+        ).id
+        for t in ("billing", "shipping")
+    ]  # fmt: skip
+    db = tmp_path / "proto.db"
+    owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
+    (r_session,) = {owner[i] for i in r_ids}
+    (m_session,) = {owner[i] for i in m_ids}
+    assert r_session != m_session
+    sql = "SELECT session_key, n_calls, user FROM online_sessions WHERE rollout_id = ?"
+    assert db_rows(db, sql, r_session) == [("burst-r", 8, None)]
+    assert db_rows(db, sql, m_session) == [("burst-m", 8, None)]
+    a, b = (owner[i] for i in same_user)
+    assert a != b
+    assert db_rows(db, sql, a) == [(None, 1, "u-42")]
