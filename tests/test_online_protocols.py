@@ -41,6 +41,22 @@ def gw(engine: FakeEngine, tmp_path: Path) -> Iterator[Gw]:
     g.stop()
 
 
+@pytest.fixture
+def sdks(gw: Gw) -> Iterator[Callable[[str], tuple[openai.OpenAI, anthropic.Anthropic]]]:
+    """Both SDKs for an application key, pointed at the gateway; closed after the test."""
+    made: list[openai.OpenAI | anthropic.Anthropic] = []
+
+    def make(key: str) -> tuple[openai.OpenAI, anthropic.Anthropic]:
+        oa = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        an = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0)
+        made.extend((oa, an))
+        return oa, an
+
+    yield make
+    for c in made:
+        c.close()
+
+
 # A turn: (history so far, session header or None) -> (response id, assistant text).
 Turn = Callable[[list[dict[str, Any]], str | None], tuple[str, str]]
 
@@ -182,25 +198,29 @@ def check_protocol(
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
-def test_responses_sessions_feedback_export(gw: Gw, tmp_path: Path, stream: bool) -> None:
+def test_responses_sessions_feedback_export(
+    gw: Gw, sdks: Any, tmp_path: Path, stream: bool
+) -> None:
     key = new_key(gw, "harness")
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+    client, _ = sdks(key)
     check_protocol(gw, key, tmp_path, responses_turn(client, stream), "resp_", "openai_responses")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
-def test_messages_sessions_feedback_export(gw: Gw, tmp_path: Path, stream: bool) -> None:
+def test_messages_sessions_feedback_export(gw: Gw, sdks: Any, tmp_path: Path, stream: bool) -> None:
     key = new_key(gw, "harness")
-    client = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0)
+    _, client = sdks(key)
     check_protocol(gw, key, tmp_path, messages_turn(client, stream), "msg_", "anthropic_messages")
 
 
-def test_responses_previous_response_id_session_and_export(gw: Gw, tmp_path: Path) -> None:
+def test_responses_previous_response_id_session_and_export(
+    gw: Gw, sdks: Any, tmp_path: Path
+) -> None:
     """A harness that lets the server keep state (``previous_response_id``) sends
     only the new turn: the chain is one session, and the export rebuilds the
     whole conversation from it."""
     key = new_key(gw, "harness")
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+    client, _ = sdks(key)
     first = client.responses.create(model="m", instructions="Be brief.", input="erin turn 0")
     second = client.responses.create(model="m", input="erin turn 1", previous_response_id=first.id)
     other = client.responses.create(model="m", instructions="Be brief.", input="frank turn 0")
@@ -221,13 +241,12 @@ def test_responses_previous_response_id_session_and_export(gw: Gw, tmp_path: Pat
     ]
 
 
-def test_concurrent_sessions_and_user_fields(gw: Gw, tmp_path: Path) -> None:
+def test_concurrent_sessions_and_user_fields(gw: Gw, sdks: Any, tmp_path: Path) -> None:
     """Many calls of one session at once stay one session on both protocols (the
     header for Messages, Responses' ``metadata.session_id``); a user field
     (Anthropic ``metadata.user_id``) names the user, not the session."""
     key = new_key(gw, "harness")
-    oa = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
-    an = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0)
+    oa, an = sdks(key)
 
     def resp(i: int) -> str:
         return oa.responses.create(
@@ -261,3 +280,29 @@ def test_concurrent_sessions_and_user_fields(gw: Gw, tmp_path: Path) -> None:
     a, b = (owner[i] for i in same_user)
     assert a != b
     assert db_rows(db, sql, a) == [(None, 1, "u-42")]
+
+
+def test_redacting_key_stores_no_text_on_any_protocol(gw: Gw, sdks: Any, tmp_path: Path) -> None:
+    """A ``redact`` key keeps token ids but no text, also not in the Responses
+    object the gateway would keep for ``previous_response_id`` (so continuing
+    from one is a clear 404: resend the conversation)."""
+    key = new_key(gw, "secret", {"redact": True})
+    oa, an = sdks(key)
+    first = oa.responses.create(model="m", input="my password is hunter2")
+    with pytest.raises(openai.NotFoundError, match="send the whole conversation"):
+        oa.responses.create(model="m", input="and?", previous_response_id=first.id)
+    with an.messages.stream(
+        model="m", max_tokens=64, messages=[{"role": "user", "content": "pin 4321 hunter2"}]
+    ) as s:
+        msg = s.get_final_message()
+    db = tmp_path / "proto.db"
+    gw.stop()
+    for f in (db, db.with_name(db.name + "-wal")):
+        assert not f.exists() or b"hunter2" not in f.read_bytes(), f
+    owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
+    assert set(owner) == {first.id, msg.id}
+    lines = export(db, tmp_path / "out.jsonl")
+    for rid in (first.id, msg.id):
+        x = lines[owner[rid]]
+        assert x["messages"] == [] and x["calls"][0]["text"] is None
+        assert x["calls"][0]["prompt_ids"] and x["calls"][0]["completion_ids"]
