@@ -471,8 +471,9 @@ def export_sessions(
             messages: list[Any] = []
             for seq, resp, p, c, wv, harness, text, status, proto in rows:
                 body = json.loads(harness) if harness else {}
-                if isinstance(body.get("messages"), list):
-                    messages = list(body["messages"]) + (
+                sent = _sent_messages(body, messages)
+                if sent is not None:
+                    messages = sent + (
                         [{"role": "assistant", "content": text}] if text is not None else []
                     )
                 calls.append(
@@ -504,6 +505,29 @@ def export_sessions(
             f.write(json.dumps(line) + "\n")
             n += 1
     return n
+
+
+def _sent_messages(body: dict[str, Any], before: list[Any]) -> list[Any] | None:
+    """The conversation a harness sent, as chat-style messages, whatever its protocol:
+    chat ``messages``; Anthropic ``system`` + ``messages``; Responses ``instructions``
+    + ``input`` (a string or items), continuing ``before`` when it names a
+    ``previous_response_id`` (the input then holds only the new turn). Items that are
+    not messages (tool calls and outputs) are kept as sent. None: no text stored
+    (a redacted call)."""
+    if isinstance(body.get("messages"), list):
+        system = body.get("system")
+        if isinstance(system, list):  # Anthropic text blocks
+            system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
+        head = [{"role": "system", "content": system}] if system else []
+        return head + list(body["messages"])
+    if "input" not in body:
+        return None
+    items = body["input"]
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else list(items)
+    if body.get("previous_response_id"):
+        return [*before, *items]
+    system = body.get("instructions")
+    return ([{"role": "system", "content": system}] if system else []) + items
 
 
 def _u32(blob: bytes | None) -> list[int] | None:

@@ -818,9 +818,15 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
             for r in records.iter_mut() {
                 r.rollout_id = rollout_id.clone();
             }
-            if online.key.defaults.redact {
+            // A redacting key keeps no protocol object either: a Responses object
+            // and its state hold the conversation text (so `previous_response_id`
+            // is a 404 telling the harness to resend the conversation).
+            let kept = if online.key.defaults.redact {
                 online_db::redact(&mut records);
-            }
+                None
+            } else {
+                kept
+            };
             apply(
                 conn,
                 seqs,

@@ -1,0 +1,308 @@
+"""Online mode on the other protocols the gateway serves: a deployed harness with an
+application key talks the OpenAI Responses API (real ``openai`` SDK,
+``responses.create`` streamed and not) and Anthropic Messages (real ``anthropic``
+SDK, ``messages.create`` and ``messages.stream``) through ``/v1/...``.
+
+Asserted for each protocol: calls group into sessions by ``x-session-id`` and by
+token continuity (a harness resending its whole history), the ids the client was
+given (``resp_…``, ``msg_…``) take ``POST /v1/feedback`` (an unknown one is a 404),
+and ``lightning online export`` writes those sessions with the ids, token ids,
+messages and rewards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from fake_vllm import FakeEngine
+from test_online import Gw, db_rows, feedback, new_key
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[FakeEngine]:
+    e = FakeEngine("P", unique_ids=True)
+    yield e
+    e.stop()
+
+
+@pytest.fixture
+def gw(engine: FakeEngine, tmp_path: Path) -> Iterator[Gw]:
+    g = Gw(tmp_path / "proto.db", engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")
+    yield g
+    g.stop()
+
+
+@pytest.fixture
+def sdks(gw: Gw) -> Iterator[Callable[[str], tuple[openai.OpenAI, anthropic.Anthropic]]]:
+    """Both SDKs for an application key, pointed at the gateway; closed after the test."""
+    made: list[openai.OpenAI | anthropic.Anthropic] = []
+
+    def make(key: str) -> tuple[openai.OpenAI, anthropic.Anthropic]:
+        oa = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        an = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0)
+        made.extend((oa, an))
+        return oa, an
+
+    yield make
+    for c in made:
+        c.close()
+
+
+# A turn: (history so far, session header or None) -> (response id, assistant text).
+Turn = Callable[[list[dict[str, Any]], str | None], tuple[str, str]]
+
+
+def responses_turn(client: openai.OpenAI, stream: bool) -> Turn:
+    def turn(history: list[dict[str, Any]], session: str | None) -> tuple[str, str]:
+        headers = {"x-session-id": session} if session else {}
+        if not stream:
+            out = client.responses.create(
+                model="m", instructions="Be brief.", input=history, extra_headers=headers
+            )
+            return out.id, out.output_text
+        done = None
+        deltas = ""
+        for ev in client.responses.create(
+            model="m", instructions="Be brief.", input=history, stream=True, extra_headers=headers
+        ):
+            if ev.type == "response.output_text.delta":
+                deltas += ev.delta
+            elif ev.type == "response.completed":
+                done = ev.response
+        assert done is not None, "stream ended without response.completed"
+        assert done.output_text == deltas
+        return done.id, deltas
+
+    return turn
+
+
+def messages_turn(client: anthropic.Anthropic, stream: bool) -> Turn:
+    def turn(history: list[dict[str, Any]], session: str | None) -> tuple[str, str]:
+        headers = {"x-session-id": session} if session else {}
+        kw: dict[str, Any] = dict(
+            model="m", max_tokens=256, system="Be brief.", messages=history, extra_headers=headers
+        )
+        if stream:
+            with client.messages.stream(**kw) as s:
+                text = "".join(s.text_stream)
+                msg = s.get_final_message()
+        else:
+            msg = client.messages.create(**kw)
+            text = ""
+        full = "".join(b.text for b in msg.content if b.type == "text")
+        if stream:
+            assert full == text
+        return msg.id, full
+
+    return turn
+
+
+def conversation(turn: Turn, tag: str, n: int, session: str | None, carry: bool) -> list[str]:
+    """``n`` turns of one user. ``carry``: resend the whole history (continuity);
+    else each turn is a fresh prompt (only the session header can join them)."""
+    history: list[dict[str, Any]] = []
+    ids = []
+    for t in range(n):
+        if not carry:
+            history = []
+        history.append({"role": "user", "content": f"{tag} turn {t} [[len:{10 + t}]]"})
+        rid, text = turn(history, session)
+        assert text, "empty answer"
+        history.append({"role": "assistant", "content": text})
+        ids.append(rid)
+    return ids
+
+
+def export(db: Path, out: Path) -> dict[str, dict[str, Any]]:
+    """``lightning online export`` as a user runs it; lines keyed by session."""
+    cli = [sys.executable, "-m", "lightning.cli", "online", "export", "--db", str(db), "--out", str(out)]  # fmt: skip
+    res = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return {x["session_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+
+
+def check_protocol(
+    gw: Gw, key: str, tmp_path: Path, turn: Turn, prefix: str, protocol: str
+) -> None:
+    db = tmp_path / "proto.db"
+    explicit_a = conversation(turn, "alice", 3, "conv-a", carry=False)
+    explicit_b = conversation(turn, "bob", 2, "conv-b", carry=False)
+    carried = conversation(turn, "carol", 3, None, carry=True)
+    lone = conversation(turn, "dave", 1, None, carry=False)
+    everyone = explicit_a + explicit_b + carried + lone
+    assert all(r.startswith(prefix) for r in everyone), everyone
+    assert len(set(everyone)) == len(everyone)
+
+    owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
+    assert set(owner) == set(everyone)
+    sessions = []
+    for ids in (explicit_a, explicit_b, carried, lone):
+        owners = {owner[r] for r in ids}
+        assert len(owners) == 1, (ids, owners)
+        sessions.append(owners.pop())
+    assert len(set(sessions)) == 4, "distinct conversations shared a session"
+    for rid, n in zip(sessions, (3, 2, 3, 1), strict=True):
+        assert db_rows(db, "SELECT n_calls FROM online_sessions WHERE rollout_id = ?", rid) == [
+            (n,)
+        ]
+        assert db_rows(db, "SELECT origin FROM rollouts WHERE id = ?", rid) == [("online",)]
+    assert {p for (p,) in db_rows(db, "SELECT DISTINCT protocol FROM calls")} == {protocol}
+    assert db_rows(
+        db, "SELECT session_key FROM online_sessions WHERE rollout_id = ?", sessions[0]
+    ) == [("conv-a",)]
+
+    # Feedback on the ids the client got; one duplicated, one unknown.
+    fb = {explicit_a[1]: 1.0, carried[2]: -1.0, lone[0]: 0.5}
+    for i, (rid, v) in enumerate(fb.items()):
+        r = feedback(gw, key, feedback_id=f"f{i}", response_id=rid, name="thumbs", value=v)
+        assert r.status_code == 200, r.text
+    again = feedback(gw, key, feedback_id="f0", response_id=explicit_a[1], name="thumbs", value=1)
+    assert again.status_code == 200 and again.json().get("duplicate") is True, again.text
+    unknown = feedback(
+        gw, key, feedback_id="nope", response_id=f"{prefix}nope0", name="thumbs", value=1
+    )
+    assert unknown.status_code == 404, unknown.text
+    assert unknown.json()["error"]["code"] == "unknown_target"
+    assert sorted(db_rows(db, "SELECT response_id, rollout_id, value FROM feedback")) == sorted(
+        (rid, owner[rid], v) for rid, v in fb.items()
+    )
+
+    lines = export(db, tmp_path / "out.jsonl")
+    assert set(lines) == set(sessions)
+    for rid, ids in zip(sessions, (explicit_a, explicit_b, carried, lone), strict=True):
+        x = lines[rid]
+        assert [c["response_id"] for c in x["calls"]] == ids
+        assert all(c["protocol"] == protocol for c in x["calls"])
+        assert all(c["prompt_ids"] and c["completion_ids"] for c in x["calls"])
+        # The conversation as the harness last sent it, plus the last answer.
+        assert x["messages"], x
+        assert x["messages"][-1]["role"] == "assistant" and x["messages"][-1]["content"]
+        assert x["messages"][-1]["content"] == x["calls"][-1]["text"]
+    carol = lines[sessions[2]]["messages"]
+    assert carol[0] == {"role": "system", "content": "Be brief."}
+    assert [m["role"] for m in carol[1:]] == ["user", "assistant"] * 3
+    assert carol[5]["content"] == "carol turn 2 [[len:12]]"
+    assert lines[sessions[0]]["reward"] == 1.0
+    assert lines[sessions[2]]["reward"] == -1.0
+    assert lines[sessions[3]]["reward"] == 0.5
+    assert lines[sessions[1]]["reward"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_responses_sessions_feedback_export(
+    gw: Gw, sdks: Any, tmp_path: Path, stream: bool
+) -> None:
+    key = new_key(gw, "harness")
+    client, _ = sdks(key)
+    check_protocol(gw, key, tmp_path, responses_turn(client, stream), "resp_", "openai_responses")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_messages_sessions_feedback_export(gw: Gw, sdks: Any, tmp_path: Path, stream: bool) -> None:
+    key = new_key(gw, "harness")
+    _, client = sdks(key)
+    check_protocol(gw, key, tmp_path, messages_turn(client, stream), "msg_", "anthropic_messages")
+
+
+def test_responses_previous_response_id_session_and_export(
+    gw: Gw, sdks: Any, tmp_path: Path
+) -> None:
+    """A harness that lets the server keep state (``previous_response_id``) sends
+    only the new turn: the chain is one session, and the export rebuilds the
+    whole conversation from it."""
+    key = new_key(gw, "harness")
+    client, _ = sdks(key)
+    first = client.responses.create(model="m", instructions="Be brief.", input="erin turn 0")
+    second = client.responses.create(model="m", input="erin turn 1", previous_response_id=first.id)
+    other = client.responses.create(model="m", instructions="Be brief.", input="frank turn 0")
+    db = tmp_path / "proto.db"
+    owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
+    assert owner[first.id] == owner[second.id] != owner[other.id]
+    r = feedback(gw, key, feedback_id="e", response_id=second.id, name="thumbs", value=1)
+    assert r.status_code == 200, r.text
+    x = export(db, tmp_path / "out.jsonl")[owner[first.id]]
+    assert x["reward"] == 1.0
+    assert [c["response_id"] for c in x["calls"]] == [first.id, second.id]
+    assert x["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "erin turn 0"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "erin turn 1"},
+        {"role": "assistant", "content": second.output_text},
+    ]
+
+
+def test_concurrent_sessions_and_user_fields(gw: Gw, sdks: Any, tmp_path: Path) -> None:
+    """Many calls of one session at once stay one session on both protocols (the
+    header for Messages, Responses' ``metadata.session_id``); a user field
+    (Anthropic ``metadata.user_id``) names the user, not the session."""
+    key = new_key(gw, "harness")
+    oa, an = sdks(key)
+
+    def resp(i: int) -> str:
+        return oa.responses.create(
+            model="m", input=f"burst r{i}", metadata={"session_id": "burst-r"}
+        ).id
+
+    def msg(i: int) -> str:
+        return an.messages.create(
+            model="m", max_tokens=64, messages=[{"role": "user", "content": f"burst m{i}"}],
+            extra_headers={"x-session-id": "burst-m"},
+        ).id  # fmt: skip
+
+    with ThreadPoolExecutor(16) as pool:
+        r_ids = list(pool.map(resp, range(8)))
+        m_ids = list(pool.map(msg, range(8)))
+    same_user = [
+        an.messages.create(
+            model="m", max_tokens=64, messages=[{"role": "user", "content": f"topic {t}"}],
+            metadata={"user_id": "u-42"},
+        ).id
+        for t in ("billing", "shipping")
+    ]  # fmt: skip
+    db = tmp_path / "proto.db"
+    owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
+    (r_session,) = {owner[i] for i in r_ids}
+    (m_session,) = {owner[i] for i in m_ids}
+    assert r_session != m_session
+    sql = "SELECT session_key, n_calls, user FROM online_sessions WHERE rollout_id = ?"
+    assert db_rows(db, sql, r_session) == [("burst-r", 8, None)]
+    assert db_rows(db, sql, m_session) == [("burst-m", 8, None)]
+    a, b = (owner[i] for i in same_user)
+    assert a != b
+    assert db_rows(db, sql, a) == [(None, 1, "u-42")]
+
+
+def test_redacting_key_stores_no_text_on_any_protocol(gw: Gw, sdks: Any, tmp_path: Path) -> None:
+    """A ``redact`` key keeps token ids but no text, also not in the Responses
+    object the gateway would keep for ``previous_response_id`` (so continuing
+    from one is a clear 404: resend the conversation)."""
+    key = new_key(gw, "secret", {"redact": True})
+    oa, an = sdks(key)
+    first = oa.responses.create(model="m", input="my password is hunter2")
+    with pytest.raises(openai.NotFoundError, match="send the whole conversation"):
+        oa.responses.create(model="m", input="and?", previous_response_id=first.id)
+    with an.messages.stream(
+        model="m", max_tokens=64, messages=[{"role": "user", "content": "pin 4321 hunter2"}]
+    ) as s:
+        msg = s.get_final_message()
+    db = tmp_path / "proto.db"
+    gw.stop()
+    for f in (db, db.with_name(db.name + "-wal")):
+        assert not f.exists() or b"hunter2" not in f.read_bytes(), f
+    owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
+    assert set(owner) == {first.id, msg.id}
+    lines = export(db, tmp_path / "out.jsonl")
+    for rid in (first.id, msg.id):
+        x = lines[owner[rid]]
+        assert x["messages"] == [] and x["calls"][0]["text"] is None
+        assert x["calls"][0]["prompt_ids"] and x["calls"][0]["completion_ids"]
