@@ -13,66 +13,24 @@ Code appends ``/v1/messages?beta=true``), ``ANTHROPIC_API_KEY`` (sent as
 ``x-api-key``), no non-essential traffic, a private config dir, and ``IS_SANDBOX=1``:
 Claude Code refuses ``--dangerously-skip-permissions`` for root unless the
 environment declares a disposable sandbox, which the tests' temporary directories
-are. What Claude Code sends is recorded in ``/work/wt/notes/claude_requests/README.md``
-and summarised in the README section on Claude Code.
+are. What Claude Code sends is summarised in the README section on it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
-import pytest
-
-from lightning.models import cache_dir
+from npm_cli import npm_executable
 
 CLAUDE_VERSION = "2.1.332"
-CLAUDE_PACKAGE = f"@anthropic-ai/claude-code@{CLAUDE_VERSION}"
 
 
 def claude_executable() -> Path:
     """The pinned Claude Code launcher, installed from the npm registry on first use."""
-    root = cache_dir() / "npm" / "claude-code" / CLAUDE_VERSION
-    launcher = root / "node_modules" / ".bin" / "claude"
-    if not launcher.exists():
-        _install(root)
-    out = subprocess.run([str(launcher), "--version"], capture_output=True, text=True, timeout=60)
-    if out.returncode != 0 or CLAUDE_VERSION not in out.stdout:
-        pytest.fail(
-            f"{launcher} --version printed {out.stdout!r} {out.stderr!r}, expected Claude Code "
-            f"{CLAUDE_VERSION}; delete {root} to reinstall it"
-        )
-    return launcher
-
-
-def _install(root: Path) -> None:
-    npm = shutil.which("npm")
-    if npm is None or shutil.which("node") is None:
-        pytest.fail("the Claude Code tests need `node` and `npm` on PATH")
-    root.parent.mkdir(parents=True, exist_ok=True)
-    # Install into a sibling and rename into place: concurrent test processes never
-    # see a half-installed package.
-    build = Path(tempfile.mkdtemp(prefix=f"{CLAUDE_VERSION}.build-", dir=root.parent))
-    cmd = [npm, "install", "--prefix", str(build), "--no-audit", "--no-fund", CLAUDE_PACKAGE]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        shutil.rmtree(build, ignore_errors=True)
-        pytest.fail(f"`{' '.join(cmd)}` ran past 600 s: is the npm registry reachable?")
-    if out.returncode != 0:
-        shutil.rmtree(build, ignore_errors=True)
-        pytest.fail(
-            f"could not install {CLAUDE_PACKAGE} from the npm registry (is it reachable? "
-            f"`npm config get registry` names it):\n$ {' '.join(cmd)}\n{out.stderr[-3000:]}"
-        )
-    try:
-        build.rename(root)
-    except OSError:
-        # Another process installed it first; its copy is complete.
-        shutil.rmtree(build, ignore_errors=True)
+    return npm_executable(
+        "@anthropic-ai/claude-code", CLAUDE_VERSION, "claude", cache_name="claude-code"
+    )
 
 
 def claude_argv(launcher: Path, prompt: str, *, model: str, tools: str | None = None) -> list[str]:

@@ -10,69 +10,24 @@ skipped.
 
 ``write_codex_home()`` writes the ``config.toml`` that points Codex at a
 gateway (a custom model provider speaking the Responses API; Codex 0.171 accepts
-no other ``wire_api``). What Codex sends with it is recorded in
-``/work/wt/notes/codex_requests/README.md`` (the lead's notes) and summarised in
-the README section on Codex.
+no other ``wire_api``). What Codex sends is summarised in the README section on it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
-import pytest
-
-from lightning.models import cache_dir
+from npm_cli import npm_executable
 
 CODEX_VERSION = "0.171.0"
-CODEX_PACKAGE = f"@openai/codex@{CODEX_VERSION}"
 # The environment variable Codex reads the gateway token from (`env_key`).
 TOKEN_ENV = "LIGHTNING_API_KEY"
 
 
 def codex_executable() -> Path:
     """The pinned Codex CLI launcher, installed from the npm registry on first use."""
-    root = cache_dir() / "npm" / "codex" / CODEX_VERSION
-    launcher = root / "node_modules" / ".bin" / "codex"
-    if not launcher.exists():
-        _install(root)
-    out = subprocess.run([str(launcher), "--version"], capture_output=True, text=True, timeout=60)
-    if out.returncode != 0 or CODEX_VERSION not in out.stdout:
-        pytest.fail(
-            f"{launcher} --version printed {out.stdout!r} {out.stderr!r}, expected codex-cli "
-            f"{CODEX_VERSION}; delete {root} to reinstall it"
-        )
-    return launcher
-
-
-def _install(root: Path) -> None:
-    npm = shutil.which("npm")
-    if npm is None or shutil.which("node") is None:
-        pytest.fail("the Codex CLI tests need `node` and `npm` on PATH (Node.js >= 16)")
-    root.parent.mkdir(parents=True, exist_ok=True)
-    # Install into a sibling and rename into place: concurrent test processes never
-    # see a half-installed package.
-    build = Path(tempfile.mkdtemp(prefix=f"{CODEX_VERSION}.build-", dir=root.parent))
-    cmd = [npm, "install", "--prefix", str(build), "--no-audit", "--no-fund", CODEX_PACKAGE]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        shutil.rmtree(build, ignore_errors=True)
-        pytest.fail(f"`{' '.join(cmd)}` ran past 600 s: is the npm registry reachable?")
-    if out.returncode != 0:
-        shutil.rmtree(build, ignore_errors=True)
-        pytest.fail(
-            f"could not install {CODEX_PACKAGE} from the npm registry (is it reachable? "
-            f"`npm config get registry` names it):\n$ {' '.join(cmd)}\n{out.stderr[-3000:]}"
-        )
-    try:
-        build.rename(root)
-    except OSError:
-        # Another process installed it first; its copy is complete.
-        shutil.rmtree(build, ignore_errors=True)
+    return npm_executable("@openai/codex", CODEX_VERSION, "codex", cache_name="codex")
 
 
 def write_codex_home(home: Path, base_url: str, *, model: str) -> Path:

@@ -661,6 +661,18 @@ impl PyPackedTree {
     /// A tree of plain sequences (`pack_sequences`): no rollouts, groups or versions.
     fn from_core(py: Python<'_>, t: PackedTree) -> Self {
         let n = t.tokens.len();
+        let none = TokenOrigin {
+            rollout: vec![-1; n],
+            group: vec![-1; n],
+            weight_version: vec![-1; n],
+            call_rollout: Vec::new(),
+            rollout_ids: Vec::new(),
+            groups: Vec::new(),
+        };
+        Self::new(py, t, none)
+    }
+
+    fn new(py: Python<'_>, t: PackedTree, o: TokenOrigin) -> Self {
         PyPackedTree {
             tokens: t.tokens.into_pyarray(py).unbind(),
             parent: t.parent.into_pyarray(py).unbind(),
@@ -671,15 +683,25 @@ impl PyPackedTree {
             gen_call: t.gen_call.into_pyarray(py).unbind(),
             tree_offsets: t.tree_offsets.into_pyarray(py).unbind(),
             tree_keys: t.tree_keys,
-            rollout: vec![-1i32; n].into_pyarray(py).unbind(),
-            group: vec![-1i32; n].into_pyarray(py).unbind(),
-            weight_version: vec![-1i64; n].into_pyarray(py).unbind(),
-            call_rollout: Vec::<i32>::new().into_pyarray(py).unbind(),
-            rollout_ids: Vec::new(),
-            groups: Vec::new(),
+            rollout: o.rollout.into_pyarray(py).unbind(),
+            group: o.group.into_pyarray(py).unbind(),
+            weight_version: o.weight_version.into_pyarray(py).unbind(),
+            call_rollout: o.call_rollout.into_pyarray(py).unbind(),
+            rollout_ids: o.rollout_ids,
+            groups: o.groups,
             index: OnceLock::new(),
         }
     }
+}
+
+/// Where each token of a packed tree came from (see [`PyPackedTree`]).
+struct TokenOrigin {
+    rollout: Vec<i32>,
+    group: Vec<i32>,
+    weight_version: Vec<i64>,
+    call_rollout: Vec<i32>,
+    rollout_ids: Vec<String>,
+    groups: Vec<String>,
 }
 
 #[pymethods]
@@ -928,24 +950,15 @@ impl PyMergeResult {
             .iter()
             .map(|r| r.get().rollout_id.clone())
             .collect();
-        Ok(PyPackedTree {
-            tokens: t.tokens.into_pyarray(py).unbind(),
-            parent: t.parent.into_pyarray(py).unbind(),
-            depth: t.depth.into_pyarray(py).unbind(),
-            weights: t.weights.into_pyarray(py).unbind(),
-            logprobs: t.logprobs.into_pyarray(py).unbind(),
-            gen_offsets: t.gen_offsets.into_pyarray(py).unbind(),
-            gen_call: t.gen_call.into_pyarray(py).unbind(),
-            tree_offsets: t.tree_offsets.into_pyarray(py).unbind(),
-            tree_keys: t.tree_keys,
-            rollout: rollout.into_pyarray(py).unbind(),
-            group: group.into_pyarray(py).unbind(),
-            weight_version: version.into_pyarray(py).unbind(),
-            call_rollout: self.index.rollout.clone().into_pyarray(py).unbind(),
+        let origin = TokenOrigin {
+            rollout,
+            group,
+            weight_version: version,
+            call_rollout: self.index.rollout.clone(),
             rollout_ids,
             groups: self.index.groups.clone(),
-            index: OnceLock::new(),
-        })
+        };
+        Ok(PyPackedTree::new(py, t, origin))
     }
 
     /// Seconds spent borrowing inputs and planning (GIL released), and, once
