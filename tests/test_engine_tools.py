@@ -156,7 +156,8 @@ def test_stream_holds_back_only_a_possible_tag() -> None:
 
 # ---------------------------------------------------------------------- the server
 class ScriptedSampler:
-    """Stands in for `sample_row`: each sequence emits `ids` in order, then EOS."""
+    """Stands in for `sample_row` (prefill) and, row by row, for `sample_rows`
+    (decode steps): each sequence emits `ids` in order, then EOS."""
 
     def __init__(self, ids: list[int], eos: int) -> None:
         self.ids, self.eos = ids, eos
@@ -171,6 +172,9 @@ class ScriptedSampler:
             values, ids = torch.topk(raw, params.logprobs)
             top = list(zip(ids.tolist(), values.tolist(), strict=True))
         return Choice(token=token, logprob=float(raw[token]), top=top)
+
+    def rows(self, logits, raw, params, generators, mode) -> list[Choice]:  # type: ignore[no-untyped-def]
+        return [self(logits[i], raw[i], params[i], generators[i], mode) for i in range(len(params))]
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +206,9 @@ def client(server: RunningServer) -> openai.OpenAI:
 def script(monkeypatch: pytest.MonkeyPatch, tokenizer, text: str) -> list[int]:
     """Make the model write ``text`` then EOS; the ids it will generate."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    monkeypatch.setattr(engine_core, "sample_row", ScriptedSampler(ids, tokenizer.eos_token_id))
+    sampler = ScriptedSampler(ids, tokenizer.eos_token_id)
+    monkeypatch.setattr(engine_core, "sample_row", sampler)
+    monkeypatch.setattr(engine_core, "sample_rows", sampler.rows)
     return [*ids, tokenizer.eos_token_id]
 
 

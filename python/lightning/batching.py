@@ -31,6 +31,7 @@ from typing import Any, get_args
 
 import numpy as np
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from lightning.attention import TreePlan, plan_tree, segments, use_tree_attention
 from lightning.losses import entropy_from_logits
@@ -470,8 +471,15 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
-    """(decoder, lm_head) when the head is a plain linear layer we can fuse."""
+    """(decoder, lm_head) when the head is a plain linear layer we can fuse.
+
+    Not under FSDP2: the fused path calls the decoder and reads the head's
+    weight outside the root module's forward, where ``fully_shard`` has not
+    gathered the embedding and head parameters (they are still DTensor shards).
+    """
     lm = _causal_lm(model)
+    if isinstance(lm, FSDPModule):
+        return None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
     if type(head) is not torch.nn.Linear or decoder is None or decoder is lm:

@@ -48,6 +48,19 @@ class UpstreamConfig(BaseModel):
     engine: EngineKind = _UPSTREAM["engine"]
 
 
+class OnlineSection(BaseModel):
+    """``[online]``: sessions, idle closing and retention of production traffic
+    recorded with application keys (``rust/gateway/src/online/mod.rs``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_window_s: float = Field(default=_DEFAULTS["online"]["session_window_s"], gt=0)
+    idle_timeout_s: float = Field(default=_DEFAULTS["online"]["idle_timeout_s"], gt=0)
+    retention_days: float | None = Field(default=_DEFAULTS["online"]["retention_days"], gt=0)
+    retention_bytes: int | None = Field(default=_DEFAULTS["online"]["retention_bytes"], gt=0)
+    sweep_interval_s: float = Field(default=_DEFAULTS["online"]["sweep_interval_s"], gt=0)
+
+
 class GatewayConfig(BaseModel):
     """Gateway settings: the fields, meanings and defaults of the Rust ``Config``
     (``rust/gateway/src/config.rs``), validated here so a bad value fails in Python
@@ -79,6 +92,7 @@ class GatewayConfig(BaseModel):
     eval_capture: bool = _DEFAULTS["eval_capture"]
     sync: SyncMode = _DEFAULTS["sync"]
     drain_timeout_s: float = Field(default=_DEFAULTS["drain_timeout_s"], ge=0)
+    online: OnlineSection = Field(default_factory=OnlineSection)
     threads: int = Field(
         default=2, ge=1, description="tokio worker threads (not sent to Rust config)"
     )

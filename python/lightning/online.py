@@ -347,8 +347,8 @@ def mark_trained(db: str, rollout_ids: Sequence[str], when: float | None = None)
 def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
     """Select, reward, group, train; returns the summary (also in OUTPUT_DIR/summary.json)."""
     from lightning import Store, Tokenizer, merge_calls
-    from lightning.loop import push_weights_external
     from lightning.trainer import Trainer, TrainerConfig
+    from lightning.weight_sync import WeightUpdate, make_weight_sync
 
     def say(msg: str) -> None:
         if not quiet:
@@ -427,9 +427,15 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
             summary["weights"] = str(weights)
             if cfg.weight_sync.policy != "none":
                 version = 1 + max(versions) if versions else 1
-                push_weights_external(
-                    cfg.weight_sync.urls, cfg.weight_sync.policy, weights, version
+                policy = cfg.weight_sync.policy
+                sync = make_weight_sync(
+                    "sglang-disk" if policy == "sglang" else policy, cfg.weight_sync.urls
                 )
+                try:
+                    sync.setup()
+                    sync.push(WeightUpdate(version=version, path=weights))
+                finally:
+                    sync.close()
     finally:
         if hasattr(trainer, "close"):
             trainer.close()

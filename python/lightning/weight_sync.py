@@ -76,6 +76,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
+from lightning._core import LightningError
+
 if TYPE_CHECKING:
     import torch
 
@@ -95,7 +97,7 @@ PauseMode = Literal["none", "abort", "retract"]
 GROUP_NAME = "lightning_weight_sync"
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(LightningError, RuntimeError):
     """An engine refused a weight update; the message names the engine and the step."""
 
 
