@@ -93,7 +93,12 @@ class LeaderTrainer:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if name == "step":
-                args = ([plain(s) for s in args[0]], *args[1:])
+                # A MergeResult lives in Rust and cannot be pickled to the other
+                # ranks: every rank (this one too, so all take the same layout
+                # path) trains on its samples as plain records.
+                batch = args[0]
+                samples = batch.samples if hasattr(batch, "samples") else batch
+                args = ([plain(s) for s in samples], *args[1:])
             _broadcast((name, args, kwargs))
             return value(*args, **kwargs)
 
