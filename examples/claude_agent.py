@@ -34,31 +34,55 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+
+
+def claude_env(
+    base: Mapping[str, str], config_dir: Path, *, base_url: str, token: str
+) -> dict[str, str]:
+    """``base`` with Claude Code pointed at ``base_url`` (a gateway rollout URL
+    without ``/v1``: Claude Code appends ``/v1/messages``) and ``token`` as its key."""
+    env = {k: v for k, v in base.items() if not k.startswith("ANTHROPIC_")}
+    config_dir.mkdir(parents=True, exist_ok=True)
+    env.update(
+        ANTHROPIC_BASE_URL=base_url,
+        ANTHROPIC_API_KEY=token,
+        CLAUDE_CONFIG_DIR=str(config_dir),
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        DISABLE_AUTOUPDATER="1",
+        IS_SANDBOX="1",
+    )
+    return env
+
+
+def claude_argv(claude: str, prompt: str, *, model: str, tools: str | None) -> list[str]:
+    """``claude -p`` for one task, permissions bypassed (the run is in a disposable
+    dir), no session saved, no MCP server or settings file read; ``tools`` limits the
+    built-in tools (``None``: Claude Code's default set)."""
+    argv = [claude, "-p", prompt, "--model", model, "--dangerously-skip-permissions"]
+    argv += ["--no-session-persistence", "--strict-mcp-config", "--setting-sources", ""]
+    return argv if tools is None else [*argv, "--tools", tools]
 
 
 def main() -> int:
     task = json.loads(os.environ["LIGHTNING_TASK"])
     with tempfile.TemporaryDirectory(prefix="claude-rollout-") as tmp:
-        config, work = Path(tmp, "claude-config"), Path(tmp, "work")
-        config.mkdir()
+        work = Path(tmp, "work")
         work.mkdir()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC_")}
-        env.update(
-            ANTHROPIC_BASE_URL=os.environ["OPENAI_BASE_URL"].removesuffix("/v1"),
-            ANTHROPIC_API_KEY=os.environ["OPENAI_API_KEY"],
-            CLAUDE_CONFIG_DIR=str(config),
-            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-            DISABLE_AUTOUPDATER="1",
-            IS_SANDBOX="1",
+        env = claude_env(
+            os.environ,
+            Path(tmp, "claude-config"),
+            base_url=os.environ["OPENAI_BASE_URL"].removesuffix("/v1"),
+            token=os.environ["OPENAI_API_KEY"],
         )
-        argv = [os.environ.get("CLAUDE", "claude"), "-p", task["prompt"]]
-        argv += ["--model", os.environ.get("OPENAI_MODEL", "default")]
-        argv += ["--dangerously-skip-permissions", "--no-session-persistence"]
-        argv += ["--strict-mcp-config", "--setting-sources", ""]
         tools = os.environ.get("CLAUDE_TOOLS", "Bash")
-        if tools != "default":
-            argv += ["--tools", tools]
+        argv = claude_argv(
+            os.environ.get("CLAUDE", "claude"),
+            task["prompt"],
+            model=os.environ.get("OPENAI_MODEL", "default"),
+            tools=None if tools == "default" else tools,
+        )
         done = subprocess.run(argv, env=env, cwd=work, stdin=subprocess.DEVNULL)
         target = work / task["expect_file"] if task.get("expect_file") else None
         ok = target is not None and target.is_file()

@@ -44,28 +44,46 @@ enabled = false
 [model_providers.lightning]
 name = "lightning"
 base_url = "{base_url}"
-env_key = "OPENAI_API_KEY"
+env_key = "{env_key}"
 wire_api = "responses"
 request_max_retries = 0
 stream_max_retries = 0
 """
 
 
+def write_codex_home(
+    home: Path, *, base_url: str, model: str, env_key: str = "OPENAI_API_KEY"
+) -> Path:
+    """A ``CODEX_HOME`` whose ``config.toml`` sends every model call to ``base_url``.
+
+    ``base_url`` ends in ``/v1`` (Codex appends ``/responses``; 0.171 accepts no
+    other ``wire_api``); Codex reads the token from the environment variable
+    ``env_key`` and sends it as ``Authorization: Bearer``."""
+    home.mkdir(parents=True, exist_ok=True)
+    config = CONFIG.format(model=model, base_url=base_url, env_key=env_key)
+    (home / "config.toml").write_text(config, encoding="utf-8")
+    return home
+
+
+def codex_exec_argv(codex: str, work: Path, prompt: str) -> list[str]:
+    """``codex exec`` for one task in ``work`` (not a git repository; no session files)."""
+    argv = [codex, "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral"]
+    return [*argv, "--color", "never", "-C", str(work), prompt]
+
+
 def main() -> int:
     task = json.loads(os.environ["LIGHTNING_TASK"])
     with tempfile.TemporaryDirectory(prefix="codex-rollout-") as tmp:
         home, work = Path(tmp, "codex-home"), Path(tmp, "work")
-        home.mkdir()
         work.mkdir()
-        config = CONFIG.format(
-            model=os.environ.get("OPENAI_MODEL", "default"),
+        write_codex_home(
+            home,
             base_url=os.environ["OPENAI_BASE_URL"],
+            model=os.environ.get("OPENAI_MODEL", "default"),
         )
-        (home / "config.toml").write_text(config, encoding="utf-8")
         env = {**os.environ, "CODEX_HOME": str(home)}
-        argv = [os.environ.get("CODEX", "codex"), "exec", "--strict-config"]
-        argv += ["--skip-git-repo-check", "--ephemeral", "--color", "never", "-C", str(work)]
-        done = subprocess.run([*argv, task["prompt"]], env=env, stdin=subprocess.DEVNULL)
+        argv = codex_exec_argv(os.environ.get("CODEX", "codex"), work, task["prompt"])
+        done = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL)
         target = work / task["expect_file"] if task.get("expect_file") else None
         ok = target is not None and target.is_file()
         if ok and task.get("expect_text") is not None:

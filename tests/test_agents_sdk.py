@@ -32,7 +32,8 @@ from openai import AsyncOpenAI
 
 import lightning
 from fake_vllm import FakeEngine
-from lightning import Gateway, GatewayClient, GatewayConfig
+from gateways import gateway_client
+from lightning import GatewayClient
 
 ARGS = {"cmd": "echo hi > a.txt"}
 SCRIPT = [
@@ -52,16 +53,8 @@ def engine() -> Iterator[FakeEngine]:
 @pytest.fixture
 def client(engine: FakeEngine, tmp_path: Path) -> Iterator[GatewayClient]:
     engine.reset()
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=[{"url": engine.url, "weight_version": 1}],
-        db=str(tmp_path / "gw.db"),
-    )
-    h = Gateway(cfg).start()
-    c = h.client()
-    yield c
-    c.close()
-    h.stop()
+    with gateway_client(engine.url, tmp_path / "gw.db") as c:
+        yield c
 
 
 def make_agent(oa: AsyncOpenAI, ran: list[str]) -> Agent:

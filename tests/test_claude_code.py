@@ -26,19 +26,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 import lightning
-from claude_cli import claude_argv, claude_env, claude_executable
+from claude_cli import claude_argv, claude_executable, claude_test_env
+from cli_harness import assert_recorded_exactly, scripted_gateway, two_tiny_steps
 from fake_vllm import FakeEngine
-from lightning import Gateway, GatewayConfig
-from lightning.config import RunConfig
-from lightning.engine.tools import CHATML_TOOLS_TEMPLATE
 from lightning.loop import Run
-from lightning.models import tiny_model_dir
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # The tiny model's context for Claude Code with only its Bash tool: system prompt
 # (~6.7 kB) + Bash (~4 kB) + the first turns come to ~3k tokens with SmolLM2's
 # tokenizer and the ChatML tool template; the rest bounds each answer.
@@ -65,36 +60,27 @@ def claude() -> Path:
 
 
 @pytest.fixture
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("claude", script=SCRIPT)
-    yield e
-    e.stop()
-
-
-@pytest.fixture
-def gateway(engine: FakeEngine, tmp_path: Path) -> Iterator[lightning.GatewayHandle]:
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=[{"url": engine.url, "weight_version": 1}],
-        db=str(tmp_path / "gw.db"),
-    )
-    handle = Gateway(cfg).start()
-    yield handle
-    handle.stop()
+def served(tmp_path: Path) -> Iterator[tuple[FakeEngine, lightning.GatewayHandle]]:
+    with scripted_gateway("claude", SCRIPT, tmp_path / "gw.db") as pair:
+        yield pair
 
 
 def test_claude_code_runs_a_bash_tool_through_the_gateway(
-    claude: Path, engine: FakeEngine, gateway: lightning.GatewayHandle, tmp_path: Path
+    claude: Path, served: tuple[FakeEngine, lightning.GatewayHandle], tmp_path: Path
 ) -> None:
+    engine, gateway = served
     client = gateway.client()
     rollout = client.create_rollout({"task": "proof"}, group="claude")
     work = tmp_path / "work"
     work.mkdir()
     out = subprocess.run(
         claude_argv(
-            claude, f"Write '{PROOF}' into proof.txt using Bash.", model="lightning", tools="Bash"
+            str(claude),
+            f"Write '{PROOF}' into proof.txt using Bash.",
+            model="lightning",
+            tools="Bash",
         ),
-        env=claude_env(tmp_path / "claude-config", rollout.anthropic_base_url, rollout.token),
+        env=claude_test_env(tmp_path / "claude-config", rollout.anthropic_base_url, rollout.token),
         cwd=work,
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -104,25 +90,7 @@ def test_claude_code_runs_a_bash_tool_through_the_gateway(
     assert out.returncode == 0, f"claude -p failed:\n{out.stdout}\n{out.stderr}"
     assert (work / "proof.txt").read_text() == PROOF + "\n"
     assert "I wrote proof.txt." in out.stdout
-
-    # Every call Claude Code made is in the store, with the engine's exact ids and logprobs.
-    answers = engine.log()["answers"]
-    records = client.records(rollout.id)
-    assert len(answers) == len(records) == 2
-    for rec, answer in zip(records, answers, strict=True):
-        (choice,) = answer["choices"]
-        np.testing.assert_array_equal(rec.prompt_ids, answer["prompt_ids"][0])
-        np.testing.assert_array_equal(rec.completion_ids, choice["ids"])
-        np.testing.assert_array_equal(rec.logprobs, np.asarray(choice["logprobs"], np.float32))
-        assert rec.status == "ok" and rec.delivered
-    assert [r.finish_reason for r in records] == ["tool_calls", "stop"]
-
-    # The second prompt extends the first call: the rollout is one sample.
-    merged = lightning.merge_calls(client.trace(rollout.id))
-    (sample,) = merged.samples
-    assert sample.rollout_id == rollout.id
-    full = np.concatenate([records[1].prompt_ids, records[1].completion_ids])
-    np.testing.assert_array_equal(np.asarray(sample.tokens), full)
+    merged = assert_recorded_exactly(client, rollout.id, engine, ["tool_calls", "stop"])
     assert merged.divergences == []
     client.close()
 
@@ -140,29 +108,13 @@ def test_lightning_train_through_claude_code_on_the_tiny_model(
     task = {"prompt": "Write hello into hello.txt", "expect_file": "hello.txt"}
     tasks.write_text(json.dumps(task) + "\n")
     out = tmp_path / "run"
-    config = RunConfig.load(
-        EXAMPLES / "demo.toml",
-        {
-            "model.builtin": None,
-            "model.path": str(tiny_model_dir(context=CONTEXT, answer_tokens=40)),
-            "engine.max_batch": 2,
-            "engine.chat_template": str(CHATML_TOOLS_TEMPLATE),
-            "engine.max_model_len": CONTEXT,
-            "harness.command": ["{python}", str(EXAMPLES / "claude_agent.py")],
-            "harness.env": {"CLAUDE": str(claude), "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"},
-            "harness.concurrency": 2,
-            "harness.timeout_s": 900,
-            "steps": 2,
-            "eval_every": 0,
-            "checkpoint_every": 0,
-            "output_dir": str(out),
-            "tasks.train": str(tasks),
-            "tasks.eval": None,
-            "algorithm.group_size": 2,
-            "algorithm.tasks_per_step": 1,
-            "algorithm.eval_samples": 1,
-            "trainer.lr": 1e-3,
-        },
+    config = two_tiny_steps(
+        out,
+        tasks,
+        context=CONTEXT,
+        agent="claude_agent.py",
+        rollouts=2,
+        extra={"harness.env": {"CLAUDE": str(claude), "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}},
     )
     started = time.monotonic()
     with Run(config, quiet=True) as run:

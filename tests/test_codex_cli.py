@@ -26,20 +26,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 import lightning
+from cli_harness import assert_recorded_exactly, scripted_gateway, two_tiny_steps
 from codex_cli import codex_env, codex_exec_argv, codex_executable, write_codex_home
 from fake_vllm import FakeEngine
-from lightning import Gateway, GatewayConfig
-from lightning.config import RunConfig
-from lightning.engine.tools import CHATML_TOOLS_TEMPLATE
 from lightning.loop import Run
-from lightning.models import tiny_model_dir
 from lightning.runner import RolloutTrace
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # The tiny model's context for Codex: its first prompt is ~9.2k tokens through the
 # gateway with SmolLM2's tokenizer and the ChatML tool template (its instructions,
 # environment context and 8 function tools incl. the sub-agent namespace).
@@ -61,28 +56,15 @@ def codex() -> Path:
 
 
 @pytest.fixture
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("codex", script=SCRIPT)
-    yield e
-    e.stop()
-
-
-@pytest.fixture
-def gateway(engine: FakeEngine, tmp_path: Path) -> Iterator[lightning.GatewayHandle]:
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=[{"url": engine.url, "weight_version": 1}],
-        db=str(tmp_path / "gw.db"),
-    )
-    handle = Gateway(cfg).start()
-    yield handle
-    handle.stop()
+def served(tmp_path: Path) -> Iterator[tuple[FakeEngine, lightning.GatewayHandle]]:
+    with scripted_gateway("codex", SCRIPT, tmp_path / "gw.db") as pair:
+        yield pair
 
 
 def run_codex(codex: Path, home: Path, token: str, workdir: Path) -> subprocess.CompletedProcess:
     workdir.mkdir()
     return subprocess.run(
-        codex_exec_argv(codex, workdir, f"Write '{PROOF}' into proof.txt using the shell."),
+        codex_exec_argv(str(codex), workdir, f"Write '{PROOF}' into proof.txt using the shell."),
         env=codex_env(home, token),
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -92,36 +74,17 @@ def run_codex(codex: Path, home: Path, token: str, workdir: Path) -> subprocess.
 
 
 def test_codex_exec_runs_a_shell_tool_through_the_gateway(
-    codex: Path, engine: FakeEngine, gateway: lightning.GatewayHandle, tmp_path: Path
+    codex: Path, served: tuple[FakeEngine, lightning.GatewayHandle], tmp_path: Path
 ) -> None:
+    engine, gateway = served
     client = gateway.client()
     rollout = client.create_rollout({"task": "proof"}, group="codex")
-    home = write_codex_home(tmp_path / "codex-home", rollout.base_url, model="lightning")
+    home = write_codex_home(tmp_path / "codex-home", base_url=rollout.base_url, model="lightning")
     out = run_codex(codex, home, rollout.token, tmp_path / "work")
     assert out.returncode == 0, f"codex exec failed:\n{out.stdout}\n{out.stderr}"
     assert (tmp_path / "work" / "proof.txt").read_text() == PROOF + "\n"
     assert "I wrote proof.txt." in out.stdout
-
-    # Every call Codex made is in the store, with the engine's exact ids and logprobs.
-    answers = engine.log()["answers"]
-    records = client.records(rollout.id)
-    assert len(answers) == len(records) == 2
-    for rec, answer in zip(records, answers, strict=True):
-        (choice,) = answer["choices"]
-        np.testing.assert_array_equal(rec.prompt_ids, answer["prompt_ids"][0])
-        np.testing.assert_array_equal(rec.completion_ids, choice["ids"])
-        np.testing.assert_array_equal(rec.logprobs, np.asarray(choice["logprobs"], np.float32))
-        assert rec.status == "ok" and rec.delivered
-    assert [r.finish_reason for r in records] == ["tool_calls", "stop"]
-
-    # The second prompt extends the first call: the rollout is one sample.
-    calls = client.trace(rollout.id)
-    merged = lightning.merge_calls(calls)
-    assert len(merged.samples) == 1
-    (sample,) = merged.samples
-    assert sample.rollout_id == rollout.id
-    full = np.concatenate([records[1].prompt_ids, records[1].completion_ids])
-    np.testing.assert_array_equal(np.asarray(sample.tokens), full)
+    assert_recorded_exactly(client, rollout.id, engine, ["tool_calls", "stop"])
     client.close()
 
 
@@ -142,30 +105,16 @@ def test_lightning_train_through_codex_on_the_tiny_model(codex: Path, tmp_path: 
     task = {"prompt": "Write hello into hello.txt", "expect_file": "hello.txt"}
     tasks.write_text(json.dumps(task) + "\n")
     out = tmp_path / "run"
-    config = RunConfig.load(
-        EXAMPLES / "demo.toml",
-        {
-            "model.builtin": None,
-            "model.path": str(tiny_model_dir(context=CONTEXT, answer_tokens=40)),
-            "engine.max_batch": 3,
-            "engine.chat_template": str(CHATML_TOOLS_TEMPLATE),
-            "engine.max_model_len": CONTEXT,
-            "harness.command": ["{python}", str(EXAMPLES / "codex_agent.py")],
+    config = two_tiny_steps(
+        out,
+        tasks,
+        context=CONTEXT,
+        agent="codex_agent.py",
+        rollouts=3,
+        extra={
             "harness.env": {"CODEX": str(codex)},
-            "harness.concurrency": 3,
             "reward.source": "function",
             "reward.function": f"{__file__}:answer_length_reward",
-            "harness.timeout_s": 900,
-            "steps": 2,
-            "eval_every": 0,
-            "checkpoint_every": 0,
-            "output_dir": str(out),
-            "tasks.train": str(tasks),
-            "tasks.eval": None,
-            "algorithm.group_size": 3,
-            "algorithm.tasks_per_step": 1,
-            "algorithm.eval_samples": 1,
-            "trainer.lr": 1e-3,
         },
     )
     with Run(config, quiet=True) as run:

@@ -102,6 +102,14 @@ def test_harness_needs_exactly_one_kind(tmp_path: Path) -> None:
         RunConfig.load(write(tmp_path, text))
 
 
+def test_a_callable_harness_file_is_relative_to_the_config(tmp_path: Path) -> None:
+    text = BASE.replace('command = ["true"]', 'callable = "agent.py:run"')
+    config = RunConfig.load(write(tmp_path, text))
+    assert config.harness.callable == f"{tmp_path.resolve() / 'agent.py'}:run"
+    dotted = RunConfig.load(write(tmp_path, BASE.replace('command = ["true"]', 'callable = "m:f"')))
+    assert dotted.harness.callable == "m:f"  # a module name is imported as it is
+
+
 def test_ray_backend_runs_a_command(tmp_path: Path) -> None:
     ray = BASE.replace(
         'command = ["true"]', 'command = ["true"]\nbackend = "ray"\nray_resources = { sandbox = 1 }'

@@ -373,3 +373,49 @@ def test_reload_lets_in_flight_finish_on_old_weights(model_dir: Path, tmp_path: 
         assert max(abs(a - b) for a, b in zip(old, box[0].logprobs, strict=True)) < 1e-4
         after = engine.generate(prompt, SamplingParams(max_tokens=4, seed=0))
         assert after.weight_version == 3 and engine.status()["weight_version"] == 3
+
+
+PARENT = """
+import sys, time
+from pathlib import Path
+from lightning.loop import EmbeddedEngine
+engine = EmbeddedEngine(
+    Path(sys.argv[1]), host="127.0.0.1", port=0, max_batch=2, dtype="float32",
+    threads=1, log_path=Path(sys.argv[2]),
+)
+engine.wait_ready(120)
+print(engine.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+def test_the_embedded_engine_exits_when_its_parent_is_killed(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """`lightning train`/`demo` killed with SIGKILL (no cleanup runs) leaves no engine
+    behind: the child notices its parent is gone and stops within seconds."""
+    with subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(model_dir), str(tmp_path / "engine.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as parent:
+        assert parent.stdout is not None
+        try:
+            child = int(parent.stdout.readline())
+            assert _alive(child)
+        finally:
+            parent.kill()
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = (tmp_path / "engine.log").read_text()
+    assert not _alive(child), log[-2000:]
+    assert "parent process" in log

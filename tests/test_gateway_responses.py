@@ -20,7 +20,8 @@ import pytest
 
 import lightning
 from fake_vllm import FakeEngine
-from lightning import Gateway, GatewayClient, GatewayConfig
+from gateways import start_gateway
+from lightning import GatewayClient
 
 SHELL = {
     "type": "function",
@@ -46,12 +47,7 @@ def engine() -> Iterator[FakeEngine]:
 
 
 def start(tmp_path: Path, engine: FakeEngine) -> lightning.GatewayHandle:
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=[{"url": engine.url, "weight_version": 1}],
-        db=str(tmp_path / "gw.db"),
-    )
-    return Gateway(cfg).start()
+    return start_gateway(engine.url, tmp_path / "gw.db")
 
 
 @pytest.fixture

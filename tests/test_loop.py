@@ -134,6 +134,11 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
         "algorithm.eval_samples": 1,
         "harness.concurrency": 2,
         "trainer.lr": 1e-3,
+        # The demo runs its agent in-process; here the same agent runs as a process
+        # that prints its reward, so the loop covers both kinds of harness.
+        "harness.callable": None,
+        "harness.command": ["{python}", "arith_agent.py"],
+        "reward.source": "stdout",
     }
     with Run(RunConfig.load(EXAMPLES / "demo.toml", overrides), quiet=True) as run:
         run.run()

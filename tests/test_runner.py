@@ -14,7 +14,8 @@ import pytest
 
 import lightning
 from fake_vllm import FakeEngine
-from lightning import Gateway, GatewayClient, GatewayConfig
+from gateways import gateway_client
+from lightning import GatewayClient
 from lightning.runner import RolloutTrace, Runner, RunnerError
 
 
@@ -27,16 +28,8 @@ def engine() -> Iterator[FakeEngine]:
 
 @pytest.fixture
 def client(engine: FakeEngine, tmp_path: Path) -> Iterator[GatewayClient]:
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=[{"url": engine.url, "weight_version": 1}],
-        db=str(tmp_path / "gw.db"),
-    )
-    handle = Gateway(cfg).start()
-    c = handle.client()
-    yield c
-    c.close()
-    handle.stop()
+    with gateway_client(engine.url, tmp_path / "gw.db") as c:
+        yield c
 
 
 def script(tmp_path: Path, body: str) -> list[str]:

@@ -416,6 +416,11 @@ class RunConfig(_Section):
         if data.model.path is not None:
             data.model.path = fix(data.model.path)
         data.engine.chat_template = fix(data.engine.chat_template)
+        if data.harness.callable is not None:
+            # "agent.py:run" names a file next to the config, like every other path.
+            module, sep, func = data.harness.callable.rpartition(":")
+            if sep and module.endswith(".py"):
+                data.harness.callable = f"{fix(module)}:{func}"
         if data.harness.cwd is not None:
             data.harness.cwd = fix(data.harness.cwd)
         else:

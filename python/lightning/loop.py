@@ -107,6 +107,8 @@ class EmbeddedEngine:
             # then measure real train-serve mismatch, not the temperature.
             "--logprobs-mode",
             "processed_logprobs",
+            # A demo stopped with Ctrl-C, SIGTERM or kill -9 leaves no engine behind.
+            "--exit-with-parent",
         ]
         if threads:
             argv += ["--threads", str(threads)]
@@ -341,6 +343,10 @@ class Run:
         env = dict(cfg.harness.env)
         if self.engine is not None:
             env.setdefault("OPENAI_MODEL", SERVED_MODEL_NAME)
+        if not isinstance(harness, list):
+            # A callable harness runs in this process: it reads the same settings
+            # from this process's environment that a harness process would get.
+            os.environ.update(env)
         self.runner = Runner(
             self.client,
             harness,

@@ -138,7 +138,14 @@ def load_callable(spec: str) -> Callable[..., Any]:
         if mod_spec is None or mod_spec.loader is None:
             raise RunnerError(f"cannot load {path!r}: not a Python file")
         module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
+        # Registered before it runs, as `import` would: dataclasses and pickling
+        # look the module up in sys.modules while it executes.
+        sys.modules[mod_spec.name] = module
+        try:
+            mod_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[mod_spec.name]
+            raise
     else:
         try:
             module = importlib.import_module(module_name)

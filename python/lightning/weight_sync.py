@@ -376,6 +376,15 @@ class WeightSync(ABC):
         futures = [self._pool.submit(fn, root) for root in self.roots]
         return [f.result() for f in futures]
 
+    def _group_ranks(self, world_sizes: Sequence[int] | None) -> tuple[int, dict[str, int]]:
+        """The transfer group's size and each engine's first rank: the trainer is
+        rank 0, then every engine's workers (``world_sizes``: TP × PP × DP each)."""
+        sizes = list(world_sizes or [1] * len(self.roots))
+        if len(sizes) != len(self.roots):
+            raise ValueError(f"world_sizes has {len(sizes)} entries for {len(self.roots)} engines")
+        offsets = {root: 1 + sum(sizes[:i]) for i, root in enumerate(self.roots)}
+        return 1 + sum(sizes), offsets
+
     def _beside(self, requests: Callable[[], Any], transfer: Callable[[], None]) -> None:
         """Engine requests and the trainer's side of a collective, concurrently: each
         blocks until the other has joined."""
@@ -454,15 +463,10 @@ class SglangDistributedSync(_SglangBase):
     ) -> None:
         super().__init__(roots, pause_mode=pause_mode, timeout_s=timeout_s)
         self.transport = transport
-        self.world_sizes = list(world_sizes or [1] * len(self.roots))
-        if len(self.world_sizes) != len(self.roots):
-            raise ValueError(
-                f"world_sizes has {len(self.world_sizes)} entries for {len(self.roots)} engines"
-            )
+        self.world, self.offsets = self._group_ranks(world_sizes)
 
     def setup(self) -> None:
-        world = 1 + sum(self.world_sizes)
-        offsets = {root: 1 + sum(self.world_sizes[:i]) for i, root in enumerate(self.roots)}
+        world, offsets = self.world, self.offsets
 
         def init(root: str) -> None:
             body = self.transport.init_info(offsets[root], world)
@@ -551,15 +555,10 @@ class VllmSync(WeightSync):
     ) -> None:
         super().__init__(roots, timeout_s=timeout_s)
         self.transport = transport
-        self.world_sizes = list(world_sizes or [1] * len(self.roots))
-        if len(self.world_sizes) != len(self.roots):
-            raise ValueError(
-                f"world_sizes has {len(self.world_sizes)} entries for {len(self.roots)} engines"
-            )
+        self.world, self.offsets = self._group_ranks(world_sizes)
 
     def setup(self) -> None:
-        world = 1 + sum(self.world_sizes)
-        offsets = {root: 1 + sum(self.world_sizes[:i]) for i, root in enumerate(self.roots)}
+        world, offsets = self.world, self.offsets
 
         def init(root: str) -> None:
             body = {"init_info": self.transport.init_info(offsets[root], world)}

@@ -35,6 +35,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -917,6 +919,21 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Stop this process (SIGTERM: uvicorn shuts down) once ``parent`` is gone.
+
+    A child outlives a parent killed by SIGTERM or SIGKILL and is re-parented;
+    an engine left behind holds its port, 2+ GB of memory and every core."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        log.warning("parent process %d is gone; stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def serve(argv: list[str]) -> int:
     """`lightning serve MODEL_DIR --port P`: the engine as an OpenAI-compatible server."""
     parser = argparse.ArgumentParser(prog="lightning serve", description=serve.__doc__)
@@ -954,9 +971,16 @@ def serve(argv: list[str]) -> int:
         choices=tools.PARSERS,
         help="how tool calls are read from generated text (auto: from the chat template)",
     )
+    parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="exit when the process that started this one is gone (even after kill -9)",
+    )
     args = parser.parse_args(argv)
     if args.model_dir is None and args.gguf is None:
         parser.error("give MODEL_DIR or --gguf FILE")
+    if args.exit_with_parent:
+        _exit_with_parent(os.getppid())
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
