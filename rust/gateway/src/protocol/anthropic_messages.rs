@@ -69,7 +69,7 @@ use bytes::Bytes;
 use hyper::StatusCode;
 use serde_json::{json, Map, Value};
 
-use super::openai_chat::capture_fields;
+use super::openai::capture_fields;
 use super::{object, sse_frame, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator};
 use crate::error::ApiError;
 use crate::wire::engine::Kind;

@@ -47,8 +47,7 @@ use crate::wire::engine::Kind;
 use crate::wire::sse::Event;
 
 pub mod anthropic_messages;
-pub mod openai_chat;
-pub mod openai_completions;
+pub mod openai;
 pub mod openai_responses;
 
 /// The property tests' config: `cases` per property, a fixed seed under

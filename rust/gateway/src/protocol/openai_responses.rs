@@ -785,7 +785,7 @@ impl Protocol for OpenAiResponses {
     fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError> {
         let req = object(body)?;
         let (mut chat, plan) = self.translate(&req, ctx)?;
-        super::openai_chat::capture_fields(&mut chat, Kind::Chat, ctx);
+        super::openai::capture_fields(&mut chat, Kind::Chat, ctx);
         let stream = chat.get("stream").and_then(Value::as_bool).unwrap_or(false);
         ctx.state = plan_to_value(&plan);
         Ok(EngineRequest {

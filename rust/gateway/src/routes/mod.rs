@@ -28,15 +28,15 @@ use crate::config::Config;
 use crate::error::{ApiError, GatewayError};
 use crate::http::{error_response, error_response_with, full, json_response, query_params, Body};
 use crate::protocol::anthropic_messages::{self, AnthropicMessages};
-use crate::protocol::openai_chat::OpenAiChat;
-use crate::protocol::openai_completions::OpenAiCompletions;
+use crate::protocol::openai::OpenAi;
 use crate::protocol::openai_responses::OpenAiResponses;
 use crate::protocol::Protocol;
 use crate::proxy;
 use crate::state::{RolloutInfo, State};
+use crate::wire::engine::Kind;
 
-static CHAT: OpenAiChat = OpenAiChat;
-static COMPLETIONS: OpenAiCompletions = OpenAiCompletions;
+static CHAT: OpenAi = OpenAi(Kind::Chat);
+static COMPLETIONS: OpenAi = OpenAi(Kind::Completion);
 static RESPONSES: OpenAiResponses = OpenAiResponses;
 
 static MESSAGES: AnthropicMessages = AnthropicMessages;

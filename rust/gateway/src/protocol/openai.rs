@@ -1,7 +1,8 @@
-//! OpenAI chat completions (`POST /v1/chat/completions`): the engine's own
-//! dialect, so the adapter only switches ids and logprobs on and passes the
-//! engine's answer through unchanged (extra fields such as `token_ids` are
-//! harmless to OpenAI clients; DESIGN.md §3).
+//! OpenAI chat completions (`POST /v1/chat/completions`) and completions
+//! (`POST /v1/completions`): the engine's own dialects, so one adapter serves
+//! both. It only switches ids and logprobs on (`logprobs` as chat's boolean or
+//! completions' count) and passes the engine's answer through unchanged (extra
+//! fields such as `token_ids` are harmless to OpenAI clients; DESIGN.md §3).
 
 use bytes::Bytes;
 use hyper::StatusCode;
@@ -12,8 +13,9 @@ use crate::error::ApiError;
 use crate::wire::engine::Kind;
 use crate::wire::sse::Event;
 
+/// The OpenAI dialect of one engine route: chat completions or completions.
 #[derive(Debug, Clone, Copy)]
-pub struct OpenAiChat;
+pub struct OpenAi(pub Kind);
 
 /// Sets what every engine request needs: ids and logprobs when captured
 /// (`logprobs` as chat's boolean or completions' count), the mode's temperature.
@@ -57,13 +59,16 @@ pub(crate) fn openai_error(e: &ApiError) -> Bytes {
     Bytes::from(e.body())
 }
 
-impl Protocol for OpenAiChat {
+impl Protocol for OpenAi {
     fn name(&self) -> &'static str {
-        "openai_chat"
+        match self.0 {
+            Kind::Chat => "openai_chat",
+            Kind::Completion => "openai_completions",
+        }
     }
 
     fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError> {
-        passthrough_request(body, Kind::Chat, ctx)
+        passthrough_request(body, self.0, ctx)
     }
 
     fn answer(&self, _: StatusCode, _: &Bytes, _: &Ctx) -> (Answer, Option<Kept>) {
@@ -123,7 +128,7 @@ mod tests {
     #[test]
     fn switches_ids_on_and_keeps_the_rest() {
         let body = json!({"model": "m", "messages": [], "stream": true, "top_p": 0.5});
-        let r = OpenAiChat
+        let r = OpenAi(Kind::Chat)
             .engine_request(body, &mut ctx(true, Some(0.7)))
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(r.stream);
@@ -132,13 +137,27 @@ mod tests {
         assert_eq!(r.body["logprobs"], json!(true));
         assert_eq!(r.body["temperature"], json!(0.7));
         assert_eq!(r.body["top_p"], json!(0.5));
-        let r = OpenAiChat
+        let r = OpenAi(Kind::Chat)
             .engine_request(json!({"messages": []}), &mut ctx(false, None))
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(!r.body.contains_key("return_token_ids"));
-        assert!(OpenAiChat
+        assert!(OpenAi(Kind::Chat)
             .engine_request(json!([1]), &mut ctx(true, None))
             .is_err());
+    }
+
+    #[test]
+    fn completions_logprobs_become_a_count_unless_given() {
+        let r = OpenAi(Kind::Completion)
+            .engine_request(json!({"prompt": "x"}), &mut ctx(true, None))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.kind, Kind::Completion);
+        assert_eq!(r.body["logprobs"], json!(0));
+        let r = OpenAi(Kind::Completion)
+            .engine_request(json!({"prompt": "x", "logprobs": 3}), &mut ctx(true, None))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.body["logprobs"], json!(3));
+        assert_eq!(OpenAi(Kind::Completion).name(), "openai_completions");
     }
 
     #[test]
@@ -147,7 +166,7 @@ mod tests {
         let events = p
             .feed(b"data: {\"a\":1}\n\ndata: [DONE]\n\n")
             .unwrap_or_default();
-        let mut t = OpenAiChat.translator(&Ctx::default());
+        let mut t = OpenAi(Kind::Chat).translator(&Ctx::default());
         let mut out = Vec::new();
         for ev in &events {
             t.on_event(ev, &mut out);
