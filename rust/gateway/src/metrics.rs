@@ -186,6 +186,13 @@ impl Metrics {
         );
         c(
             &mut o,
+            "lightning_store_writable",
+            "0 while the store cannot write (disk full or file unwritable).",
+            "gauge",
+            (store.health.writable() as u8).to_string(),
+        );
+        c(
+            &mut o,
             "lightning_paused",
             "1 while paused for weight sync.",
             "gauge",
