@@ -1,11 +1,19 @@
-"""Durability: kill -9 the gateway (started through the ``lightning-gateway``
-console entry point) with calls in flight; everything the harness saw
+"""Durability (issue 15, section 3, and the store half of section 2): kill -9
+the gateway (started through the ``lightning-gateway`` console entry point)
+under mixed load again and again on one database; everything the harness saw
 complete (chat, Responses and Messages, streamed and not) and every
-acknowledged reward must be in the store after restart."""
+acknowledged reward and event must be in the store after each restart, byte
+for byte, and nothing partial may look complete. Then the disk fills
+(``RLIMIT_FSIZE`` lowered on the live gateway): it refuses what it cannot
+record, says so on ``/healthz``, and recovers by itself.
+
+``LIGHTNING_LONG=1`` runs the kill loop 40 times instead of 5."""
 
 from __future__ import annotations
 
 import os
+import random
+import resource
 import signal
 import socket
 import subprocess
@@ -40,12 +48,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(db: Path, upstream: str) -> tuple[subprocess.Popen[bytes], str]:
+def launch(
+    db: Path, upstream: str, extra: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [
         sys.executable, "-c", "import sys; from lightning.gateway import main; sys.exit(main())",
         "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--db", str(db),
-        "--admin-key", ADMIN, "--threads", "2",
+        "--admin-key", ADMIN, "--threads", "2", *(extra or []),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -90,43 +100,107 @@ def test_sigterm_drains_and_exits_cleanly(engine: FakeEngine, tmp_path: Path) ->
         assert [x.status for x in s.records(r.id)] == ["ok"]
 
 
-def test_kill9_keeps_every_acknowledged_write(engine: FakeEngine, tmp_path: Path) -> None:
-    db = tmp_path / "k.db"
-    proc, url = launch(db, engine.url)
-    c = GatewayClient(url, ADMIN)
-    rollouts = [c.create_rollout(rollout_id=f"r{i}") for i in range(6)]
-    seen: dict[str, list[str]] = {r.id: [] for r in rollouts}
-    rewards: dict[str, list[int]] = {r.id: [] for r in rollouts}
-    stop = threading.Event()
-    errors: list[str] = []
-
-    def ask(oa: openai.OpenAI, an: anthropic.Anthropic, kind: int, text: str) -> str:
-        """One harness call; kinds cycle through every protocol, whole and streamed."""
-        msgs: Any = [{"role": "user", "content": text}]
-        stream = kind % 2 == 1
-        if kind < 2:
-            if not stream:
-                return (
-                    oa.chat.completions.create(model="m", messages=msgs).choices[0].message.content
-                    or ""
-                )
-            parts = oa.chat.completions.create(model="m", messages=msgs, stream=True)
-            return "".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices)
-        if kind < 4:
-            if not stream:
-                return oa.responses.create(model="m", input=text).output_text
-            events = oa.responses.create(model="m", input=text, stream=True)
-            done = [e.response.output_text for e in events if e.type == "response.completed"]
-            if not done:
-                raise openai.APIError(
-                    "stream ended without response.completed", httpx.Request("POST", url), body=None
-                )
-            return done[0]
+def ask(oa: openai.OpenAI, an: anthropic.Anthropic, kind: int, text: str) -> str:
+    """One harness call; kinds 0..5 cycle through every protocol, whole and streamed.
+    Returns the answer only if the harness saw it end successfully."""
+    msgs: Any = [{"role": "user", "content": text}]
+    stream = kind % 2 == 1
+    if kind < 2:
         if not stream:
-            msg = an.messages.create(model="m", max_tokens=64, messages=msgs)
-            return "".join(b.text for b in msg.content if b.type == "text")
-        with an.messages.stream(model="m", max_tokens=64, messages=msgs) as s:
-            return "".join(s.text_stream)
+            return (
+                oa.chat.completions.create(model="m", messages=msgs).choices[0].message.content
+                or ""
+            )
+        parts = oa.chat.completions.create(model="m", messages=msgs, stream=True)
+        return "".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices)
+    if kind < 4:
+        if not stream:
+            return oa.responses.create(model="m", input=text).output_text
+        events = oa.responses.create(model="m", input=text, stream=True)
+        done = [e.response.output_text for e in events if e.type == "response.completed"]
+        if not done:
+            raise openai.APIError(
+                "stream ended without response.completed", httpx.Request("POST", "/"), body=None
+            )
+        return done[0]
+    if not stream:
+        msg = an.messages.create(model="m", max_tokens=64, messages=msgs)
+        return "".join(b.text for b in msg.content if b.type == "text")
+    with an.messages.stream(model="m", max_tokens=64, messages=msgs) as s:
+        return "".join(s.text_stream)
+
+
+HARNESS_ERRORS = (openai.APIError, anthropic.APIError, httpx.HTTPError)
+LEN = 8
+KILLS = 40 if os.environ.get("LIGHTNING_LONG") == "1" else 5
+
+
+def encode(text: str) -> list[int]:
+    """The fake engine's byte-level tokenizer (id = byte + 10)."""
+    return [b + 10 for b in text.encode()]
+
+
+class Acked:
+    """What the harnesses were told is done, per rollout."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: dict[str, list[tuple[str, str]]] = {}  # (prompt marker, answer)
+        self.events: dict[str, list[tuple[int, str, Any]]] = {}  # (seq, type, data)
+
+    def call(self, rollout: str, marker: str, answer: str) -> None:
+        with self.lock:
+            self.calls.setdefault(rollout, []).append((marker, answer))
+
+    def event(self, rollout: str, seq: int, kind: str, data: Any) -> None:
+        with self.lock:
+            self.events.setdefault(rollout, []).append((seq, kind, data))
+
+
+def check_store(db: Path, acked: Acked) -> int:
+    """Every acknowledged call, reward and event is on disk byte for byte, in
+    order; no stored call looks complete unless it is. Returns how many
+    acknowledged operations were checked."""
+    checked = 0
+    with Store(db) as s:
+        for rollout, calls in acked.calls.items():
+            recs = s.records(rollout)
+            for r in recs:
+                if r.status == "ok":  # complete: finished, every id and logprob there
+                    assert r.finish_reason is not None and r.delivered, r
+                    assert r.completion_ids is not None and len(r.completion_ids) == LEN, r
+                    assert r.logprobs is not None and len(r.logprobs) == LEN, r
+                    assert list(r.completion_ids) == encode(r.text or ""), r
+                else:
+                    assert not r.delivered, r
+            prompts = [
+                b"" if r.prompt_ids is None else bytes(int(i) - 10 for i in r.prompt_ids)
+                for r in recs
+            ]
+            at = 0  # acknowledged calls appear in the order they were acknowledged
+            for marker, answer in calls:
+                m = marker.encode()
+                while at < len(recs) and not (m in prompts[at] and recs[at].status == "ok"):
+                    at += 1
+                assert at < len(recs), f"{rollout}: acknowledged call {marker!r} is not stored"
+                assert recs[at].text == answer
+                assert recs[at].completion_ids is not None
+                assert list(recs[at].completion_ids) == encode(answer)
+                checked += 1
+                at += 1
+        for rollout, events in acked.events.items():
+            stored = {e["seq"]: (e["type"], e["data"]) for e in s.events(rollout)}
+            for seq, kind, data in events:
+                assert stored.get(seq) == (kind, data), (rollout, seq, stored.get(seq))
+                checked += 1
+    return checked
+
+
+def load_round(
+    url: str, rollouts: list[Any], round_: int, acked: Acked, stop: threading.Event
+) -> None:
+    """Mixed load until `stop` or the first failure (the kill): every protocol,
+    whole and streamed, then a reward and an event per call."""
 
     def worker(i: int) -> None:
         r = rollouts[i]
@@ -136,53 +210,83 @@ def test_kill9_keeps_every_acknowledged_write(engine: FakeEngine, tmp_path: Path
         )
         rc = GatewayClient(url, timeout=5)
         n = 0
-        while not stop.is_set():
-            try:
-                seen[r.id].append(ask(oa, an, (n + i) % 6, f"turn {n} [[len:8]]"))
-                rewards[r.id].append(rc.reward(r.id, float(n), token=r.token))
-            except (openai.APIError, anthropic.APIError, httpx.HTTPError) as e:
-                errors.append(repr(e))
-                break
-            n += 1
-        oa.close()
-        an.close()
-        rc.close()
+        try:
+            while not stop.is_set():
+                marker = f"<{r.id}.{round_}.{n}>"
+                answer = ask(oa, an, (n + i) % 6, f"{marker} [[len:{LEN}]]")
+                acked.call(r.id, marker, answer)
+                value = float(round_ * 1000 + n)
+                seq = rc.reward(r.id, value, source=marker, token=r.token)
+                acked.event(r.id, seq, "reward", {"value": value, "source": marker, "data": None})
+                data = {"marker": marker, "note": "é✓ \u0000 " * (n % 4), "n": [n, round_]}
+                seq = rc.event(r.id, "note", data, token=r.token)
+                acked.event(r.id, seq, "note", data)
+                n += 1
+        except HARNESS_ERRORS:
+            pass  # the gateway died under this call: it was never acknowledged
+        finally:
+            oa.close()
+            an.close()
+            rc.close()
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(rollouts))]
     for t in threads:
         t.start()
-    # Kill once there is real traffic (the machine may be slow), mid-stream.
-    deadline = time.time() + 60
-    while sum(len(v) for v in seen.values()) < 12 and time.time() < deadline and not errors:
+    stop.wait()
+    for t in threads:
+        t.join(15)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+    if proc.stderr:
+        proc.stderr.close()
+
+
+def kill_round(
+    proc: subprocess.Popen[bytes], url: str, db: Path, round_: int, acked: Acked, rng: random.Random
+) -> int:
+    """Checks what earlier rounds acknowledged, loads the gateway, kills it at a random moment."""
+    if round_:
+        check_store(db, acked)  # the restarted gateway recovered everything so far
+    with GatewayClient(url, ADMIN) as c:
+        # Same ids every round: same tokens, and seqs continue after each restart.
+        rollouts = [c.create_rollout(rollout_id=f"r{i}") for i in range(6)]
+    stop = threading.Event()
+    load = threading.Thread(target=load_round, args=(url, rollouts, round_, acked, stop))
+    before = sum(len(v) for v in acked.calls.values())
+    load.start()
+    deadline = time.time() + 30
+    while sum(len(v) for v in acked.calls.values()) < before + 6 and time.time() < deadline:
         time.sleep(0.01)
+    time.sleep(rng.uniform(0.0, 0.4))  # a random moment: mid-stream, mid-commit, mid-post
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(5)
     stop.set()
-    for t in threads:
-        t.join(10)
-    if proc.stderr:
-        proc.stderr.close()
-    c.close()
-    assert sum(len(v) for v in seen.values()) > 10, f"too little traffic before the kill: {errors}"
-    # Restart on the same file: it opens (WAL recovery) and serves the old rollouts.
-    proc2, url2 = launch(db, engine.url)
+    load.join(30)
+    assert sum(len(v) for v in acked.calls.values()) > before, f"round {round_}: no traffic"
+    return 1
+
+
+def test_kill9_loop_keeps_every_acknowledged_write(engine: FakeEngine, tmp_path: Path) -> None:
+    db = tmp_path / "k.db"
+    rng = random.Random(15)
+    acked = Acked()
+    kills = 0
+    for round_ in range(KILLS):
+        proc, url = launch(db, engine.url)
+        try:
+            kills += kill_round(proc, url, db, round_, acked, rng)
+        finally:
+            stop_process(proc)
+    proc, url = launch(db, engine.url)
     try:
-        c2 = GatewayClient(url2, ADMIN)
-        with Store(db) as s:
-            for r in rollouts:
-                recs = [x for x in s.records(r.id) if x.status == "ok" and x.delivered]
-                texts = [x.text for x in recs]
-                # Every answer the harness saw complete is stored, in order.
-                assert texts[: len(seen[r.id])] == seen[r.id]
-                ev = s.events(r.id)
-                assert set(rewards[r.id]) <= {e["seq"] for e in ev if e["type"] == "reward"}
-            # And the restarted gateway serves the same data.
-            assert len(c2.records(rollouts[0].id)) == len(s.records(rollouts[0].id))
-        # Same rollout id, same token: harnesses keep working after a restart.
-        assert c2.create_rollout(rollout_id="r0").token == rollouts[0].token
-        c2.close()
+        checked = check_store(db, acked)
+        with GatewayClient(url, ADMIN) as c, Store(db) as s:  # the restart serves the same data
+            assert len(c.records("r0")) == len(s.records("r0"))
     finally:
-        proc2.send_signal(signal.SIGTERM)
-        proc2.wait(10)
-        if proc2.stderr:
-            proc2.stderr.close()
+        stop_process(proc)
+    print(f"\nkill -9 loop: {kills} kills, {checked} acknowledged operations checked")
+    assert kills == KILLS and checked > 0
