@@ -31,6 +31,7 @@ import pytest
 
 from fake_vllm import FakeEngine
 from lightning import GatewayClient, Store
+from lightning.client import GatewayRequestError
 
 ADMIN = "durability-admin-key"
 
@@ -290,3 +291,109 @@ def test_kill9_loop_keeps_every_acknowledged_write(engine: FakeEngine, tmp_path:
         stop_process(proc)
     print(f"\nkill -9 loop: {kills} kills, {checked} acknowledged operations checked")
     assert kills == KILLS and checked > 0
+
+
+def set_fsize(pid: int, limit: int) -> None:
+    """The disk "fills" for the live gateway: no write may reach offset `limit`
+    (it gets EFBIG); `RLIM_INFINITY` frees it again."""
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+
+def health(url: str) -> tuple[int, dict[str, Any]]:
+    r = httpx.get(url + "/healthz", timeout=5)
+    return r.status_code, r.json()
+
+
+def test_full_disk_refuses_work_and_recovers(engine: FakeEngine, tmp_path: Path) -> None:
+    db = tmp_path / "full.db"
+    proc, url = launch(db, engine.url)
+    try:
+        c = GatewayClient(url, ADMIN)
+        r = c.create_rollout()
+        oa = openai.OpenAI(base_url=r.base_url, api_key=r.token, max_retries=0, timeout=10)
+        an = anthropic.Anthropic(
+            base_url=r.anthropic_base_url, api_key=r.token, max_retries=0, timeout=10
+        )
+        acked: list[str] = [ask(oa, an, k, f"before {k} [[len:{LEN}]]") for k in range(6)]
+        # Calls in flight when the disk fills: none may end successfully.
+        outcome: dict[int, str | Exception] = {}
+
+        def inflight(k: int) -> None:
+            try:
+                outcome[k] = ask(oa, an, k, f"inflight {k} [[len:{LEN}]] [[slow:0.15]]")
+            except HARNESS_ERRORS as e:
+                outcome[k] = e
+
+        threads = [threading.Thread(target=inflight, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while c.state()["in_flight"] < 6 and time.time() < deadline:
+            time.sleep(0.01)
+        assert c.state()["in_flight"] == 6
+        set_fsize(proc.pid, 0)
+        for t in threads:
+            t.join(20)
+        assert all(isinstance(o, Exception) for o in outcome.values()), outcome
+        assert len(outcome) == 6
+        status, h = health(url)
+        assert status == 503 and h["status"] == "store_unwritable", h
+        assert h["store"]["writable"] is False and h["store"]["error"]
+        # New work is refused in each protocol's shape; the engine sees none of it.
+        before = engine.log()["requests"]
+        for k in range(6):
+            sdk = anthropic if k >= 4 else openai
+            with pytest.raises(sdk.InternalServerError) as e:
+                ask(oa, an, k, f"refused {k} [[len:{LEN}]]")
+            assert e.value.status_code == 503
+            assert e.value.response.headers["retry-after"] == "1"
+        assert engine.log()["requests"] == before
+        with pytest.raises(GatewayRequestError) as refused:  # a reward it cannot store: no ack
+            c.reward(r.id, 1.0)
+        assert (refused.value.status, refused.value.code) == (503, "store_unavailable")
+        # The disk frees up: the gateway notices by itself and serves again.
+        set_fsize(proc.pid, resource.RLIM_INFINITY)
+        deadline = time.time() + 10
+        while health(url)[0] != 200 and time.time() < deadline:
+            time.sleep(0.05)
+        assert health(url)[1]["store"] == {"writable": True, "error": None}
+        acked += [ask(oa, an, k, f"after {k} [[len:{LEN}]]") for k in range(6)]
+        seq = c.reward(r.id, 2.0)
+        oa.close()
+        an.close()
+        c.close()
+    finally:
+        stop_process(proc)
+    with Store(db) as s:
+        recs = s.records(r.id)
+        # On disk: exactly the calls the harness saw complete, nothing from the full disk.
+        assert [x.text for x in recs if x.status == "ok"] == acked
+        assert all(x.delivered for x in recs)
+        assert [(e["seq"], e["data"]["value"]) for e in s.events(r.id)] == [(seq, 2.0)]
+
+
+def test_full_disk_can_serve_unrecorded(engine: FakeEngine, tmp_path: Path) -> None:
+    """`on_store_failure = "serve"`: the harness keeps getting answers, unrecorded."""
+    conf = tmp_path / "gw.toml"
+    conf.write_text('on_store_failure = "serve"\n')
+    db = tmp_path / "serve.db"
+    proc, url = launch(db, engine.url, ["--config", str(conf)])
+    try:
+        with GatewayClient(url, ADMIN) as c:
+            r = c.create_rollout()
+            with openai.OpenAI(base_url=r.base_url, api_key=r.token, max_retries=0) as oa:
+                first = ask(oa, None, 1, "first [[len:8]]")  # type: ignore[arg-type]
+                set_fsize(proc.pid, 0)
+                served = ask(oa, None, 0, "unrecorded [[len:8]]")  # type: ignore[arg-type]
+                assert len(served) == LEN
+                status, h = health(url)
+                assert status == 200 and h["status"] == "serving_unrecorded", h
+                set_fsize(proc.pid, resource.RLIM_INFINITY)
+                deadline = time.time() + 10
+                while health(url)[1]["status"] != "ok" and time.time() < deadline:
+                    time.sleep(0.05)
+                last = ask(oa, None, 1, "last [[len:8]]")  # type: ignore[arg-type]
+    finally:
+        stop_process(proc)
+    with Store(db) as s:
+        assert [x.text for x in s.records(r.id)] == [first, last]
