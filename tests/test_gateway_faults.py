@@ -7,6 +7,7 @@ upstream error, and the gateway keeps serving."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -316,3 +317,86 @@ def test_bad_harness_body_reaches_nothing(
     # The same connection-less client then gets a normal answer.
     ok = httpx.post(raw_url(r, proto), content=good, headers=raw_headers(r), timeout=10)
     assert ok.status_code == 200, ok.text
+
+
+KINDS = [(p, s) for p in PROTOCOLS for s in (False, True)]
+
+
+def run_all(r: lightning.Rollout, text: str) -> tuple[list[threading.Thread], dict[int, Any]]:
+    """Every protocol, whole and streamed, at once: the answers (or errors) by kind."""
+    out: dict[int, Any] = {}
+
+    def one(k: int) -> None:
+        proto, stream = KINDS[k]
+        try:
+            out[k] = PROTOCOLS[proto](r, stream, [{"role": "user", "content": text}])
+        except (openai.APIError, anthropic.APIError, StreamFailed) as e:
+            out[k] = e
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(KINDS))]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def wait_in_flight(c: GatewayClient, n: int) -> None:
+    deadline = time.time() + 10
+    while c.state()["in_flight"] < n and time.time() < deadline:
+        time.sleep(0.01)
+    assert c.state()["in_flight"] >= n
+
+
+def test_upstream_list_changes_under_calls_in_flight(engine: FakeEngine, tmp_path: Path) -> None:
+    """POST /admin/upstreams while calls stream: they finish on the engine that
+    started them (and record its weight version), new calls go to the new list,
+    an empty list refuses new calls in each protocol's shape, nothing is lost."""
+    other = FakeEngine("B")
+    cfg = GatewayConfig(
+        listen="127.0.0.1:0",
+        upstreams=[{"url": engine.url, "weight_version": 1}],
+        db=str(tmp_path / "gw.db"),
+        max_retries=0,
+    )
+    slow = "in flight [[len:20]] [[slow:0.05]]"
+    try:
+        with Gateway(cfg).start() as h, h.client() as c:
+            r = c.create_rollout()
+            threads, inflight = run_all(r, slow)
+            wait_in_flight(c, len(KINDS))
+            c.set_upstreams([{"url": other.url, "weight_version": 2}])
+            _, fresh = run_all(r, "new list [[len:6]]")
+            for t in threads:
+                t.join(20)
+            assert [len(inflight[k]) for k in range(len(KINDS))] == [20] * len(KINDS), inflight
+            # Calls in flight on B when B is removed finish too; new calls are refused.
+            threads, inflight_b = run_all(r, slow)
+            wait_in_flight(c, len(KINDS))
+            c.set_upstreams([])
+            _, refused = run_all(r, "no engine [[len:6]]")
+            for t in threads:
+                t.join(20)
+            assert [len(inflight_b[k]) for k in range(len(KINDS))] == [20] * len(KINDS)
+            for k, e in refused.items():
+                assert isinstance(e, (openai.APIStatusError, anthropic.APIStatusError)), e
+                assert e.status_code == 503, e
+            c.set_upstreams([{"url": engine.url, "weight_version": 3}])
+            assert PROTOCOLS["chat"](r, False) != ""
+            assert [len(fresh[k]) for k in range(len(KINDS))] == [6] * len(KINDS), fresh
+            recs = c.records(r.id)
+    finally:
+        other.stop()
+    # One record per call, each on the engine and weights that served it.
+    n = len(KINDS)
+    assert len(recs) == 4 * n + 1
+    by_prompt = {
+        "in flight": [
+            (x.status, x.upstream, x.weight_version) for x in recs if len(x.text or "") == 20
+        ],
+        "refused": [(x.status, x.upstream) for x in recs if x.status != "ok"],
+    }
+    assert by_prompt["refused"] == [("upstream_error", "")] * n
+    served = [(x.upstream, x.weight_version) for x in recs if x.status == "ok"]
+    assert served.count((engine.url, 1)) == n  # first wave, finished on A after the swap
+    assert served.count((other.url, 2)) == 2 * n  # new calls on B, and the wave B finished
+    assert served.count((engine.url, 3)) == 1
+    assert by_prompt["in flight"].count(("ok", engine.url, 1)) == n
