@@ -347,7 +347,10 @@ fn not_utf8(upstream: &Upstream) -> ApiError {
         502,
         "server_error",
         "upstream_not_utf8",
-        format!("upstream {} sent bytes that are not UTF-8; check the engine", upstream.url),
+        format!(
+            "upstream {} sent bytes that are not UTF-8; check the engine",
+            upstream.url
+        ),
     )
 }
 
@@ -355,7 +358,9 @@ fn not_utf8(upstream: &Upstream) -> ApiError {
 /// still answered, unrecorded; any other store error still fails the call.
 fn served_unrecorded(st: &State, res: Result<(), ApiError>) -> Result<(), ApiError> {
     match res {
-        Err(e) if e.code == "store_unavailable" && st.cfg.on_store_failure == StoreFailure::Serve => {
+        Err(e)
+            if e.code == "store_unavailable" && st.cfg.on_store_failure == StoreFailure::Serve =>
+        {
             tracing::warn!("call served unrecorded: the store cannot write");
             Ok(())
         }
