@@ -707,6 +707,14 @@ class Handler(BaseHTTPRequestHandler):
         self._sse("[DONE]")
 
 
+class Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client killed with its keep-alive connection open (the gateway under
+        # kill -9) resets it: what vLLM shrugs off, not a traceback on stderr.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class FakeEngine:
     """Runs this file as a subprocess server; ``.url`` is its OpenAI base URL (``.../v1``)."""
 
@@ -800,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
                 text = f.read()
         SCRIPT[:] = json.loads(text)
     handler = type("H", (Handler,), {"server_name": args.name})
-    server = ThreadingHTTPServer((args.host, args.port), handler)
+    server = Server((args.host, args.port), handler)
     server.daemon_threads = True
     server.no_ids = args.no_ids  # type: ignore[attr-defined]
     server.unique_ids = args.unique_ids  # type: ignore[attr-defined]

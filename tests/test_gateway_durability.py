@@ -131,7 +131,12 @@ def ask(oa: openai.OpenAI, an: anthropic.Anthropic, kind: int, text: str) -> str
         return "".join(s.text_stream)
 
 
-HARNESS_ERRORS = (openai.APIError, anthropic.APIError, httpx.HTTPError)
+# The anthropic SDK streams through its own httpx fork (`httpx2`), whose
+# transport errors escape a stream cut by the kill unwrapped.
+_anthropic_httpx = sys.modules.get("httpx2")
+HARNESS_ERRORS: tuple[type[Exception], ...] = (openai.APIError, anthropic.APIError, httpx.HTTPError)
+if _anthropic_httpx is not None:
+    HARNESS_ERRORS += (_anthropic_httpx.HTTPError,)
 LEN = 8
 KILLS = 40 if os.environ.get("LIGHTNING_LONG") == "1" else 5
 
