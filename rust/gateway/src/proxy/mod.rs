@@ -191,7 +191,7 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
     let sent = tokio::select! {
         s = send_with_retries(&st, &meta.rollout.id, path, body, plain) => s,
         _ = reply.closed() => {
-            let records = build_records(&meta, None, false, CallStatus::Aborted, false, None, 0, ms(meta.started));
+            let records = build_records(&meta, None, CallStatus::Aborted, false, None, 0, ms(meta.started));
             let _ = commit(&st, records, &meta.rollout, None).await;
             return;
         }
@@ -206,7 +206,6 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
             let records = build_records(
                 &meta,
                 None,
-                false,
                 CallStatus::UpstreamError,
                 false,
                 upstream.as_deref(),
@@ -231,7 +230,7 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
     let collected = tokio::select! {
         r = tokio::time::timeout_at(deadline.into(), limited.collect()) => r,
         _ = reply.closed() => {
-            let records = build_records(&meta, None, false, CallStatus::Aborted, false, Some(&upstream), status.as_u16(), ms(meta.started));
+            let records = build_records(&meta, None, CallStatus::Aborted, false, Some(&upstream), status.as_u16(), ms(meta.started));
             let _ = commit(&st, records, &meta.rollout, None).await;
             return;
         }
@@ -302,7 +301,6 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
     let records = build_records(
         &meta,
         cap,
-        false,
         if aborted {
             CallStatus::Aborted
         } else {
@@ -380,7 +378,6 @@ async fn finish_failed(
     let mut records = build_records(
         meta,
         None,
-        false,
         CallStatus::UpstreamError,
         false,
         Some(upstream),
@@ -477,7 +474,12 @@ async fn pump(
         }
         let events = match s.parser.feed(&data) {
             Ok(ev) => ev,
-            Err(e) => return fail("upstream_bad_stream", e),
+            // The parser's one error: an event past its size bound.
+            Err(e) => {
+                let message = format!("upstream {} sent {e}", upstream.url);
+                let err = ApiError::new(502, "server_error", "upstream_answer_too_large", message);
+                return refuse(err, TOO_LARGE);
+            }
         };
         let mut out: Vec<u8> = Vec::new();
         let mut unreadable = false;
@@ -551,7 +553,6 @@ async fn stream_call(
         let records = build_records(
             &meta,
             None,
-            false,
             CallStatus::Aborted,
             false,
             Some(&upstream),
@@ -615,7 +616,6 @@ async fn stream_call(
     let mut records = build_records(
         &meta,
         Some(cap.finish()),
-        false,
         status,
         status == CallStatus::Ok,
         Some(&upstream),
