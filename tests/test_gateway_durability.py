@@ -394,6 +394,8 @@ def test_full_disk_can_serve_unrecorded(engine: FakeEngine, tmp_path: Path) -> N
                 assert len(served) == LEN
                 status, h = health(url)
                 assert status == 200 and h["status"] == "serving_unrecorded", h
+                metrics = httpx.get(url + "/metrics", timeout=5).text
+                assert "\nlightning_unrecorded_calls_total 1\n" in metrics
                 set_fsize(proc.pid, resource.RLIM_INFINITY)
                 deadline = time.time() + 10
                 while health(url)[1]["status"] != "ok" and time.time() < deadline:

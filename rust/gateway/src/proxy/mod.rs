@@ -360,6 +360,7 @@ fn served_unrecorded(st: &State, res: Result<(), ApiError>) -> Result<(), ApiErr
             if e.code == "store_unavailable" && st.cfg.on_store_failure == StoreFailure::Serve =>
         {
             tracing::warn!("call served unrecorded: the store cannot write");
+            st.metrics.calls_unrecorded.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }
         r => r,
