@@ -343,6 +343,7 @@ def test_full_disk_refuses_work_and_recovers(engine: FakeEngine, tmp_path: Path)
         assert len(outcome) == 6
         status, h = health(url)
         assert status == 503 and h["status"] == "store_unwritable", h
+        assert c.healthz() == h
         assert h["store"]["writable"] is False and h["store"]["error"]
         assert "\nlightning_store_writable 0\n" in httpx.get(url + "/metrics", timeout=5).text
         # New work is refused in each protocol's shape; the engine sees none of it.
