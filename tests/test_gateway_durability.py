@@ -112,13 +112,13 @@ def ask(oa: openai.OpenAI, an: anthropic.Anthropic, kind: int, text: str) -> str
                 oa.chat.completions.create(model="m", messages=msgs).choices[0].message.content
                 or ""
             )
-        parts = oa.chat.completions.create(model="m", messages=msgs, stream=True)
-        return "".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices)
+        with oa.chat.completions.create(model="m", messages=msgs, stream=True) as parts:
+            return "".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices)
     if kind < 4:
         if not stream:
             return oa.responses.create(model="m", input=text).output_text
-        events = oa.responses.create(model="m", input=text, stream=True)
-        done = [e.response.output_text for e in events if e.type == "response.completed"]
+        with oa.responses.create(model="m", input=text, stream=True) as events:
+            done = [e.response.output_text for e in events if e.type == "response.completed"]
         if not done:
             raise openai.APIError(
                 "stream ended without response.completed", httpx.Request("POST", "/"), body=None
