@@ -39,7 +39,14 @@ Faults (``POST /_control``): ``fail_next=N, fail_status=S`` answers the next N
 requests with status S and a vLLM error body; ``fault_next=N, fault=KIND`` breaks
 the next N answers: ``garbage`` sends 200 with a body (or SSE event) that is not
 JSON, ``cut`` closes the connection half-way through the body (after the first
-streamed event).
+streamed event), ``huge`` pads the answer (or the first streamed event) with
+``huge_bytes`` bytes (default 1 MiB), ``latin1`` puts a byte that is not UTF-8
+into the answer's text (or into the first streamed event).
+
+Cancellation (what vLLM does when its client hangs up): a stream stops at the
+first write that fails; a whole answer with ``[[slow:S]]`` generates token by
+token and watches its socket between tokens. Either way the request is
+counted in ``GET /_log``'s ``cancels`` with the number of tokens generated.
 
 Scripted answers (``--script JSON_OR_FILE``, ``FakeEngine(script=...)`` or ``POST
 /_script`` with the list): a list of steps; a chat request whose conversation holds
@@ -62,6 +69,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import select
+import socket
 import sys
 import threading
 import time
@@ -73,7 +82,7 @@ ID_OFFSET = 10
 LOCK = threading.Lock()
 LOG: list[dict[str, Any]] = []
 CONTROL: dict[str, Any] = {}
-STATE = {"requests": 0}
+STATE: dict[str, Any] = {"requests": 0, "cancels": []}
 SCRIPT: list[dict[str, Any]] = []
 MAX_MODEL_LEN = 1 << 20
 
@@ -185,9 +194,28 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     fault = ""  # set per request from CONTROL["fault"]
+    generated = 0  # tokens streamed so far in this request
+
+    def _cancelled(self) -> None:
+        with LOCK:
+            STATE["cancels"].append(self.generated)
+
+    def _generate_whole(self, n_tokens: int, pause: float) -> None:
+        """Spends ``pause`` per token like an engine, stopping if the client hangs up."""
+        for pos in range(n_tokens):
+            time.sleep(pause)
+            self.generated = pos + 1
+            ready, _, _ = select.select([self.connection], [], [], 0)
+            if ready and self.connection.recv(1, socket.MSG_PEEK) == b"":
+                self._cancelled()
+                raise ClientGone("client hung up")
 
     def _json(self, status: int, obj: Any) -> None:
+        if self.fault == "huge" and status == 200:
+            obj = {**obj, "padding": "x" * int(CONTROL.get("huge_bytes", 1 << 20))}
         body = json.dumps(obj).encode()
+        if self.fault == "latin1":
+            body = body.replace(b'"content": "', b'"content": "\xff', 1)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -226,7 +254,10 @@ class Handler(BaseHTTPRequestHandler):
             )
         elif self.path == "/_log":
             with LOCK:
-                self._json(200, {"answers": LOG, "requests": STATE["requests"]})
+                self._json(
+                    200,
+                    {"answers": LOG, "requests": STATE["requests"], "cancels": STATE["cancels"]},
+                )
         else:
             self._json(
                 404, {"error": {"message": "not found", "type": "NotFoundError", "code": 404}}
@@ -240,6 +271,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _post(self) -> None:
         self.fault = ""
+        self.generated = 0
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
         if self.path == "/_script":
@@ -254,6 +286,7 @@ class Handler(BaseHTTPRequestHandler):
                 if CONTROL.get("reset_log"):
                     LOG.clear()
                     STATE["requests"] = 0
+                    STATE["cancels"] = []
             self._json(200, {"ok": True})
             return
         with LOCK:
@@ -359,13 +392,22 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def _sse(self, obj: Any) -> None:
-        data = obj if isinstance(obj, str) else json.dumps(obj)
+        if self.fault == "huge" and isinstance(obj, dict):
+            obj = {**obj, "padding": "x" * int(CONTROL.get("huge_bytes", 1 << 20))}
+            self.fault = ""
+        data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
+        if self.fault == "latin1" and b'"content": "' in data:
+            data = data.replace(b'"content": "', b'"content": "\xff', 1)
+            self.fault = ""
         try:
-            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.write(b"data: " + data + b"\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError) as e:
             # The client (the gateway) hung up: vLLM aborts the request here.
+            self._cancelled()
             raise ClientGone from e
+        if isinstance(obj, dict) and any(c.get("token_ids") for c in obj.get("choices") or []):
+            self.generated += 1
         if self.fault == "cut":
             raise ClientGone("fault: cut after the first event")
 
@@ -402,6 +444,9 @@ class Handler(BaseHTTPRequestHandler):
         }
         created = int(time.time())
         if not req.get("stream"):
+            slow = re.search(r"\[\[slow:([0-9.]+)\]\]", json.dumps(req.get("messages")))
+            if slow:
+                self._generate_whole(max(len(c["ids"]) for c in choices), float(slow.group(1)))
             out_choices = []
             for i, c in enumerate(choices):
                 msg: dict[str, Any] = {
@@ -662,6 +707,14 @@ class Handler(BaseHTTPRequestHandler):
         self._sse("[DONE]")
 
 
+class Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client killed with its keep-alive connection open (the gateway under
+        # kill -9) resets it: what vLLM shrugs off, not a traceback on stderr.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class FakeEngine:
     """Runs this file as a subprocess server; ``.url`` is its OpenAI base URL (``.../v1``)."""
 
@@ -755,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
                 text = f.read()
         SCRIPT[:] = json.loads(text)
     handler = type("H", (Handler,), {"server_name": args.name})
-    server = ThreadingHTTPServer((args.host, args.port), handler)
+    server = Server((args.host, args.port), handler)
     server.daemon_threads = True
     server.no_ids = args.no_ids  # type: ignore[attr-defined]
     server.unique_ids = args.unique_ids  # type: ignore[attr-defined]

@@ -341,7 +341,12 @@ class GatewayClient:
         ]
 
     def healthz(self) -> dict[str, Any]:
-        return self._request("GET", "/healthz").json()
+        """The gateway's health, also while it refuses calls because its store
+        cannot write (HTTP 503, ``status == "store_unwritable"``, ``store.error`` says why)."""
+        r = self._http.get("/healthz")
+        if r.status_code not in (200, 503):
+            raise GatewayRequestError(r.status_code, None, r.text)
+        return r.json()
 
     def metrics(self) -> str:
         return self._request("GET", "/metrics").text

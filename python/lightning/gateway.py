@@ -33,6 +33,7 @@ _DEFAULTS = _RUST["defaults"]
 _UPSTREAM = _RUST["upstream_defaults"]
 
 EngineKind = Literal["vllm", "sglang", "openai"]
+StoreFailure = Literal["refuse", "serve"]
 SyncMode = Literal["full", "normal"]
 
 
@@ -81,6 +82,11 @@ class GatewayConfig(BaseModel):
     )
     public_url: str | None = _DEFAULTS["public_url"]
     max_body_bytes: int = Field(default=_DEFAULTS["max_body_bytes"], gt=0)
+    max_upstream_answer_bytes: int = Field(
+        default=_DEFAULTS["max_upstream_answer_bytes"],
+        gt=0,
+        description="Largest engine answer (whole body or whole stream) read for one call; 502 above",
+    )
     upstream_timeout_s: float = Field(default=_DEFAULTS["upstream_timeout_s"], gt=0)
     max_retries: int = Field(default=_DEFAULTS["max_retries"], ge=0)
     retry_base_ms: int = Field(default=_DEFAULTS["retry_base_ms"], ge=1)
@@ -91,6 +97,10 @@ class GatewayConfig(BaseModel):
     eval_temperature: float | None = _DEFAULTS["eval_temperature"]
     eval_capture: bool = _DEFAULTS["eval_capture"]
     sync: SyncMode = _DEFAULTS["sync"]
+    on_store_failure: StoreFailure = Field(
+        default=_DEFAULTS["on_store_failure"],
+        description="While the store cannot write: refuse new calls (503) or serve them unrecorded",
+    )
     drain_timeout_s: float = Field(default=_DEFAULTS["drain_timeout_s"], ge=0)
     online: OnlineSection = Field(default_factory=OnlineSection)
     threads: int = Field(

@@ -66,6 +66,17 @@ pub enum SyncMode {
     Normal,
 }
 
+/// What the gateway does while its store cannot write (disk full, file
+/// unwritable): `refuse` answers new proxied calls 503 (a call it cannot
+/// record is never served); `serve` keeps serving them unrecorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreFailure {
+    #[default]
+    Refuse,
+    Serve,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -83,6 +94,10 @@ pub struct Config {
     pub public_url: Option<String>,
     /// Largest accepted request body (413 above).
     pub max_body_bytes: usize,
+    /// Largest engine answer read for one call (a whole body, or all of a
+    /// stream's bytes, so also any one SSE event): above it the call fails
+    /// with a 502 / the stream's error event and is recorded as an upstream error.
+    pub max_upstream_answer_bytes: usize,
     /// Whole-request timeout for one upstream attempt, seconds.
     pub upstream_timeout_s: f64,
     /// Retries of connect errors, 429 and 5xx, only before any byte reached the harness.
@@ -102,6 +117,8 @@ pub struct Config {
     /// Whether eval-mode calls ask the engine for ids and logprobs.
     pub eval_capture: bool,
     pub sync: SyncMode,
+    /// While the store cannot write: refuse new proxied calls (503) or serve them unrecorded.
+    pub on_store_failure: StoreFailure,
     /// Seconds graceful shutdown waits for in-flight calls.
     pub drain_timeout_s: f64,
     /// Online mode: sessions, idle closing, retention (`[online]`).
@@ -118,6 +135,7 @@ impl Default for Config {
             insecure_local: false,
             public_url: None,
             max_body_bytes: 32 * 1024 * 1024,
+            max_upstream_answer_bytes: 256 * 1024 * 1024,
             upstream_timeout_s: 600.0,
             max_retries: 2,
             retry_base_ms: 50,
@@ -128,6 +146,7 @@ impl Default for Config {
             eval_temperature: None,
             eval_capture: true,
             sync: SyncMode::Full,
+            on_store_failure: StoreFailure::Refuse,
             drain_timeout_s: 30.0,
             online: Default::default(),
         }
@@ -178,6 +197,11 @@ impl Config {
         }
         if self.max_body_bytes == 0 {
             return Err(GatewayError::Config("max_body_bytes must be > 0".into()));
+        }
+        if self.max_upstream_answer_bytes == 0 {
+            return Err(GatewayError::Config(
+                "max_upstream_answer_bytes must be > 0".into(),
+            ));
         }
         Ok(())
     }

@@ -18,6 +18,10 @@ pub enum GatewayError {
     Store { path: String, message: String },
     #[error("the store writer has stopped; restart the gateway")]
     StoreClosed,
+    /// The disk refused the write (full, read-only, I/O error): nothing in
+    /// the failed transaction is on disk.
+    #[error("the trace store at {path} cannot write: {message}; free disk space or fix the file's permissions (the gateway recovers by itself)")]
+    StoreUnwritable { path: String, message: String },
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -97,8 +101,20 @@ impl fmt::Display for ApiError {
     }
 }
 
+impl ApiError {
+    /// 503 while the store cannot write: the harness retries later.
+    pub fn store_unavailable(message: impl Into<String>) -> Self {
+        let mut e = Self::new(503, "server_error", "store_unavailable", message);
+        e.retry_after = Some(1);
+        e
+    }
+}
+
 impl From<GatewayError> for ApiError {
     fn from(e: GatewayError) -> Self {
-        ApiError::store(e)
+        match e {
+            GatewayError::StoreUnwritable { .. } => ApiError::store_unavailable(e.to_string()),
+            e => ApiError::store(e),
+        }
     }
 }

@@ -57,6 +57,8 @@ pub struct Metrics {
     pub calls_ok: AtomicU64,
     pub calls_upstream_error: AtomicU64,
     pub calls_aborted: AtomicU64,
+    /// Calls answered although the store could not record them (`on_store_failure = "serve"`).
+    pub calls_unrecorded: AtomicU64,
     pub flagged_calls: AtomicU64,
     pub retries: AtomicU64,
     pub upstream_latency: Histogram,
@@ -109,6 +111,13 @@ impl Metrics {
                 v.load(Ordering::Relaxed)
             );
         }
+        c(
+            &mut o,
+            "lightning_unrecorded_calls_total",
+            "Calls served although the store could not write them (on_store_failure = serve).",
+            "counter",
+            self.calls_unrecorded.load(Ordering::Relaxed).to_string(),
+        );
         c(
             &mut o,
             "lightning_flagged_calls_total",
@@ -183,6 +192,13 @@ impl Metrics {
             o,
             "lightning_store_commit_seconds_count {}",
             store.commits.load(Ordering::Relaxed)
+        );
+        c(
+            &mut o,
+            "lightning_store_writable",
+            "0 while the store cannot write (disk full or file unwritable).",
+            "gauge",
+            (store.health.writable() as u8).to_string(),
         );
         c(
             &mut o,

@@ -14,7 +14,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::auth;
-use crate::config::Config;
+use crate::config::{Config, StoreFailure};
 use crate::error::{ApiError, GatewayError};
 use crate::http::api_key;
 use crate::metrics::Metrics;
@@ -107,6 +107,19 @@ impl State {
         );
         e.retry_after = Some(1);
         Err(e)
+    }
+
+    /// 503 with `Retry-After` while the store cannot write and the config
+    /// says to refuse work it cannot record (`on_store_failure = "refuse"`).
+    pub fn check_store_writable(&self) -> Result<(), ApiError> {
+        let health = &self.store.stats.health;
+        if health.writable() || self.cfg.on_store_failure == StoreFailure::Serve {
+            return Ok(());
+        }
+        Err(ApiError::store_unavailable(format!(
+            "the trace store cannot write ({}), so the gateway takes no call it cannot record; retry after the Retry-After seconds (free disk space or fix the file's permissions; the gateway recovers by itself)",
+            health.error().unwrap_or_else(|| "disk error".into())
+        )))
     }
 
     fn cached(&self, id: &str) -> Option<Arc<RolloutInfo>> {

@@ -14,7 +14,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
@@ -253,6 +253,8 @@ enum Op {
     },
     Online(online_db::Op),
     Barrier,
+    /// A one-row write that proves the disk takes writes again.
+    Probe,
 }
 
 #[derive(Debug)]
@@ -278,6 +280,54 @@ pub struct StoreStats {
     pub commit_us_max: AtomicUsize,
     /// Commit latency histogram (bucket upper bounds in COMMIT_BUCKETS_MS).
     pub commit_buckets: [AtomicUsize; 8],
+    pub health: StoreHealth,
+}
+
+/// Whether the last write reached the disk. Set by the writer: unwritable
+/// after a commit (or a write) fails with a disk error, writable again after
+/// a commit that wrote rows. `Store::probe` makes such a commit.
+#[derive(Debug, Default)]
+pub struct StoreHealth {
+    unwritable: AtomicBool,
+    error: Mutex<Option<String>>,
+}
+
+impl StoreHealth {
+    pub fn writable(&self) -> bool {
+        !self.unwritable.load(Ordering::SeqCst)
+    }
+
+    /// The disk error that made the store unwritable (`None` while writable).
+    pub fn error(&self) -> Option<String> {
+        self.error.lock().ok().and_then(|g| g.clone())
+    }
+
+    fn failed(&self, message: String) {
+        if let Ok(mut g) = self.error.lock() {
+            *g = Some(message.clone());
+        }
+        if !self.unwritable.swap(true, Ordering::SeqCst) {
+            tracing::error!(error = %message, "store cannot write; refusing work it cannot record until the disk recovers");
+        }
+    }
+
+    fn recovered(&self) {
+        if self.unwritable.swap(false, Ordering::SeqCst) {
+            tracing::warn!("store writes again");
+        }
+        if let Ok(mut g) = self.error.lock() {
+            *g = None;
+        }
+    }
+}
+
+/// Errors that say the disk refused a write, not that the write was wrong.
+fn is_disk_error(e: &rusqlite::Error) -> bool {
+    use rusqlite::ErrorCode as C;
+    matches!(
+        e.sqlite_error_code(),
+        Some(C::DiskFull | C::SystemIoFailure | C::ReadOnly | C::CannotOpen | C::DatabaseCorrupt)
+    )
 }
 
 pub const COMMIT_BUCKETS_MS: [f64; 8] = [0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 100.0, f64::INFINITY];
@@ -362,11 +412,26 @@ impl Store {
                 return Err(GatewayError::StoreClosed);
             }
         }
+        let health = &self.stats.health;
         match rrx.await {
             Ok(Ok(r)) => Ok(r),
+            // The writer marks the store before it replies.
+            Ok(Err(message)) if !health.writable() => Err(GatewayError::StoreUnwritable {
+                path: self.path.display().to_string(),
+                message,
+            }),
             Ok(Err(msg)) => Err(GatewayError::store(self.path.display(), msg)),
+            Err(_) if !health.writable() => Err(GatewayError::StoreUnwritable {
+                path: self.path.display().to_string(),
+                message: health.error().unwrap_or_default(),
+            }),
             Err(_) => Err(GatewayError::StoreClosed),
         }
+    }
+
+    /// Writes one row and waits for its commit: `Ok` once the disk takes writes.
+    pub async fn probe(&self) -> Result<(), GatewayError> {
+        self.submit(Op::Probe).await.map(|_| ())
     }
 
     /// Creates the rollout, or returns the existing one with that id (`created = false`).
@@ -877,6 +942,13 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
             Ok(OpResult::Online(out))
         }
         Op::Barrier => Ok(OpResult::Unit),
+        Op::Probe => {
+            conn.execute(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES ('write_probe', ?1)",
+                params![now()],
+            )?;
+            Ok(OpResult::Unit)
+        }
     }
 }
 
@@ -893,6 +965,8 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<(Op, Reply)>, stats: Arc
         let n = batch.len();
         let t0 = Instant::now();
         let mut replies: Vec<(Reply, Result<OpResult, String>)> = Vec::with_capacity(n);
+        let changes = conn.total_changes();
+        let mut disk_error: Option<String> = None;
         let outcome = (|| -> rusqlite::Result<()> {
             let tx = conn.transaction()?;
             for (op, reply) in batch.drain(..) {
@@ -905,6 +979,9 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<(Op, Reply)>, stats: Arc
                             Ok(r)
                         }
                         Err(e) => {
+                            if is_disk_error(&e) {
+                                disk_error = Some(e.to_string());
+                            }
                             tx.execute_batch("ROLLBACK TO op; RELEASE op")?;
                             Err(e.to_string())
                         }
@@ -924,6 +1001,12 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<(Op, Reply)>, stats: Arc
             stats.commit_buckets[b].fetch_add(1, Ordering::Relaxed);
         }
         stats.queue_depth.fetch_sub(n as i64, Ordering::Relaxed);
+        match (&outcome, disk_error) {
+            (Ok(()), None) if conn.total_changes() > changes => stats.health.recovered(),
+            (Ok(()), None) => {}
+            (Ok(()), Some(e)) => stats.health.failed(e),
+            (Err(e), _) => stats.health.failed(e.to_string()),
+        }
         match outcome {
             Ok(()) => {
                 for (reply, res) in replies {

@@ -13,7 +13,7 @@ pub mod record;
 
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame};
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use hyper::{Response, StatusCode};
@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::auth;
-use crate::config::Engine;
+use crate::config::{Engine, StoreFailure};
 use crate::error::ApiError;
 use crate::http::{copy_content_type, copy_headers, engine_json, json_bytes_response, Body};
 use crate::protocol::{Answer, Ctx, Protocol, StreamTranslator};
@@ -191,7 +191,7 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
     let sent = tokio::select! {
         s = send_with_retries(&st, &meta.rollout.id, path, body, plain) => s,
         _ = reply.closed() => {
-            let records = build_records(&meta, None, false, CallStatus::Aborted, false, None, 0, ms(meta.started));
+            let records = build_records(&meta, None, CallStatus::Aborted, false, None, 0, ms(meta.started));
             let _ = commit(&st, records, &meta.rollout, None).await;
             return;
         }
@@ -206,7 +206,6 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
             let records = build_records(
                 &meta,
                 None,
-                false,
                 CallStatus::UpstreamError,
                 false,
                 upstream.as_deref(),
@@ -227,10 +226,11 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
     // Whole answer: read it, record it, then answer.
     let deadline = sent_at + Duration::from_secs_f64(st.cfg.upstream_timeout_s);
     let (parts, incoming) = resp.into_parts();
+    let limited = Limited::new(incoming, st.cfg.max_upstream_answer_bytes);
     let collected = tokio::select! {
-        r = tokio::time::timeout_at(deadline.into(), incoming.collect()) => r,
+        r = tokio::time::timeout_at(deadline.into(), limited.collect()) => r,
         _ = reply.closed() => {
-            let records = build_records(&meta, None, false, CallStatus::Aborted, false, Some(&upstream), status.as_u16(), ms(meta.started));
+            let records = build_records(&meta, None, CallStatus::Aborted, false, Some(&upstream), status.as_u16(), ms(meta.started));
             let _ = commit(&st, records, &meta.rollout, None).await;
             return;
         }
@@ -239,6 +239,11 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
     st.metrics.upstream_latency.observe(upstream_s);
     let bytes = match collected {
         Ok(Ok(c)) => c.to_bytes(),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            let err = too_large(&st, &upstream);
+            finish_failed(&st, &meta, &upstream, err, reply, Some(TOO_LARGE)).await;
+            return;
+        }
         Ok(Err(e)) => {
             let err = ApiError::new(
                 502,
@@ -246,7 +251,7 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
                 "upstream_failed",
                 format!("upstream {} broke off its answer: {e}", upstream.url),
             );
-            finish_failed(&st, &meta, &upstream, err, reply, false).await;
+            finish_failed(&st, &meta, &upstream, err, reply, None).await;
             return;
         }
         Err(_) => {
@@ -259,10 +264,16 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
                     upstream.url, st.cfg.upstream_timeout_s
                 ),
             );
-            finish_failed(&st, &meta, &upstream, err, reply, false).await;
+            finish_failed(&st, &meta, &upstream, err, reply, None).await;
             return;
         }
     };
+    if std::str::from_utf8(&bytes).is_err() {
+        // Never forwarded: the harness's JSON parser would fail on it instead.
+        let err = not_utf8(&upstream);
+        finish_failed(&st, &meta, &upstream, err, reply, Some(NOT_UTF8)).await;
+        return;
+    }
     let (cap, call_status) = if status.is_success() {
         match capture::parse_answer(&bytes) {
             Ok(c) => (Some(c), CallStatus::Ok),
@@ -278,7 +289,7 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
                         upstream.url
                     ),
                 );
-                finish_failed(&st, &meta, &upstream, err, reply, true).await;
+                finish_failed(&st, &meta, &upstream, err, reply, Some(UNPARSEABLE)).await;
                 return;
             }
         }
@@ -290,7 +301,6 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
     let records = build_records(
         &meta,
         cap,
-        false,
         if aborted {
             CallStatus::Aborted
         } else {
@@ -301,7 +311,7 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
         status.as_u16(),
         ms(meta.started),
     );
-    let res = commit(&st, records, &meta.rollout, kept).await;
+    let res = served_unrecorded(&st, commit(&st, records, &meta.rollout, kept).await);
     st.metrics
         .added_latency
         .observe((meta.started.elapsed().as_secs_f64() - upstream_s).max(0.0));
@@ -313,25 +323,71 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
     let _ = reply.send(answer);
 }
 
+/// Record flags naming why an engine answer was refused.
+const UNPARSEABLE: &str = "unparseable_answer";
+const TOO_LARGE: &str = "answer_too_large";
+const NOT_UTF8: &str = "answer_not_utf8";
+
+fn too_large(st: &State, upstream: &Upstream) -> ApiError {
+    ApiError::new(
+        502,
+        "server_error",
+        "upstream_answer_too_large",
+        format!(
+            "upstream {} sent more than max_upstream_answer_bytes = {} for one call; lower the request's max_tokens or raise the limit",
+            upstream.url, st.cfg.max_upstream_answer_bytes
+        ),
+    )
+}
+
+fn not_utf8(upstream: &Upstream) -> ApiError {
+    ApiError::new(
+        502,
+        "server_error",
+        "upstream_not_utf8",
+        format!(
+            "upstream {} sent bytes that are not UTF-8; check the engine",
+            upstream.url
+        ),
+    )
+}
+
+/// `on_store_failure = "serve"`: a call the store cannot take (disk full) is
+/// still answered, unrecorded; any other store error still fails the call.
+fn served_unrecorded(st: &State, res: Result<(), ApiError>) -> Result<(), ApiError> {
+    match res {
+        Err(e)
+            if e.code == "store_unavailable" && st.cfg.on_store_failure == StoreFailure::Serve =>
+        {
+            tracing::warn!("call served unrecorded: the store cannot write");
+            st.metrics.calls_unrecorded.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        r => r,
+    }
+}
+
 async fn finish_failed(
     st: &Arc<State>,
     meta: &CallMeta,
     upstream: &Arc<Upstream>,
     err: ApiError,
     reply: Reply,
-    unparseable: bool,
+    flag: Option<&'static str>,
 ) {
     st.pool.record_failure(upstream);
-    let records = build_records(
+    let mut records = build_records(
         meta,
         None,
-        unparseable,
         CallStatus::UpstreamError,
         false,
         Some(upstream),
         err.status,
         ms(meta.started),
     );
+    if let Some(f) = flag {
+        records.iter_mut().for_each(|r| r.flags.push(f.into()));
+    }
     let res = commit(st, records, &meta.rollout, None).await;
     let _ = reply.send(Err(res.err().unwrap_or(err)));
 }
@@ -341,6 +397,8 @@ struct Pumped {
     status: CallStatus,
     /// What went wrong, for the harness (`None`: nothing to tell it).
     failure: Option<ApiError>,
+    /// A record flag naming why the stream was refused.
+    flag: Option<&'static str>,
     saw_done: bool,
 }
 
@@ -364,13 +422,21 @@ async fn pump(
     let fail = |code: &'static str, message: String| Pumped {
         status: CallStatus::UpstreamError,
         failure: Some(ApiError::new(502, "server_error", code, message)),
+        flag: None,
+        saw_done: false,
+    };
+    let refuse = |err: ApiError, flag: &'static str| Pumped {
+        status: CallStatus::UpstreamError,
+        failure: Some(err),
+        flag: Some(flag),
         saw_done: false,
     };
     let mut saw_done = false;
+    let mut read = 0usize;
     loop {
         let frame = tokio::select! {
             _ = tx.closed() => {
-                return Pumped { status: CallStatus::Aborted, failure: None, saw_done };
+                return Pumped { status: CallStatus::Aborted, failure: None, flag: None, saw_done };
             }
             f = tokio::time::timeout_at(deadline.into(), body.frame()) => f,
         };
@@ -388,6 +454,7 @@ async fn pump(
                 return Pumped {
                     status: CallStatus::Ok,
                     failure: None,
+                    flag: None,
                     saw_done,
                 }
             }
@@ -402,13 +469,28 @@ async fn pump(
                 Err(_) => continue,
             },
         };
+        read += data.len();
+        if read > st.cfg.max_upstream_answer_bytes {
+            return refuse(too_large(st, upstream), TOO_LARGE);
+        }
         let events = match s.parser.feed(&data) {
             Ok(ev) => ev,
-            Err(e) => return fail("upstream_bad_stream", e),
+            // The parser's one error: an event past its size bound.
+            Err(e) => {
+                let message = format!("upstream {} sent {e}", upstream.url);
+                let err = ApiError::new(502, "server_error", "upstream_answer_too_large", message);
+                return refuse(err, TOO_LARGE);
+            }
         };
         let mut out: Vec<u8> = Vec::new();
         let mut unreadable = false;
+        let mut bad_bytes = false;
         for ev in &events {
+            // Checked per event: a read may end inside a multi-byte character.
+            if std::str::from_utf8(&ev.raw).is_err() {
+                bad_bytes = true;
+                break;
+            }
             if ev.is_done() {
                 saw_done = true;
             } else {
@@ -424,6 +506,9 @@ async fn pump(
             s.translator.on_event(ev, &mut out);
         }
         let sent = out.is_empty() || tx.send(Bytes::from(out)).await.is_ok();
+        if bad_bytes {
+            return refuse(not_utf8(upstream), NOT_UTF8);
+        }
         if unreadable {
             return fail(
                 "upstream_bad_stream",
@@ -437,6 +522,7 @@ async fn pump(
             return Pumped {
                 status: CallStatus::Aborted,
                 failure: None,
+                flag: None,
                 saw_done,
             };
         }
@@ -468,7 +554,6 @@ async fn stream_call(
         let records = build_records(
             &meta,
             None,
-            false,
             CallStatus::Aborted,
             false,
             Some(&upstream),
@@ -487,6 +572,7 @@ async fn stream_call(
     let Pumped {
         mut status,
         mut failure,
+        flag,
         saw_done,
     } = pump(&st, &upstream, &mut body, deadline, &tx, &mut reading).await;
     let Reading {
@@ -531,7 +617,6 @@ async fn stream_call(
     let mut records = build_records(
         &meta,
         Some(cap.finish()),
-        false,
         status,
         status == CallStatus::Ok,
         Some(&upstream),
@@ -543,7 +628,10 @@ async fn stream_call(
             .iter_mut()
             .for_each(|r| r.flags.push("unparseable_chunk".into()));
     }
-    let res = commit(&st, records, &meta.rollout, kept).await;
+    if let Some(f) = flag {
+        records.iter_mut().for_each(|r| r.flags.push(f.into()));
+    }
+    let res = served_unrecorded(&st, commit(&st, records, &meta.rollout, kept).await);
     st.metrics
         .added_latency
         .observe((meta.started.elapsed().as_secs_f64() - upstream_s).max(0.0));

@@ -54,7 +54,6 @@ pub struct CallMeta {
 pub fn build_records(
     meta: &CallMeta,
     cap: Option<Capture>,
-    parse_error: bool,
     status: CallStatus,
     delivered: bool,
     upstream: Option<&Upstream>,
@@ -78,11 +77,7 @@ pub fn build_records(
         finish_reason: None,
         text: None,
         status,
-        flags: if parse_error {
-            vec!["unparseable_answer".to_string()]
-        } else {
-            Vec::new()
-        },
+        flags: Vec::new(),
         delivered,
         retry_count: meta.retry_count,
         weight_version: upstream.map(|u| u.weight_version).unwrap_or(0),

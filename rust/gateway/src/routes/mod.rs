@@ -112,10 +112,7 @@ async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>
         )
     };
     match (&method, segs.as_slice()) {
-        (&Method::GET, ["healthz"]) => Ok(json_response(
-            200,
-            &json!({"status": "ok", "paused": st.paused.load(Ordering::Relaxed), "weight_version": st.pool.weight_version()}),
-        )),
+        (&Method::GET, ["healthz"] | ["health"]) => Ok(health(st)),
         (&Method::GET, ["metrics"]) => {
             let text = st.metrics.render(
                 &st.store.stats,
@@ -192,9 +189,57 @@ async fn harness_route(
         }
         V1::Call(proto) => {
             st.check_not_paused()?;
+            st.check_store_writable()?;
             let (parts, body) = st.read_body(req).await?;
             let info = crate::online::bind_call(info, &parts.headers, &body);
             proxy::call(st, info, proto, &parts.headers, body).await
+        }
+    }
+}
+
+/// `GET /healthz`: 503 while the gateway refuses calls because its store
+/// cannot write; `store.error` says why.
+fn health(st: &State) -> Response<Body> {
+    let h = &st.store.stats.health;
+    let refusing = st.check_store_writable().is_err();
+    let status = match (h.writable(), refusing) {
+        (true, _) => "ok",
+        (false, true) => "store_unwritable",
+        (false, false) => "serving_unrecorded",
+    };
+    json_response(
+        if refusing { 503 } else { 200 },
+        &json!({
+            "status": status,
+            "paused": st.paused.load(Ordering::Relaxed),
+            "weight_version": st.pool.weight_version(),
+            "store": {"writable": h.writable(), "error": h.error()},
+        }),
+    )
+}
+
+/// While the store cannot write, a one-row probe every `STORE_PROBE`
+/// notices the disk recovering (nothing else writes while calls are refused).
+async fn store_watch(st: Arc<State>) {
+    const STORE_PROBE: Duration = Duration::from_millis(250);
+    loop {
+        tokio::time::sleep(STORE_PROBE).await;
+        if !st.store.stats.health.writable() {
+            let _ = st.store.probe().await;
+        }
+    }
+}
+
+/// A write past `RLIMIT_FSIZE` fails with `EFBIG` (the store reports the disk
+/// full) instead of killing the process with `SIGXFSZ`.
+/// tokio's handler stays installed for the life of the process (must run
+/// inside the runtime).
+fn ignore_sigxfsz() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Err(e) = signal(SignalKind::from_raw(libc::SIGXFSZ)) {
+            tracing::warn!(error = %e, "cannot catch SIGXFSZ; a file-size limit would kill the gateway");
         }
     }
 }
@@ -234,6 +279,7 @@ impl Server {
     /// Opens the store and binds the listener (must run inside a tokio runtime).
     pub async fn bind(cfg: Config) -> Result<Server, GatewayError> {
         cfg.validate()?;
+        ignore_sigxfsz();
         let listener = TcpListener::bind(&cfg.listen)
             .await
             .map_err(|e| GatewayError::Bind {
@@ -279,6 +325,7 @@ impl Server {
         } = self;
         tracing::info!(%addr, db = %state.store.path().display(), upstreams = state.cfg.upstreams.len(), "gateway listening");
         let sweeper = tokio::spawn(crate::online::sweeper(state.clone()));
+        let watch = tokio::spawn(store_watch(state.clone()));
         let graceful = hyper_util::server::graceful::GracefulShutdown::new();
         tokio::pin!(shutdown);
         loop {
@@ -313,6 +360,7 @@ impl Server {
         }
         drop(listener);
         sweeper.abort();
+        watch.abort();
         tracing::info!("shutting down: draining in-flight calls");
         let drain = Duration::from_secs_f64(state.cfg.drain_timeout_s.max(0.0));
         if tokio::time::timeout(drain, graceful.shutdown())
