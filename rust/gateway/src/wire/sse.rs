@@ -19,19 +19,37 @@ impl Event {
 
 /// Splits a byte stream into events. Events end at a blank line (`\n\n`,
 /// `\r\n\r\n` or `\r\r`, per the WHATWG EventSource grammar).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Parser {
     buf: Vec<u8>,
     /// Bytes of `buf` already scanned for a boundary.
     scanned: usize,
+    /// Largest event accepted, complete or still arriving.
+    max_event: usize,
 }
 
-/// Largest event accepted (a vLLM chunk is a few KB; 16 MiB leaves room for huge logprobs).
+/// Default largest event (a vLLM chunk is a few KB; 16 MiB leaves room for
+/// huge logprobs); the gateway uses its `max_sse_event_bytes`.
 pub const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
+
+impl Default for Parser {
+    fn default() -> Self {
+        Self::with_limit(MAX_EVENT_BYTES)
+    }
+}
 
 impl Parser {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A parser refusing events larger than `max_event` bytes.
+    pub fn with_limit(max_event: usize) -> Self {
+        Parser {
+            buf: Vec::new(),
+            scanned: 0,
+            max_event,
+        }
     }
 
     /// Appends bytes and returns every event they complete.
@@ -42,7 +60,11 @@ impl Parser {
         // a read holding many events costs O(bytes), not O(events × bytes).
         let mut start = 0;
         let mut from = self.scanned.saturating_sub(3);
+        let too_big = |n: usize| format!("an SSE event exceeds {n} bytes (max_sse_event_bytes)");
         while let Some(end) = find_boundary(&self.buf, from.max(start)) {
+            if end - start > self.max_event {
+                return Err(too_big(self.max_event));
+            }
             let raw = self.buf[start..end].to_vec();
             let data = extract_data(&raw);
             out.push(Event { raw, data });
@@ -51,8 +73,8 @@ impl Parser {
         }
         self.buf.drain(..start);
         self.scanned = self.buf.len();
-        if self.buf.len() > MAX_EVENT_BYTES {
-            return Err(format!("an SSE event exceeds {MAX_EVENT_BYTES} bytes"));
+        if self.buf.len() > self.max_event {
+            return Err(too_big(self.max_event));
         }
         Ok(out)
     }
@@ -121,6 +143,21 @@ mod tests {
             let joined: Vec<u8> = events.iter().flat_map(|e| e.raw.clone()).collect();
             assert_eq!(joined, stream.to_vec());
         }
+    }
+
+    #[test]
+    fn events_over_the_limit_are_refused_whole_or_in_pieces() {
+        let ev = b"data: 0123456789\n\n"; // 18 bytes
+        assert_eq!(Parser::with_limit(18).feed(ev).map(|e| e.len()), Ok(1));
+        assert!(
+            Parser::with_limit(17).feed(ev).is_err(),
+            "complete in one read"
+        );
+        let mut p = Parser::with_limit(17);
+        assert!(p.feed(&ev[..10]).is_ok());
+        assert!(p.feed(&ev[10..]).is_err(), "completed by a second read");
+        let mut p = Parser::with_limit(8);
+        assert!(p.feed(&ev[..9]).is_err(), "unfinished and already too big");
     }
 
     #[test]
