@@ -163,7 +163,10 @@ mod tests {
 
     /// The byte-at-a-time framing the `memchr` version replaced, as the
     /// plain reference it must agree with.
-    fn reference_events(stream: &[u8]) -> (Vec<(Vec<u8>, Vec<u8>)>, Vec<u8>) {
+    /// `(raw, data)` of each event, and the unfinished rest.
+    type Framed = (Vec<(Vec<u8>, Vec<u8>)>, Vec<u8>);
+
+    fn reference_events(stream: &[u8]) -> Framed {
         let (mut out, mut start, mut i) = (Vec::new(), 0, 0);
         while i + 1 < stream.len() {
             let end = match (stream[i], stream[i + 1]) {
