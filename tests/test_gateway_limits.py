@@ -56,7 +56,8 @@ def an(r: lightning.Rollout) -> anthropic.Anthropic:
 def chat(r: lightning.Rollout, stream: bool = False) -> str:
     with oa(r) as c:
         if not stream:
-            return c.chat.completions.create(model="m", messages=MSGS).choices[0].message.content
+            answer = c.chat.completions.create(model="m", messages=MSGS)
+            return answer.choices[0].message.content or ""
         parts = c.chat.completions.create(model="m", messages=MSGS, stream=True)
         return "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
 
@@ -115,7 +116,7 @@ def test_calls_in_flight_are_limited_per_rollout_and_overall(
 def test_a_stream_holds_its_place_until_it_ends(engine: FakeEngine, tmp_path: Path) -> None:
     with start(engine, tmp_path, max_calls_per_rollout=1) as h, h.client() as c:
         r = c.create_rollout()
-        slow = [{"role": "user", "content": "hi [[len:8]] [[slow:0.3]]"}]
+        slow: list[Any] = [{"role": "user", "content": "hi [[len:8]] [[slow:0.3]]"}]
         with oa(r) as client:
             parts = client.chat.completions.create(model="m", messages=slow, stream=True)
             first = next(iter(parts))  # the stream is open, its answer unfinished
