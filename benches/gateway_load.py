@@ -10,6 +10,13 @@ load runs against the engine directly (the baseline, measured in the same run)
 and through the gateway; added latency is the gateway's percentile minus the
 direct one.
 
+The durability contract costs one fsync per group commit, so the floor of the
+added latency at concurrency 1 is the disk's fsync: the bench measures fsync
+p50 (4 KB append + fsync) on the store's own directory in the same run and
+prints it beside the added p50 (issue 15 target: added p50 <= fsync p50 +
+0.15 ms). Instructions per call (machine-load independent) come from
+``benches/gateway_instructions.py`` (callgrind; too slow to run here).
+
     python benches/gateway_load.py            # GATEWAY_BENCH_SECONDS=3 per point
 """
 
@@ -104,6 +111,24 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def fsync_p50_ms(directory: Path, n: int = 200) -> float:
+    """p50 of appending 4 KB and fsyncing it in `directory` (what one WAL commit pays)."""
+    path = directory / "fsync-probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    times = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+            times.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        path.unlink()
+    times.sort()
+    return times[len(times) // 2] * 1000
+
+
 def load(url: str, conc: int, body: Path, token: str | None) -> dict[str, float]:
     cmd = [
         "taskset",
@@ -178,6 +203,8 @@ def main() -> int:
         print(hdr)
         print("-" * len(hdr))
         total_ok = 0
+        fsync_ms = fsync_p50_ms(tmp)
+        added_c1: dict[str, float] = {}
         for mode, body in (("json", body_json), ("stream", body_stream)):
             for c in CONCURRENCY:
                 direct = load(f"http://127.0.0.1:{up_port}/v1/chat/completions", c, body, None)
@@ -185,6 +212,8 @@ def main() -> int:
                 via = load(f"{gw_url}/rollouts/{rid}/v1/chat/completions", c, body, token)
                 cpu = (cpu_seconds(gw.pid) - cpu0) / (time.time() - t0)
                 total_ok += int(via["requests"])
+                if c == 1:
+                    added_c1[mode] = via["p50_ms"] - direct["p50_ms"]
                 print(
                     f"{mode:<7}{c:>5} | {direct['rps']:>10.0f} {direct['p50_ms']:>8.3f} {direct['p99_ms']:>8.3f} | "
                     f"{via['rps']:>11.0f} {via['p50_ms']:>8.3f} {via['p99_ms']:>8.3f} {via['max_ms']:>8.1f} | "
@@ -192,6 +221,14 @@ def main() -> int:
                     f"{cpu * 100:>5.0f}% {rss_mb(gw.pid):>7.1f} | {via['rps'] / max(direct['rps'], 1e-9):>9.3f}"
                     + (f"  errors={via['errors']:.0f}" if via["errors"] else "")
                 )
+        target = fsync_ms + 0.15
+        print(
+            f"\nfsync p50 on the store's disk (4 KB append + fsync, same run): {fsync_ms:.3f} ms; "
+            f"target added p50 at concurrency 1 <= {target:.3f} ms"
+        )
+        for mode, added in added_c1.items():
+            verdict = "met" if added <= target else f"missed by {added - target:.3f} ms"
+            print(f"  {mode:<7} added p50 at concurrency 1: {added:.3f} ms ({verdict})")
         with sqlite3.connect(db) as con:
             stored = con.execute("SELECT COUNT(*) FROM calls WHERE status = 'ok'").fetchone()[0]
         print(

@@ -87,7 +87,17 @@ class GatewayConfig(BaseModel):
         gt=0,
         description="Largest engine answer (whole body or whole stream) read for one call; 502 above",
     )
-    upstream_timeout_s: float = Field(default=_DEFAULTS["upstream_timeout_s"], gt=0)
+    max_concurrent_calls: int = Field(default=_DEFAULTS["max_concurrent_calls"], gt=0)
+    max_calls_per_rollout: int = Field(default=_DEFAULTS["max_calls_per_rollout"], gt=0)
+    max_sse_event_bytes: int = Field(default=_DEFAULTS["max_sse_event_bytes"], gt=0)
+    header_read_timeout_s: float = Field(
+        default=_DEFAULTS["header_read_timeout_s"], gt=0, allow_inf_nan=False
+    )
+    idle_timeout_s: float = Field(default=_DEFAULTS["idle_timeout_s"], gt=0, allow_inf_nan=False)
+    max_rollouts_per_minute: int = Field(default=_DEFAULTS["max_rollouts_per_minute"], gt=0)
+    upstream_timeout_s: float = Field(
+        default=_DEFAULTS["upstream_timeout_s"], gt=0, allow_inf_nan=False
+    )
     max_retries: int = Field(default=_DEFAULTS["max_retries"], ge=0)
     retry_base_ms: int = Field(default=_DEFAULTS["retry_base_ms"], ge=1)
     mark_down_after: int = Field(default=_DEFAULTS["mark_down_after"], ge=1)

@@ -3,7 +3,8 @@
 //! logprobs), as JSON or as an SSE stream when the request has `"stream":true`.
 //! It does no work per request, so its own capacity is far above the gateway's.
 //!
-//! `cargo run --release -p lightning-gateway --example static_upstream -- PORT`
+//! `cargo run --release -p lightning-gateway --example static_upstream -- PORT [COMPLETION_TOKENS]`
+//! (default 200 completion tokens: one SSE event each when streamed).
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -16,25 +17,24 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 const PROMPT: usize = 1000;
-const COMPLETION: usize = 200;
 
-fn bodies() -> (Bytes, Bytes) {
+fn bodies(completion: usize) -> (Bytes, Bytes) {
     let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| 1000 + i * 7 % 30000).collect();
-    let ids: Vec<u32> = (0..COMPLETION as u32)
+    let ids: Vec<u32> = (0..completion as u32)
         .map(|i| 500 + i * 13 % 30000)
         .collect();
     let lp = |i: usize| -((i % 17) as f64) / 8.0;
-    let content: String = (0..COMPLETION).map(|_| "x").collect();
+    let content: String = (0..completion).map(|_| "x").collect();
     let whole = json!({
         "id": "chatcmpl-static", "object": "chat.completion", "created": 0, "model": "static",
         "prompt_token_ids": prompt,
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": content, "tool_calls": []},
-            "logprobs": {"content": (0..COMPLETION).map(|i| json!({"token": "x", "logprob": lp(i), "bytes": [120], "top_logprobs": []})).collect::<Vec<_>>()},
+            "logprobs": {"content": (0..completion).map(|i| json!({"token": "x", "logprob": lp(i), "bytes": [120], "top_logprobs": []})).collect::<Vec<_>>()},
             "finish_reason": "length", "stop_reason": null, "token_ids": ids,
         }],
-        "usage": {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION, "total_tokens": PROMPT + COMPLETION},
+        "usage": {"prompt_tokens": PROMPT, "completion_tokens": completion, "total_tokens": PROMPT + completion},
     });
     let mut sse = String::new();
     let first = json!({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "static",
@@ -45,11 +45,11 @@ fn bodies() -> (Bytes, Bytes) {
         let c = json!({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "static",
             "choices": [{"index": 0, "delta": {"content": "x"},
                 "logprobs": {"content": [{"token": "x", "logprob": lp(i), "bytes": [120], "top_logprobs": []}]},
-                "finish_reason": if i + 1 == COMPLETION { json!("length") } else { json!(null) }, "token_ids": [id]}]});
+                "finish_reason": if i + 1 == completion { json!("length") } else { json!(null) }, "token_ids": [id]}]});
         sse.push_str(&format!("data: {c}\n\n"));
     }
     let usage = json!({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "static", "choices": [],
-        "usage": {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION, "total_tokens": PROMPT + COMPLETION}});
+        "usage": {"prompt_tokens": PROMPT, "completion_tokens": completion, "total_tokens": PROMPT + completion}});
     sse.push_str(&format!("data: {usage}\n\ndata: [DONE]\n\n"));
     (Bytes::from(whole.to_string()), Bytes::from(sse))
 }
@@ -81,11 +81,15 @@ fn main() -> std::io::Result<()> {
         .nth(1)
         .and_then(|p| p.parse().ok())
         .unwrap_or(18000);
+    let completion: usize = std::env::args()
+        .nth(2)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(200);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let b = Arc::new(bodies());
+        let b = Arc::new(bodies(completion));
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
         println!("READY {}", listener.local_addr()?.port());
         loop {

@@ -43,6 +43,27 @@ pub struct Args {
     /// Tokio worker threads (default: the number of CPUs).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Largest request body (413 above).
+    #[arg(long, value_name = "BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Harness calls in flight at once, all rollouts together (429 above).
+    #[arg(long, value_name = "N")]
+    pub max_concurrent_calls: Option<usize>,
+    /// Harness calls in flight at once on one rollout (429 above).
+    #[arg(long, value_name = "N")]
+    pub max_calls_per_rollout: Option<usize>,
+    /// Largest SSE event accepted from an engine.
+    #[arg(long, value_name = "BYTES")]
+    pub max_sse_event_bytes: Option<usize>,
+    /// Seconds to deliver a request head (also closes idle keep-alive connections).
+    #[arg(long, value_name = "SECONDS")]
+    pub header_read_timeout_s: Option<f64>,
+    /// Longest client silence mid-request-body, seconds (408 after it).
+    #[arg(long, value_name = "SECONDS")]
+    pub idle_timeout_s: Option<f64>,
+    /// `POST /rollouts` requests accepted per minute (429 above).
+    #[arg(long, value_name = "N")]
+    pub max_rollouts_per_minute: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -97,6 +118,27 @@ impl Args {
         }
         if let Some(u) = self.public_url {
             cfg.public_url = Some(u);
+        }
+        let limits = [
+            (self.max_body_bytes, &mut cfg.max_body_bytes),
+            (self.max_concurrent_calls, &mut cfg.max_concurrent_calls),
+            (self.max_calls_per_rollout, &mut cfg.max_calls_per_rollout),
+            (self.max_sse_event_bytes, &mut cfg.max_sse_event_bytes),
+            (
+                self.max_rollouts_per_minute,
+                &mut cfg.max_rollouts_per_minute,
+            ),
+        ];
+        for (flag, field) in limits {
+            if let Some(v) = flag {
+                *field = v;
+            }
+        }
+        if let Some(v) = self.header_read_timeout_s {
+            cfg.header_read_timeout_s = v;
+        }
+        if let Some(v) = self.idle_timeout_s {
+            cfg.idle_timeout_s = v;
         }
         if !self.upstreams.is_empty() {
             cfg.upstreams = self.upstreams.iter().map(|u| upstream(u)).collect();
@@ -176,8 +218,18 @@ mod tests {
             "k12345678",
             "--threads",
             "1",
+            "--max-calls-per-rollout",
+            "3",
+            "--idle-timeout-s",
+            "2.5",
         ]))
         .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cfg.max_calls_per_rollout, 3);
+        assert_eq!(cfg.idle_timeout_s, 2.5);
+        assert_eq!(
+            cfg.max_concurrent_calls,
+            Config::default().max_concurrent_calls
+        );
         assert_eq!(cfg.listen, "127.0.0.1:0");
         assert_eq!(cfg.upstreams.len(), 2);
         assert_eq!(cfg.upstreams[0].url, "http://a:1/v1");

@@ -98,6 +98,23 @@ pub struct Config {
     /// stream's bytes, so also any one SSE event): above it the call fails
     /// with a 502 / the stream's error event and is recorded as an upstream error.
     pub max_upstream_answer_bytes: usize,
+    /// Harness calls in flight at once, all rollouts together (429 above).
+    pub max_concurrent_calls: usize,
+    /// Harness calls in flight at once on one rollout (one application key
+    /// in online mode); 429 above.
+    pub max_calls_per_rollout: usize,
+    /// Largest SSE event accepted from an engine; a bigger one ends the
+    /// stream with an error event and the call is recorded `upstream_error`.
+    pub max_sse_event_bytes: usize,
+    /// Seconds a connection may take to deliver a complete request head,
+    /// counted from when it is ready for a request (accepted, or the previous
+    /// answer sent): it also closes keep-alive connections idle that long.
+    pub header_read_timeout_s: f64,
+    /// Longest silence, seconds, from a client in the middle of sending a
+    /// request body (408 after it).
+    pub idle_timeout_s: f64,
+    /// `POST /rollouts` requests accepted in any 60-second window (429 above).
+    pub max_rollouts_per_minute: usize,
     /// Whole-request timeout for one upstream attempt, seconds.
     pub upstream_timeout_s: f64,
     /// Retries of connect errors, 429 and 5xx, only before any byte reached the harness.
@@ -136,6 +153,12 @@ impl Default for Config {
             public_url: None,
             max_body_bytes: 32 * 1024 * 1024,
             max_upstream_answer_bytes: 256 * 1024 * 1024,
+            max_concurrent_calls: 4096,
+            max_calls_per_rollout: 256,
+            max_sse_event_bytes: 16 * 1024 * 1024,
+            header_read_timeout_s: 30.0,
+            idle_timeout_s: 60.0,
+            max_rollouts_per_minute: 10_000,
             upstream_timeout_s: 600.0,
             max_retries: 2,
             retry_base_ms: 50,
@@ -189,14 +212,28 @@ impl Config {
         for u in &self.upstreams {
             parse_base_url(&u.url).map_err(GatewayError::Config)?;
         }
-        if self.upstream_timeout_s.is_nan() || self.upstream_timeout_s <= 0.0 {
-            return Err(GatewayError::Config(format!(
-                "upstream_timeout_s = {} must be > 0",
-                self.upstream_timeout_s
-            )));
+        for (name, v) in [
+            ("max_body_bytes", self.max_body_bytes),
+            ("max_concurrent_calls", self.max_concurrent_calls),
+            ("max_calls_per_rollout", self.max_calls_per_rollout),
+            ("max_sse_event_bytes", self.max_sse_event_bytes),
+            ("max_rollouts_per_minute", self.max_rollouts_per_minute),
+        ] {
+            if v == 0 {
+                return Err(GatewayError::Config(format!("{name} must be > 0")));
+            }
         }
-        if self.max_body_bytes == 0 {
-            return Err(GatewayError::Config("max_body_bytes must be > 0".into()));
+        for (name, v) in [
+            ("upstream_timeout_s", self.upstream_timeout_s),
+            ("header_read_timeout_s", self.header_read_timeout_s),
+            ("idle_timeout_s", self.idle_timeout_s),
+        ] {
+            // Infinity would overflow a deadline.
+            if v.is_nan() || v <= 0.0 || v.is_infinite() {
+                return Err(GatewayError::Config(format!(
+                    "{name} = {v} must be a finite number of seconds > 0"
+                )));
+            }
         }
         if self.max_upstream_answer_bytes == 0 {
             return Err(GatewayError::Config(

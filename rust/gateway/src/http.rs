@@ -76,9 +76,11 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     }
 }
 
-/// Reads a request body, refusing more than `limit` bytes (413).
+/// Reads a request body, refusing more than `limit` bytes (413) and a client
+/// silent for `idle` between two pieces of it (408).
 pub async fn read_body(
     limit: usize,
+    idle: std::time::Duration,
     req: Request<Incoming>,
 ) -> Result<(hyper::http::request::Parts, Bytes), ApiError> {
     let too_big = || {
@@ -100,8 +102,20 @@ pub async fn read_body(
         }
     }
     let (parts, body) = req.into_parts();
-    match Limited::new(body, limit).collect().await {
+    let stalled = || {
+        ApiError::new(
+            408,
+            "invalid_request_error",
+            "request_timeout",
+            format!("the client sent no part of the request body for {idle:?}; send the whole body at once (idle_timeout_s)"),
+        )
+    };
+    match IdleLimited::new(Limited::new(body, limit), idle)
+        .collect()
+        .await
+    {
         Ok(c) => Ok((parts, c.to_bytes())),
+        Err(e) if e.downcast_ref::<Stalled>().is_some() => Err(stalled()),
         Err(e) => {
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some()
@@ -114,6 +128,67 @@ pub async fn read_body(
                 ))
             }
         }
+    }
+}
+
+/// The client went silent mid-body for longer than the idle timeout.
+#[derive(Debug)]
+struct Stalled;
+
+impl std::fmt::Display for Stalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("request body stalled")
+    }
+}
+
+impl std::error::Error for Stalled {}
+
+/// A body whose every frame must arrive within `idle` of the previous one.
+struct IdleLimited<B> {
+    inner: B,
+    idle: std::time::Duration,
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<B> IdleLimited<B> {
+    fn new(inner: B, idle: std::time::Duration) -> Self {
+        IdleLimited {
+            inner,
+            idle,
+            timer: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+}
+
+impl<B> http_body::Body for IdleLimited<B>
+where
+    B: http_body::Body<Error = Box<dyn std::error::Error + Send + Sync>> + Unpin,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+        use std::future::Future;
+        use std::task::Poll;
+        let this = &mut *self;
+        match std::pin::Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(r) => {
+                let next = tokio::time::Instant::now() + this.idle;
+                this.timer.as_mut().reset(next);
+                Poll::Ready(r)
+            }
+            Poll::Pending => match this.timer.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(Stalled)))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
     }
 }
 

@@ -10,7 +10,7 @@
 //!
 //! Modules: `routes` (HTTP server and routing) → `proxy` (pipeline) →
 //! `protocol` (adapters, pure) and `wire` (engine formats, pure); `state`,
-//! `http`, `auth`, `config`, `upstream`, `store`, `metrics`, `columnar`
+//! `http`, `auth`, `config`, `limits`, `upstream`, `store`, `metrics`, `columnar`
 //! underneath; `online` (application keys, sessions, feedback, retention)
 //! hooks into auth (`State::rollout_from_key`) and the record step (its
 //! session resolution runs inside the store's writer). No module imports one
@@ -22,6 +22,7 @@ pub mod columnar;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod limits;
 pub mod metrics;
 pub mod online;
 pub mod protocol;

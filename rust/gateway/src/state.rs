@@ -49,6 +49,7 @@ pub struct State {
     pub client: HttpClient,
     pub paused: AtomicBool,
     pub metrics: Metrics,
+    pub limits: Arc<crate::limits::Limits>,
     pub public_url: String,
     rollouts: RwLock<HashMap<String, Arc<RolloutInfo>>>,
     tokens: RwLock<HashMap<String, String>>,
@@ -73,6 +74,7 @@ impl State {
             .pool_max_idle_per_host(1024)
             .build(connector);
         Ok(State {
+            limits: Arc::new(crate::limits::Limits::new(&cfg)),
             cfg,
             store,
             pool,
@@ -86,12 +88,14 @@ impl State {
         })
     }
 
-    /// Reads a request body up to `max_body_bytes` (413 above).
+    /// Reads a request body up to `max_body_bytes` (413 above), the client
+    /// never silent longer than `idle_timeout_s` (408).
     pub async fn read_body(
         &self,
         req: hyper::Request<hyper::body::Incoming>,
     ) -> Result<(hyper::http::request::Parts, Bytes), ApiError> {
-        crate::http::read_body(self.cfg.max_body_bytes, req).await
+        let idle = Duration::from_secs_f64(self.cfg.idle_timeout_s);
+        crate::http::read_body(self.cfg.max_body_bytes, idle, req).await
     }
 
     /// 503 with `Retry-After` while paused for a weight update.

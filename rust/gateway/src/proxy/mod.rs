@@ -29,6 +29,7 @@ use crate::auth;
 use crate::config::{Engine, StoreFailure};
 use crate::error::ApiError;
 use crate::http::{copy_content_type, copy_headers, engine_json, json_bytes_response, Body};
+use crate::limits::CallPermit;
 use crate::protocol::{Answer, Ctx, Protocol, StreamTranslator};
 use crate::state::{Mode, RolloutInfo, State};
 use crate::store::CallStatus;
@@ -79,6 +80,7 @@ pub async fn call(
     proto: &'static dyn Protocol,
     headers: &HeaderMap,
     body: Bytes,
+    permit: CallPermit,
 ) -> Result<Response<Body>, ApiError> {
     let started = Instant::now();
     let v: Value = serde_json::from_slice(&body).map_err(|e| {
@@ -141,7 +143,7 @@ pub async fn call(
         ctx,
         stream: er.stream,
     };
-    let guard = InFlight::new(st);
+    let guard = InFlight::new(st, permit);
     tokio::spawn(async move {
         run_call(c, reply_tx, guard).await;
     });
@@ -565,7 +567,7 @@ async fn stream_call(
     }
     let deadline = sent_at + Duration::from_secs_f64(st.cfg.upstream_timeout_s);
     let mut reading = Reading {
-        parser: sse::Parser::new(),
+        parser: sse::Parser::with_limit(st.cfg.max_sse_event_bytes),
         cap: StreamCapture::new(),
         translator,
     };

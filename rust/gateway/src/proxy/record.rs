@@ -6,26 +6,34 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::ApiError;
+use crate::limits::CallPermit;
 use crate::protocol::Kept;
 use crate::state::{RolloutInfo, State};
 use crate::store::{self, CallRecord, CallStatus};
 use crate::upstream::Upstream;
 use crate::wire::engine::{self as capture, Capture, Kind};
 
-/// Decrements the in-flight gauge however the call ends.
+/// Decrements the in-flight gauge and frees the call's place under the
+/// concurrency limits however the call ends.
 #[derive(Debug)]
-pub struct InFlight(Arc<State>);
+pub struct InFlight {
+    st: Arc<State>,
+    _permit: CallPermit,
+}
 
 impl InFlight {
-    pub fn new(st: &Arc<State>) -> Self {
+    pub fn new(st: &Arc<State>, permit: CallPermit) -> Self {
         st.metrics.in_flight.fetch_add(1, Ordering::SeqCst);
-        InFlight(st.clone())
+        InFlight {
+            st: st.clone(),
+            _permit: permit,
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.metrics.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.st.metrics.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -190,9 +190,11 @@ async fn harness_route(
         V1::Call(proto) => {
             st.check_not_paused()?;
             st.check_store_writable()?;
+            // Admitted before the body is read: a refused call costs no memory.
+            let permit = st.limits.admit_call(&info.id)?;
             let (parts, body) = st.read_body(req).await?;
             let info = crate::online::bind_call(info, &parts.headers, &body);
-            proxy::call(st, info, proto, &parts.headers, body).await
+            proxy::call(st, info, proto, &parts.headers, body, permit).await
         }
     }
 }
@@ -327,6 +329,12 @@ impl Server {
         let sweeper = tokio::spawn(crate::online::sweeper(state.clone()));
         let watch = tokio::spawn(store_watch(state.clone()));
         let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        // hyper starts the header clock whenever a connection waits for a
+        // request, so it bounds a slow head and an idle keep-alive alike.
+        let mut http = hyper::server::conn::http1::Builder::new();
+        http.keep_alive(true)
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(Duration::from_secs_f64(state.cfg.header_read_timeout_s));
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -345,9 +353,7 @@ impl Server {
                         let st = st.clone();
                         async move { Ok::<_, Infallible>(handle(st, req).await) }
                     });
-                    let conn = hyper::server::conn::http1::Builder::new()
-                        .keep_alive(true)
-                        .serve_connection(TokioIo::new(stream), svc);
+                    let conn = http.serve_connection(TokioIo::new(stream), svc);
                     let conn = graceful.watch(conn);
                     tokio::spawn(async move {
                         if let Err(e) = conn.await {

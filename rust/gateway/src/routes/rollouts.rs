@@ -14,9 +14,11 @@ use crate::http::{full, json_response, parse_json, Body};
 use crate::state::State;
 use crate::store::NewRollout;
 
-/// `POST /rollouts` (admin): creates a rollout or returns the existing one with that id.
+/// `POST /rollouts` (admin): creates a rollout or returns the existing one with
+/// that id; at most `max_rollouts_per_minute` requests a minute (429 above).
 pub async fn create(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     st.require_admin(req.headers())?;
+    st.limits.admit_rollout()?;
     let (_, body) = st.read_body(req).await?;
     create_rollout(st, parse_json(&body)?).await
 }

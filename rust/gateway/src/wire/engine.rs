@@ -127,10 +127,18 @@ impl WireLogprobs {
     }
 }
 
+/// JSON from bytes: one UTF-8 check over the whole text, then a parse that
+/// trusts it (serde_json's slice reader validates every string it meets, one
+/// call each: a fifth of a streamed chunk's parse).
+fn from_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, String> {
+    let text = std::str::from_utf8(bytes).map_err(|e| format!("not UTF-8: {e}"))?;
+    serde_json::from_str(text).map_err(|e| e.to_string())
+}
+
 /// Parses a whole (non-streamed) answer.
 pub fn parse_answer(body: &[u8]) -> Result<Capture, String> {
-    let a: WireAnswer = serde_json::from_slice(body)
-        .map_err(|e| format!("engine answer is not the expected JSON: {e}"))?;
+    let a: WireAnswer =
+        from_json(body).map_err(|e| format!("engine answer is not the expected JSON: {e}"))?;
     let choices = a
         .choices
         .into_iter()
@@ -179,7 +187,7 @@ impl StreamCapture {
         if data.trim_ascii().is_empty() {
             return;
         }
-        let chunk: WireAnswer = match serde_json::from_slice(data) {
+        let chunk: WireAnswer = match from_json(data) {
             Ok(c) => c,
             Err(_) => {
                 self.bad_chunks += 1;
