@@ -286,7 +286,7 @@ def test_redacting_key_stores_no_text_on_any_protocol(gw: Gw, sdks: Any, tmp_pat
     """A ``redact`` key keeps token ids but no text, also not in the Responses
     object the gateway would keep for ``previous_response_id`` (so continuing
     from one is a clear 404: resend the conversation)."""
-    key = new_key(gw, "secret", {"redact": True})
+    key = new_key(gw, "secret", redact=True)
     oa, an = sdks(key)
     first = oa.responses.create(model="m", input="my password is hunter2")
     with pytest.raises(openai.NotFoundError, match="send the whole conversation"):

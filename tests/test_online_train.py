@@ -58,7 +58,7 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
     db = tmp_path / "train.db"
     gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")
     try:
-        key = new_key(gw, "bot", {"tags": ["arith"]})
+        key = new_key(gw, "bot", tags=["arith"])
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
         answers = {}
         for i in range(6):
