@@ -414,6 +414,23 @@ def _batch(
     return merge_calls(calls, tokenizer=tokenizer, rollouts=infos), old
 
 
+def step_batches(
+    sessions: Sequence[Session], groups: dict[str, str], per_step: int
+) -> list[list[Session]]:
+    """Sessions in steps of about ``per_step``, whole groups together (a group's
+    baseline is its members in one step): groups in order of their first
+    session, each added to the current step until it holds ``per_step`` or more."""
+    by_group: dict[str, list[Session]] = defaultdict(list)
+    for s in sessions:
+        by_group[groups[s.rollout_id]].append(s)
+    steps: list[list[Session]] = [[]]
+    for members in by_group.values():
+        if len(steps[-1]) >= per_step:
+            steps.append([])
+        steps[-1].extend(members)
+    return [b for b in steps if b]
+
+
 def staleness(policy_version: int, calls: Sequence[Any]) -> dict[str, Any]:
     """Completion tokens by staleness ``policy_version - call.weight_version``
     (how many weight versions behind the policy being trained each token was
@@ -495,20 +512,19 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
     )
     trainer = Trainer(tcfg, log_dir=str(out))
     tokenizer = Tokenizer.from_dir(str(model_dir))
-    per_step = cfg.sessions_per_step or len(sessions)
+    batches = step_batches(sessions, groups, cfg.sessions_per_step or len(sessions))
     trained: list[str] = []
     versions: Counter[int] = Counter()
     try:
         with Store(cfg.source.db) as store:
-            for start in range(0, len(sessions), per_step):
-                batch = sessions[start : start + per_step]
+            for batch in batches:
                 merged, old = _batch(
                     store, batch, rewards, groups,
                     min_version=cfg.source.min_weight_version, tokenizer=tokenizer,
                 )  # fmt: skip
                 ids = sorted({smp.rollout_id for smp in merged.samples})
                 if not ids:
-                    say(f"sessions {start}..{start + len(batch)}: nothing trainable")
+                    say(f"{len(batch)} sessions: nothing trainable")
                     continue
                 versions.update(int(c.weight_version) for c in merged.calls)
                 policy = (
