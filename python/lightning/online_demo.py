@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from lightning.stats import Interval
 
 
@@ -225,6 +227,8 @@ def main(argv: list[str]) -> int:
         t0 = time.monotonic()
         summary = train_online(cfg)
         train_s = time.monotonic() - t0
+        serving = httpx.get(engine.root + "/health", timeout=30).json().get("weight_version")
+        say(f"engine now serves weight version {serving}")
         after = held_out_reward("after")
     finally:
         if gw is not None:
@@ -240,6 +244,7 @@ def main(argv: list[str]) -> int:
         "sessions_skipped": summary["sessions_skipped"],
         "steps": len(summary["steps"]),
         "train_s": train_s,
+        "engine_weight_version": serving,
         "before": _iv(before),
         "after": _iv(after),
         "wall_s": time.monotonic() - started,
