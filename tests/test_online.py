@@ -151,6 +151,9 @@ def test_application_keys_admin(engine: FakeEngine, tmp_path: Path) -> None:
             0,
         )
         assert gw.api.sessions(with_feedback=True) == []
+        with pytest.raises(GatewayRequestError) as bad_query:
+            gw.api.sessions(limit=0)
+        assert (bad_query.value.status, bad_query.value.code) == (400, "invalid_query")
         got = gw.api.feedback(key, "f1", name="thumbs", value=True, response_id=out.id)
         assert (got.session_id, got.value, got.duplicate) == (session.session_id, 1.0, False)
         assert gw.api.feedback(key, "f1", name="thumbs", value=True, response_id=out.id).duplicate

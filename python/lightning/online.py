@@ -42,6 +42,17 @@ weighted by the truncated importance weight min(π_trainer / π_rollout, C)
 the gap to the policy being trained at the cost of bias where the cap truncates.
 ``source.min_weight_version`` drops calls sampled by older weights outright.
 
+**One data path with the main loop.** A step's sessions go to
+``Trainer.step`` as one ``MergeResult`` (``merge_calls`` with the sessions as
+``RolloutInfo``, each call tagged with its group), as ``Run.train_on`` passes
+``Store.step``'s; ``batching = "tree"`` by default, so a group's shared first
+prompt is computed once. ``sessions_per_step`` splits a pass into optimizer
+steps that keep groups whole. A pass reports (``summary.json``,
+``metrics.jsonl``, printed) sessions selected / trained / skipped by reason,
+signals per name, reward mean, groups and singleton fallback, the truncated
+importance weights (mean, fraction cut by the cap) and staleness in weight
+versions (``policy_version`` minus each call's, by completion tokens).
+
 Trained sessions get ``online_sessions.trained`` set and are skipped next time
 unless ``source.include_trained``; feedback that arrives after is kept and
 flagged. ``[weight_sync] policy = "none"`` (default) only exports the new

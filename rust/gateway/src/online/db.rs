@@ -206,24 +206,21 @@ pub fn list_sessions(c: &Connection, f: &SessionFilter) -> rusqlite::Result<Vec<
            AND (?3 IS NULL OR (nf > 0) = ?3)
          ORDER BY s.updated DESC, s.rollout_id LIMIT ?4",
     )?;
-    let rows = stmt.query_map(
-        params![f.key_id, f.closed, f.with_feedback, f.limit],
-        |r| {
-            Ok(SessionRow {
-                session_id: r.get(0)?,
-                key_id: r.get(1)?,
-                key_name: r.get(2)?,
-                session_key: r.get(3)?,
-                user: r.get(4)?,
-                n_calls: r.get(5)?,
-                started: r.get(6)?,
-                updated: r.get(7)?,
-                closed: r.get::<_, i64>(8)? != 0,
-                trained: r.get(9)?,
-                feedback: r.get(10)?,
-            })
-        },
-    )?;
+    let rows = stmt.query_map(params![f.key_id, f.closed, f.with_feedback, f.limit], |r| {
+        Ok(SessionRow {
+            session_id: r.get(0)?,
+            key_id: r.get(1)?,
+            key_name: r.get(2)?,
+            session_key: r.get(3)?,
+            user: r.get(4)?,
+            n_calls: r.get(5)?,
+            started: r.get(6)?,
+            updated: r.get(7)?,
+            closed: r.get::<_, i64>(8)? != 0,
+            trained: r.get(9)?,
+            feedback: r.get(10)?,
+        })
+    })?;
     rows.collect()
 }
 

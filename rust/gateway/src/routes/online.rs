@@ -128,9 +128,10 @@ pub async fn list_sessions(
         limit,
     };
     let st2 = st.clone();
-    let rows = tokio::task::spawn_blocking(move || st2.store.read(|c| db::list_sessions(c, &filter)))
-        .await
-        .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    let rows =
+        tokio::task::spawn_blocking(move || st2.store.read(|c| db::list_sessions(c, &filter)))
+            .await
+            .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
     Ok(json_response(200, &json!({ "sessions": rows })))
 }
 
