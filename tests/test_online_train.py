@@ -116,6 +116,7 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
         # sampled one version behind, 4-5 by it; counted in completion tokens.
         comp = dict(db_rows(db, "SELECT response_id, LENGTH(completion_ids) / 4 FROM calls"))
         assert step["policy_version"] == 1 and step["staleness_max"] == 1
+        assert step["steps_behind"] == 0
         assert step["staleness_tokens"] == {
             "0": comp[answers[4]] + comp[answers[5]],
             "1": sum(comp[answers[i]] for i in (0, 1, 2)),

@@ -562,6 +562,9 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
                         "divergences": dict(Counter(d.kind for d in merged.divergences)),
                         "policy_version": policy,
                         **staleness(policy, merged.calls),
+                        # Optimizer steps the policy took in this pass before this
+                        # step: every session here was sampled at least that far back.
+                        "steps_behind": len(summary["steps"]),
                     }
                 )
                 summary["steps"].append(metrics)
