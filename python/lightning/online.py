@@ -538,35 +538,14 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
                     say(f"{len(batch)} sessions: nothing trainable")
                     continue
                 versions.update(int(c.weight_version) for c in merged.calls)
-                policy = (
-                    cfg.policy_version
-                    if cfg.policy_version is not None
-                    else max(int(c.weight_version) for c in merged.calls)
-                )
-                metrics = dict(
-                    trainer.step(
-                        merged,
-                        {k: rewards[k] for k in ids},
-                        {k: groups[k] for k in ids},
-                    )
+                metrics = _train_step(
+                    trainer, merged, ids, rewards, groups,
+                    policy_version=cfg.policy_version, steps_before=len(summary["steps"]),
+                )  # fmt: skip
+                metrics.update(
+                    {"sessions_untrainable": len(batch) - len(ids), "calls_too_old": old}
                 )
                 trained.extend(ids)
-                metrics.update(
-                    {
-                        "sessions_trained": len(ids),
-                        "sessions_untrainable": len(batch) - len(ids),
-                        "groups": len({groups[i] for i in ids}),
-                        "singleton_fallback": sum(groups[i] == "__batch__" for i in ids),
-                        "calls": len(merged.calls),
-                        "calls_too_old": old,
-                        "divergences": dict(Counter(d.kind for d in merged.divergences)),
-                        "policy_version": policy,
-                        **staleness(policy, merged.calls),
-                        # Optimizer steps the policy took in this pass before this
-                        # step: every session here was sampled at least that far back.
-                        "steps_behind": len(summary["steps"]),
-                    }
-                )
                 summary["steps"].append(metrics)
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(metrics, default=float) + "\n")
@@ -589,6 +568,41 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
         f"weights in {summary.get('weights')}"
     )
     return summary
+
+
+def _train_step(
+    trainer: Any,
+    merged: Any,
+    ids: Sequence[str],
+    rewards: dict[str, float],
+    groups: dict[str, str],
+    *,
+    policy_version: int | None,
+    steps_before: int,
+) -> dict[str, Any]:
+    """One optimizer step on the sessions ``ids`` of ``merged``; the trainer's
+    metrics plus the pass's own (groups, singleton fallback, staleness)."""
+    policy = (
+        policy_version
+        if policy_version is not None
+        else max(int(c.weight_version) for c in merged.calls)
+    )
+    metrics = dict(trainer.step(merged, {k: rewards[k] for k in ids}, {k: groups[k] for k in ids}))
+    metrics.update(
+        {
+            "sessions_trained": len(ids),
+            "groups": len({groups[i] for i in ids}),
+            "singleton_fallback": sum(groups[i] == "__batch__" for i in ids),
+            "calls": len(merged.calls),
+            "divergences": dict(Counter(d.kind for d in merged.divergences)),
+            "policy_version": policy,
+            **staleness(policy, merged.calls),
+            # Optimizer steps the policy took in this pass before this one:
+            # every session here was sampled at least that far back.
+            "steps_behind": steps_before,
+        }
+    )
+    return metrics
 
 
 def _step_line(k: int, m: dict[str, Any]) -> str:
