@@ -123,7 +123,7 @@ def chat_turn(client: openai.OpenAI, stream: bool) -> Turn:
             model="m",
             messages=msgs,
             stream=True,
-            extra_headers=headers,  # type: ignore[arg-type]
+            extra_headers=headers,
         ):
             rid = chunk.id
             if chunk.choices and chunk.choices[0].delta.content:
