@@ -11,7 +11,7 @@ export LIGHTNING_CACHE ?= $(HOME)/.cache/lightning
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 DEPS_STAMP := $(VENV)/.lightning-deps-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv deps build test lint rust-test py-test demo bench fmt clean
+.PHONY: venv deps build test lint rust-test py-test demo demo-online bench fmt clean
 
 venv: $(DEPS_STAMP)
 
@@ -60,6 +60,11 @@ test: lint rust-test py-test
 
 demo: build
 	$(VENV)/bin/lightning demo
+
+# Online mode: the agent served through an application key, users' ratings, one
+# `lightning train --online` pass, held-out reward before / after.
+demo-online: build
+	$(VENV)/bin/lightning demo --online
 
 bench: build
 	for b in benches/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -124,7 +124,7 @@ def test_policy_loss_matches_reference(
     )
     want = [reference.ppo_token_loss(*r, clip_low, clip_high, dual) for r in rows]
     assert got.tolist() == pytest.approx(want, rel=1e-9, abs=1e-9)
-    assert set(metrics) == {"ratio", "clipped", "approx_kl", "is_weight"}
+    assert set(metrics) == {"ratio", "clipped", "approx_kl", "is_weight", "is_truncated"}
     assert bool((metrics["approx_kl"] >= -1e-12).all())
 
 
@@ -159,6 +159,7 @@ def test_truncated_importance_weights() -> None:
     rollout = T([-1.5, -0.5, float("nan")])
     loss, m = policy_loss(logp, logp, T([1.0, 1.0, 1.0]), rollout_logp=rollout, tis_cap=1.2)
     assert m["is_weight"].tolist() == pytest.approx([1.2, math.exp(-0.5), 1.0])
+    assert m["is_truncated"].tolist() == [1.0, 0.0, 0.0]  # only e^0.5 > 1.2 was cut
     assert loss.tolist() == pytest.approx([-1.2, -math.exp(-0.5), -1.0])
     _, m = policy_loss(
         logp,

@@ -26,6 +26,7 @@ import openai
 import pytest
 
 from fake_vllm import FakeEngine
+from lightning import GatewayClient, GatewayRequestError, LightningError
 
 ADMIN = "online-admin-key"
 
@@ -56,6 +57,7 @@ class Gw:
         )
         cmd = [sys.executable, "-c", "import sys; from lightning.gateway import main; sys.exit(main())",
                "--config", str(cfg), "--threads", "2"]  # fmt: skip
+        self.api = GatewayClient(self.url, ADMIN, timeout=30)
         self.log = db.with_suffix(f".{self.port}.log")
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
@@ -81,20 +83,23 @@ class Gw:
     def kill9(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
+        self.api.close()
 
     def stop(self) -> None:
+        self.api.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(20)
 
 
-def new_key(gw: Gw, name: str, defaults: dict[str, Any] | None = None) -> str:
-    r = gw.admin("POST", "/admin/keys", {"name": name, "defaults": defaults or {}})
-    assert r.status_code == 201, r.text
-    return str(r.json()["key"])
+def new_key(gw: Gw, name: str, **defaults: Any) -> str:
+    key = gw.api.create_app_key(name, **defaults).key
+    assert key is not None and key.startswith("lk-")
+    return key
 
 
 def feedback(gw: Gw, key: str, **body: Any) -> httpx.Response:
+    """A raw ``POST /v1/feedback``, for bodies the typed client would refuse."""
     return httpx.post(
         gw.url + "/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
     )
@@ -108,19 +113,29 @@ def db_rows(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
 def test_application_keys_admin(engine: FakeEngine, tmp_path: Path) -> None:
     gw = Gw(tmp_path / "keys.db", engine.url)
     try:
-        assert (
-            gw.admin("POST", "/admin/keys", {"name": "x", "defaults": {"mode": "prod"}}).status_code
-            == 400
+        with pytest.raises(GatewayRequestError) as bad:
+            gw.api.create_app_key("x", mode="prod")  # type: ignore[arg-type]
+        assert bad.value.status == 400 and bad.value.code == "invalid_mode"
+        with pytest.raises(GatewayRequestError) as anon, GatewayClient(gw.url) as nobody:
+            nobody.create_app_key("x")
+        assert anon.value.status == 401
+        made = gw.api.create_app_key("support-bot", tags=["support"])
+        assert made.key is not None and made.key.startswith("lk-")
+        assert made.defaults["tags"] == ["support"] and made.revoked is None
+        key = made.key
+        (listed,) = gw.api.app_keys()
+        assert (listed.id, listed.name, listed.key, listed.revoked) == (
+            made.id,
+            "support-bot",
+            None,
+            None,
         )
-        assert httpx.post(gw.url + "/admin/keys", json={"name": "x"}).status_code == 401
-        key = new_key(gw, "support-bot", {"tags": ["support"]})
-        assert key.startswith("lk-")
-        listed = gw.admin("GET", "/admin/keys").json()["keys"]
-        assert [k["name"] for k in listed] == ["support-bot"]
-        assert key not in json.dumps(listed)
+        assert key not in gw.admin("GET", "/admin/keys").text
+        with pytest.raises(LightningError, match="shown only when created"):
+            listed.openai_env(gw.url)
         # Stored hashed: the key itself is nowhere in the database file.
         assert key.encode() not in (tmp_path / "keys.db").read_bytes()
-        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        client = openai.OpenAI(**_sdk_args(made.openai_env(gw.url)), max_retries=0)
         out = client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.3
         )
@@ -128,13 +143,37 @@ def test_application_keys_admin(engine: FakeEngine, tmp_path: Path) -> None:
         # The harness's own temperature reached the engine unchanged.
         sent = db_rows(tmp_path / "keys.db", "SELECT request FROM calls")[0][0]
         assert json.loads(sent)["temperature"] == 0.3
-        kid = listed[0]["id"]
-        assert gw.admin("DELETE", f"/admin/keys/{kid}").status_code == 200
+        (session,) = gw.api.sessions()
+        assert (session.key_id, session.n_calls, session.closed, session.feedback) == (
+            made.id,
+            1,
+            False,
+            0,
+        )
+        assert gw.api.sessions(with_feedback=True) == []
+        with pytest.raises(GatewayRequestError) as bad_query:
+            gw.api.sessions(limit=0)
+        assert (bad_query.value.status, bad_query.value.code) == (400, "invalid_query")
+        got = gw.api.feedback(key, "f1", name="thumbs", value=True, response_id=out.id)
+        assert (got.session_id, got.value, got.duplicate) == (session.session_id, 1.0, False)
+        assert gw.api.feedback(key, "f1", name="thumbs", value=True, response_id=out.id).duplicate
+        assert [s.feedback for s in gw.api.sessions(with_feedback=True)] == [1]
+        assert gw.api.sweep(idle_timeout_s=0) == {"closed": 1, "deleted": 0}
+        assert gw.api.sessions(closed=False) == [] and gw.api.sessions(closed=True)[0].closed
+        gw.api.revoke_app_key(made.id)
+        assert gw.api.app_keys()[0].revoked is not None
         with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
-        assert gw.admin("DELETE", f"/admin/keys/{kid}").status_code == 404
+        with pytest.raises(GatewayRequestError) as gone:
+            gw.api.revoke_app_key(made.id)
+        assert (gone.value.status, gone.value.code) == (404, "key_not_found")
+        client.close()
     finally:
         gw.stop()
+
+
+def _sdk_args(env: dict[str, str]) -> dict[str, str]:
+    return {"base_url": env["OPENAI_BASE_URL"], "api_key": env["OPENAI_API_KEY"]}
 
 
 def converse(client: openai.OpenAI, user: int, turns: range, history: list[dict[str, Any]],
@@ -348,7 +387,7 @@ def test_redaction_retention_export(engine: FakeEngine, tmp_path: Path) -> None:
         db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600\nretention_days = 0.00002"
     )
     try:
-        secret = new_key(gw, "secret", {"redact": True})
+        secret = new_key(gw, "secret", redact=True)
         plain = new_key(gw, "plain")
         ids = {}
         for name, key in (("secret", secret), ("plain", plain)):

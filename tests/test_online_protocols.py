@@ -11,19 +11,24 @@ messages and rewards."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
 from fake_vllm import FakeEngine
+from lightning import GatewayClient, GatewayRequestError
 from test_online import Gw, db_rows, feedback, new_key
 
 
@@ -104,6 +109,39 @@ def messages_turn(client: anthropic.Anthropic, stream: bool) -> Turn:
         return msg.id, full
 
     return turn
+
+
+def chat_turn(client: openai.OpenAI, stream: bool) -> Turn:
+    def turn(history: list[dict[str, Any]], session: str | None) -> tuple[str, str]:
+        headers = {"x-session-id": session} if session else {}
+        msgs = [{"role": "system", "content": "Be brief."}, *history]
+        if not stream:
+            out = client.chat.completions.create(model="m", messages=msgs, extra_headers=headers)  # type: ignore[arg-type]
+            return out.id, out.choices[0].message.content or ""
+        rid, text = "", ""
+        for chunk in client.chat.completions.create(
+            model="m",
+            messages=msgs,
+            stream=True,
+            extra_headers=headers,
+        ):
+            rid = chunk.id
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+        return rid, text
+
+    return turn
+
+
+PROTOCOLS = ("chat", "responses", "messages")
+PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+
+
+def turn_for(protocol: str, oa: openai.OpenAI, an: anthropic.Anthropic, stream: bool) -> Turn:
+    """One user turn over ``protocol`` with the SDK clients of an application key."""
+    if protocol == "chat":
+        return chat_turn(oa, stream)
+    return responses_turn(oa, stream) if protocol == "responses" else messages_turn(an, stream)
 
 
 def conversation(turn: Turn, tag: str, n: int, session: str | None, carry: bool) -> list[str]:
@@ -286,7 +324,7 @@ def test_redacting_key_stores_no_text_on_any_protocol(gw: Gw, sdks: Any, tmp_pat
     """A ``redact`` key keeps token ids but no text, also not in the Responses
     object the gateway would keep for ``previous_response_id`` (so continuing
     from one is a clear 404: resend the conversation)."""
-    key = new_key(gw, "secret", {"redact": True})
+    key = new_key(gw, "secret", redact=True)
     oa, an = sdks(key)
     first = oa.responses.create(model="m", input="my password is hunter2")
     with pytest.raises(openai.NotFoundError, match="send the whole conversation"):
@@ -306,3 +344,121 @@ def test_redacting_key_stores_no_text_on_any_protocol(gw: Gw, sdks: Any, tmp_pat
         x = lines[owner[rid]]
         assert x["messages"] == [] and x["calls"][0]["text"] is None
         assert x["calls"][0]["prompt_ids"] and x["calls"][0]["completion_ids"]
+
+
+@contextlib.contextmanager
+def sdk_clients(url: str, key: str, timeout: float = 30) -> Iterator[tuple[openai.OpenAI, anthropic.Anthropic]]:  # fmt: skip
+    oa = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
+    an = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=timeout)
+    try:
+        yield oa, an
+    finally:
+        oa.close()
+        an.close()
+
+
+@pytest.mark.parametrize("protocol", ["responses", "messages"])
+def test_kill9_keeps_acknowledged_sessions_and_feedback(
+    engine: FakeEngine, tmp_path: Path, protocol: str
+) -> None:
+    """A kill -9 of the gateway while Responses / Messages traffic (streamed and
+    not) and feedback are in flight: every call and signal that was
+    acknowledged is in the store after a restart on the same database, and the
+    users' conversations continue in their sessions across the restart."""
+    db = tmp_path / "crash.db"
+    online = "idle_timeout_s = 600\nsweep_interval_s = 3600"
+    gw = Gw(db, engine.url, online)
+    key = new_key(gw, "prod")
+    n_users = 6
+    explicit = {u: f"conv-{u}" for u in range(0, n_users, 2)}  # odd users: continuity only
+    histories: dict[int, list[dict[str, Any]]] = {u: [] for u in range(n_users)}
+    acked: dict[int, list[str]] = {u: [] for u in range(n_users)}
+
+    def phase(turns: int) -> None:
+        with sdk_clients(gw.url, key) as (oa, an):
+
+            def run(u: int) -> None:
+                turn = turn_for(protocol, oa, an, stream=u % 2 == 1)
+                for _ in range(turns):
+                    hist = histories[u]
+                    hist.append({"role": "user", "content": f"user {u} turn {len(acked[u])} [[len:{8 + u}]]"})  # fmt: skip
+                    rid, text = turn(hist, explicit.get(u))
+                    hist.append({"role": "assistant", "content": text})
+                    acked[u].append(rid)
+
+            with ThreadPoolExecutor(n_users) as pool:
+                list(pool.map(run, range(n_users)))
+
+    phase(2)
+    fb_acked: dict[str, str] = {}  # feedback id -> response id
+    for u in range(n_users):
+        gw.api.feedback(key, f"pre-{u}", name="thumbs", value=1, response_id=acked[u][0])
+        fb_acked[f"pre-{u}"] = acked[u][0]
+
+    stop = threading.Event()
+    crash_calls: list[str] = []
+    lock = threading.Lock()
+
+    def calls(t: int) -> None:
+        with sdk_clients(gw.url, key, timeout=5) as (oa, an):
+            turn = turn_for(protocol, oa, an, stream=t % 2 == 1)
+            i = 0
+            while not stop.is_set():
+                i += 1
+                try:
+                    rid, _ = turn([{"role": "user", "content": f"crash {t}.{i}"}], None)
+                    crash_calls.append(rid)
+                except Exception:  # cut by the kill, however the SDK says it
+                    pass  # (API error, transport error mid-stream, no final event)
+
+    def signals() -> None:
+        with GatewayClient(gw.url, timeout=5) as c:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                u = i % n_users
+                try:
+                    c.feedback(key, f"crash-{i}", name="thumbs", value=1, response_id=acked[u][1])
+                    with lock:
+                        fb_acked[f"crash-{i}"] = acked[u][1]
+                except (GatewayRequestError, httpx.HTTPError):
+                    pass
+
+    threads = [threading.Thread(target=calls, args=(t,)) for t in range(3)]
+    threads.append(threading.Thread(target=signals))
+    for t in threads:
+        t.start()
+    time.sleep(0.6)
+    gw.kill9()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert crash_calls and len(fb_acked) > n_users, "nothing was acknowledged during the crash"
+
+    gw = Gw(db, engine.url, online, port=gw.port)
+    try:
+        phase(1)
+        owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
+        lost = [
+            r for r in crash_calls + [x for ids in acked.values() for x in ids] if r not in owner
+        ]
+        assert not lost, f"acknowledged calls lost by kill -9: {lost}"
+        sessions = set()
+        for u in range(n_users):
+            (s,) = {owner[r] for r in acked[u]}  # one session per user, across the restart
+            sessions.add(s)
+        assert len(sessions) == n_users
+        stored = dict(db_rows(db, "SELECT feedback_id, rollout_id FROM feedback"))
+        missing = set(fb_acked) - set(stored)
+        assert not missing, f"acknowledged feedback lost by kill -9: {sorted(missing)}"
+        assert all(stored[f] == owner[r] for f, r in fb_acked.items())
+        assert db_rows(db, "SELECT COUNT(*) FROM events WHERE type = 'feedback'") == [
+            (len(stored),)
+        ]
+        rated = {s.session_id for s in gw.api.sessions(with_feedback=True, limit=10_000)}
+        assert rated == sessions
+        assert {p for (p,) in db_rows(db, "SELECT DISTINCT protocol FROM calls")} == {
+            "openai_responses" if protocol == "responses" else "anthropic_messages"
+        }
+    finally:
+        gw.stop()

@@ -7,7 +7,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
 from fake_vllm import FakeEngine
@@ -17,7 +16,8 @@ from lightning.online import (
     pool_small_groups,
     session_reward,
 )
-from test_online import Gw, db_rows, feedback, new_key
+from test_online import Gw, db_rows, new_key
+from test_online_protocols import PREFIX, PROTOCOLS, sdk_clients, turn_for
 
 
 def sig(name: str, value: float, ts: float, resp: str | None = None) -> dict[str, object]:
@@ -48,9 +48,14 @@ def engine() -> Iterator[FakeEngine]:
     e.stop()
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_train_online_trains_exactly_the_sessions_with_feedback(
-    engine: FakeEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    engine: FakeEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str], protocol: str
 ) -> None:
+    """Sessions recorded over ``protocol`` (half of them before production's
+    weights moved to version 1), feedback on five of six: one ``lightning train
+    --online`` step on the tiny model trains exactly those five, through the
+    packed tree, and reports what it selected, skipped and weighted."""
     from lightning.loop import train_main
     from lightning.models import tiny_model_dir
     from lightning.report import show_main
@@ -58,38 +63,69 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
     db = tmp_path / "train.db"
     gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")
     try:
-        key = new_key(gw, "bot", {"tags": ["arith"]})
-        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        key = new_key(gw, "bot", tags=["arith"])
         answers = {}
-        for i in range(6):
-            # Sessions 0-3 share a task (one group); 4 and 5 are singletons.
-            task = "what is 2+2?" if i < 4 else f"what is {i}+{i}?"
-            out = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": f"{task} [[len:{6 + i}]]"}],
-                extra_headers={"x-session-id": f"s{i}"},
-            )  # fmt: skip
-            answers[i] = out.id
+        with sdk_clients(gw.url, key) as (oa, an):
+            turn = turn_for(protocol, oa, an, stream=False)
+            for i in range(6):
+                if i == 3:  # production now serves weight version 1
+                    gw.api.set_upstreams([{"url": engine.url, "weight_version": 1}])
+                # Sessions 0-3 share a task (one group); 4 and 5 are singletons.
+                task = "what is 2+2?" if i < 4 else f"what is {i}+{i}?"
+                msg = {"role": "user", "content": f"{task} [[len:{8 if i < 4 else 6 + i}]]"}
+                answers[i], _ = turn([msg], f"s{i}")
+        assert all(a.startswith(PREFIX[protocol]) for a in answers.values())
         rated = {0: 1.0, 1: 0.0, 2: 1.0, 4: 1.0, 5: 0.0}  # session 3 never gets feedback
         for i, v in rated.items():
-            r = feedback(
-                gw, key, feedback_id=f"f{i}", response_id=answers[i], name="thumbs", value=v
-            )
-            assert r.status_code == 200
-        assert gw.admin("POST", "/admin/online/sweep", {"idle_timeout_s": 0}).json()["closed"] == 6
+            gw.api.feedback(key, f"f{i}", name="thumbs", value=v, response_id=answers[i])
+        gw.api.feedback(key, "s0", name="task_success", value=True, session_id="s0")
+        assert gw.api.sweep(idle_timeout_s=0)["closed"] == 6
         owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
         cfg = tmp_path / "online.toml"
         cfg.write_text(
             f'output_dir = "{tmp_path / "run"}"\n[model]\nbuiltin = "tiny"\n'
             f'[source]\ndb = "{db}"\ntags = ["arith"]\n[trainer]\nlr = 1e-4\n'
         )
-        assert train_main(["--online", str(cfg), "--quiet"]) == 0
+        capsys.readouterr()
+        assert train_main(["--online", str(cfg)]) == 0
+        printed = capsys.readouterr().out
         summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         assert set(summary["sessions"]) == {owner[answers[i]] for i in rated}
         groups = summary["groups"]
-        assert len({groups[owner[answers[i]]] for i in (0, 1, 2)}) == 1
+        (shared,) = {groups[owner[answers[i]]] for i in (0, 1, 2)}
+        assert shared.startswith("p:")
         assert groups[owner[answers[4]]] == groups[owner[answers[5]]] == "__batch__"
-        step = summary["steps"][0]
-        assert step["sessions"] == 5 and step["loss"] == step["loss"]  # trained, finite
+        # The pass's own account: selected, skipped and why, signals, groups.
+        assert summary["sessions_selected"] == summary["sessions_trained"] == 5
+        assert summary["sessions_skipped"] == {"no_feedback": 1}
+        assert summary["feedback_signals"] == {"task_success": 1, "thumbs": 5}
+        assert (summary["n_groups"], summary["singleton_fallback"]) == (2, 2)
+        # Session 0: mean of thumbs 1 and task_success 1; the others their thumbs.
+        assert summary["session_reward_mean"] == pytest.approx(3 / 5)
+        (step,) = summary["steps"]
+        lines = [
+            json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert lines == [json.loads(json.dumps(step))]
+        assert step["sessions_trained"] == 5 and step["loss"] == step["loss"]  # trained, finite
+        assert step["reward_mean"] == pytest.approx(3 / 5)
+        assert (step["groups"], step["singleton_fallback"]) == (2, 2)
+        # Off-policy: truncated importance weights against the engine's logprobs.
+        assert 0 < step["tis_weight_mean"] <= 2.0 and 0 <= step["tis_clip_frac"] <= 1
+        # Staleness against the newest version trained (1): sessions 0-2 were
+        # sampled one version behind, 4-5 by it; counted in completion tokens.
+        comp = dict(db_rows(db, "SELECT response_id, LENGTH(completion_ids) / 4 FROM calls"))
+        assert step["policy_version"] == 1 and step["staleness_max"] == 1
+        assert step["steps_behind"] == 0
+        assert step["staleness_tokens"] == {
+            "0": comp[answers[4]] + comp[answers[5]],
+            "1": sum(comp[answers[i]] for i in (0, 1, 2)),
+        }
+        # One path with the main loop: the packed tree computes the group's
+        # shared prompt prefix once.
+        assert step["forward_tokens"] < step["tokens"]
+        assert "5 sessions in 2 groups (2 on the batch baseline)" in printed
+        assert "skipped {'no_feedback': 1}" in printed
         assert (tmp_path / "run" / "weights" / "latest" / "config.json").exists()
         trained = {
             r[0]
@@ -97,18 +133,25 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
         }
         assert trained == set(summary["sessions"])
         # A session is a rollout: `lightning show` reads it from the store unchanged.
-        capsys.readouterr()
         assert show_main([owner[answers[0]], "--db", str(db), "--model", str(tiny_model_dir()),
                           "--color", "never"]) == 0  # fmt: skip
         assert "«" in capsys.readouterr().out
         # Late feedback for a trained session is kept and flagged.
-        late = feedback(gw, key, feedback_id="late", response_id=answers[0], name="thumbs", value=0)
-        assert late.status_code == 200 and late.json()["after_training"] is True
-        # Not trained twice unless asked.
-        assert (
-            train_main(["--online", str(cfg), "--quiet", "--output-dir", str(tmp_path / "run2")])
-            == 0
-        )
-        assert json.loads((tmp_path / "run2" / "summary.json").read_text())["sessions"] == []
+        late = gw.api.feedback(key, "late", name="thumbs", value=0, response_id=answers[0])
+        assert late.after_training
+        # Not trained twice unless asked; the second pass says why.
+        run2 = tmp_path / "run2"
+        assert train_main(["--online", str(cfg), "--quiet", "--output-dir", str(run2)]) == 0
+        again = json.loads((run2 / "summary.json").read_text())
+        assert again["sessions"] == [] and again["sessions_trained"] == 0
+        assert again["sessions_skipped"] == {"already_trained": 5, "no_feedback": 1}
+        short = tmp_path / "short.toml"
+        short.write_text(cfg.read_text().replace("[source]\n", "[source]\nmin_calls = 2\n"))
+        run3 = tmp_path / "run3"
+        assert train_main(["--online", str(short), "--quiet", "--output-dir", str(run3)]) == 0
+        assert json.loads((run3 / "summary.json").read_text())["sessions_skipped"] == {
+            "already_trained": 5,
+            "too_short": 1,
+        }
     finally:
         gw.stop()

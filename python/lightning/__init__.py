@@ -37,17 +37,27 @@ from lightning._core import (
     merge_calls,
     pack_sequences,
 )
-from lightning.client import CallRecord, GatewayClient, GatewayRequestError, Rollout
+from lightning.client import (
+    AppKey,
+    CallRecord,
+    FeedbackReceipt,
+    GatewayClient,
+    GatewayRequestError,
+    OnlineSession,
+    Rollout,
+)
 from lightning.gateway import Gateway, GatewayConfig, GatewayHandle, UpstreamConfig
 from lightning.store import Store
 
 __version__: str = _core.__version__
 
 __all__ = [
+    "AppKey",
     "Call",
     "CallRecord",
     "Divergence",
     "Drift",
+    "FeedbackReceipt",
     "Gateway",
     "GatewayBindError",
     "GatewayClient",
@@ -61,6 +71,7 @@ __all__ = [
     "MergeResult",
     "MergeStats",
     "MessageSpan",
+    "OnlineSession",
     "PackedTree",
     "Rollout",
     "RolloutInfo",

@@ -6,6 +6,13 @@ env = rollout.openai_env()   # OPENAI_BASE_URL / OPENAI_API_KEY for the harness
 ...                          # the harness runs
 client.reward(rollout.id, 1.0)
 calls = client.trace(rollout.id)   # list[lightning.Call], what the harness saw
+
+Online mode (a deployed harness with an application key, feedback later)::
+
+key = client.create_app_key("support-bot", tags=["support"])   # key.key: shown once
+...                          # production: base_url = GATEWAY/v1, api_key = key.key
+client.feedback(key.key, "fb-1", name="thumbs", value=1, response_id="chatcmpl-...")
+client.sessions(with_feedback=True)   # list[OnlineSession]
 """
 
 from __future__ import annotations
@@ -158,6 +165,76 @@ def decode_columnar(buf: bytes, group: str | None = None) -> list[CallRecord]:
         )
         p0, c0 = p1, c1
     return out
+
+
+@dataclass(frozen=True)
+class AppKey:
+    """An application key (online mode). ``key`` (``lk-…``) is set only on the
+    object :meth:`GatewayClient.create_app_key` returns: the gateway stores its
+    hash and never shows it again."""
+
+    id: str
+    name: str
+    defaults: dict[str, Any]
+    created: float
+    revoked: float | None = None
+    key: str | None = None
+
+    def openai_env(self, gateway_url: str) -> dict[str, str]:
+        """Environment for an ``openai`` SDK harness served through this key."""
+        return {"OPENAI_BASE_URL": gateway_url.rstrip("/") + "/v1", "OPENAI_API_KEY": self._key()}
+
+    def anthropic_env(self, gateway_url: str) -> dict[str, str]:
+        """Environment for an ``anthropic`` SDK harness (it appends ``/v1/messages``)."""
+        return {"ANTHROPIC_BASE_URL": gateway_url.rstrip("/"), "ANTHROPIC_API_KEY": self._key()}
+
+    def _key(self) -> str:
+        if self.key is None:
+            raise LightningError(
+                f"application key {self.id!r} ({self.name}) is shown only when created; "
+                "create a new one (POST /admin/keys) if it was lost"
+            )
+        return self.key
+
+    @classmethod
+    def _from(cls, d: dict[str, Any]) -> AppKey:
+        return cls(
+            id=d["id"],
+            name=d["name"],
+            defaults=dict(d.get("defaults") or {}),
+            created=float(d["created"]),
+            revoked=d.get("revoked"),
+            key=d.get("key"),
+        )
+
+
+@dataclass(frozen=True)
+class FeedbackReceipt:
+    """What ``POST /v1/feedback`` acknowledged (durable when returned)."""
+
+    feedback_id: str
+    session_id: str
+    name: str
+    value: float
+    duplicate: bool
+    after_training: bool
+
+
+@dataclass(frozen=True)
+class OnlineSession:
+    """A recorded production session (a rollout with ``origin = 'online'``)."""
+
+    session_id: str
+    key_id: str
+    key_name: str | None
+    session_key: str | None
+    user: str | None
+    n_calls: int
+    started: float
+    updated: float
+    closed: bool
+    trained: float | None
+    feedback: int
 
 
 class GatewayClient:
@@ -339,6 +416,92 @@ class GatewayClient:
         return self._request("POST", "/admin/upstreams", json={"upstreams": upstreams}).json()[
             "upstreams"
         ]
+
+    # --- online mode --------------------------------------------------------
+
+    def create_app_key(
+        self,
+        name: str,
+        *,
+        tags: Sequence[str] = (),
+        redact: bool = False,
+        mode: Literal["train", "eval"] | None = None,
+        temperature: float | None = None,
+    ) -> AppKey:
+        """A long-lived key for a deployed harness; its ``key`` is shown only here.
+        ``redact``: keep token ids but no text; ``temperature``: override
+        production's sampling (off unless set)."""
+        defaults: dict[str, Any] = {"tags": list(tags), "redact": redact}
+        if mode is not None:
+            defaults["mode"] = mode
+        if temperature is not None:
+            defaults["temperature"] = temperature
+        d = self._request("POST", "/admin/keys", json={"name": name, "defaults": defaults})
+        return AppKey._from(d.json())
+
+    def app_keys(self) -> list[AppKey]:
+        """Every application key, revoked ones included (without the keys themselves)."""
+        return [AppKey._from(k) for k in self._request("GET", "/admin/keys").json()["keys"]]
+
+    def revoke_app_key(self, key_id: str) -> None:
+        """Revokes at once (calls with it get 401); an unknown or revoked id is a 404."""
+        self._request("DELETE", f"/admin/keys/{key_id}")
+
+    def feedback(
+        self,
+        app_key: str,
+        feedback_id: str,
+        *,
+        name: str,
+        value: float | bool,
+        response_id: str | None = None,
+        session_id: str | None = None,
+        timestamp: float | None = None,
+        data: Any = None,
+    ) -> FeedbackReceipt:
+        """Attaches a signal to a response id (``chatcmpl-…``, ``resp_…``,
+        ``msg_…``) or a session (its ``x-session-id`` or session id), with the
+        application key ``app_key``. Durable when it returns; the same
+        ``feedback_id`` again is a no-op (``duplicate``). Raises
+        ``GatewayRequestError``: 404 ``unknown_target``, 409 ``feedback_id_reused``."""
+        if (response_id is None) == (session_id is None):
+            raise ValueError("feedback names exactly one of response_id or session_id")
+        body: dict[str, Any] = {"feedback_id": feedback_id, "name": name, "value": value}
+        for k, v in (("response_id", response_id), ("session_id", session_id),
+                     ("timestamp", timestamp), ("data", data)):  # fmt: skip
+            if v is not None:
+                body[k] = v
+        d = self._request("POST", "/v1/feedback", token=app_key, json=body).json()
+        return FeedbackReceipt(
+            feedback_id=d["feedback_id"],
+            session_id=d["session_id"],
+            name=d["name"],
+            value=float(d["value"]),
+            duplicate=bool(d["duplicate"]),
+            after_training=bool(d["after_training"]),
+        )
+
+    def sessions(
+        self,
+        *,
+        key_id: str | None = None,
+        closed: bool | None = None,
+        with_feedback: bool | None = None,
+        limit: int = 100,
+    ) -> list[OnlineSession]:
+        """Online sessions, most recently active first."""
+        params: dict[str, Any] = {"limit": limit}
+        for k, v in (("key_id", key_id), ("closed", closed), ("feedback", with_feedback)):
+            if v is not None:
+                params[k] = v if isinstance(v, str) else str(v).lower()
+        rows = self._request("GET", "/admin/online/sessions", params=params).json()["sessions"]
+        return [OnlineSession(**r) for r in rows]
+
+    def sweep(self, idle_timeout_s: float | None = None) -> dict[str, int]:
+        """Closes idle sessions (all, with ``idle_timeout_s=0``) and applies
+        retention now; returns ``{"closed": n, "deleted": m}``."""
+        body = {} if idle_timeout_s is None else {"idle_timeout_s": idle_timeout_s}
+        return dict(self._request("POST", "/admin/online/sweep", json=body).json())
 
     def healthz(self) -> dict[str, Any]:
         """The gateway's health, also while it refuses calls because its store

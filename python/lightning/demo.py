@@ -86,7 +86,12 @@ def main(argv: list[str]) -> int:
     from lightning.config import RunConfig
     from lightning.loop import train
 
+    if "--online" in argv:  # the online-mode variant: lightning.online_demo
+        from lightning import online_demo
+
+        return online_demo.main([a for a in argv if a != "--online"])
     p = argparse.ArgumentParser(prog="lightning demo", description=__doc__.split("\n")[0])
+    p.add_argument("--online", action="store_true", help="the online-mode demo (see --online -h)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, help="override the number of training steps")
     p.add_argument("--output-dir", help="default: runs/demo-seed<SEED>-<timestamp>")

@@ -246,7 +246,8 @@ def policy_loss(
 
     Metrics are detached per-token tensors (weight them like the loss):
     ``ratio``, ``clipped`` (1.0 where the clipped branch was taken),
-    ``approx_kl`` (k3 estimate of KL(old‖new)) and ``is_weight``.
+    ``approx_kl`` (k3 estimate of KL(old‖new)), ``is_weight`` and ``is_truncated``
+    (1.0 where the cap cut the importance weight).
     """
     if ratio_level not in get_args(RatioLevel) or tis_level not in get_args(RatioLevel):
         raise ValueError(
@@ -276,6 +277,7 @@ def policy_loss(
         loss = torch.where(dual, bound, loss)
         clipped = torch.where(dual, torch.ones_like(clipped), clipped)
     is_weight = torch.ones_like(loss.detach())
+    truncated = torch.zeros_like(is_weight)
     if tis_cap is not None and rollout_logp is not None:
         rl = rollout_logp.reshape(-1).to(logp.dtype)
         gap = torch.where(torch.isnan(rl), torch.zeros_like(rl), old_logp - rl)  # [T]
@@ -284,7 +286,9 @@ def policy_loss(
             s = sample_index.reshape(-1).long()
             n = int(s.max()) + 1 if s.numel() else 0
             gap = _segment_sum(gap, s, n)[s]
-        is_weight = torch.exp(gap).clamp(max=tis_cap).detach()
+        raw = torch.exp(gap).detach()
+        truncated = (raw > tis_cap).to(is_weight.dtype)
+        is_weight = raw.clamp(max=tis_cap)
         loss = loss * is_weight
     lr = log_ratio.detach()
     metrics = {
@@ -292,6 +296,7 @@ def policy_loss(
         "clipped": clipped.detach(),
         "approx_kl": torch.expm1(lr) - lr,
         "is_weight": is_weight,
+        "is_truncated": truncated,
     }
     return loss, metrics
 

@@ -42,6 +42,17 @@ weighted by the truncated importance weight min(π_trainer / π_rollout, C)
 the gap to the policy being trained at the cost of bias where the cap truncates.
 ``source.min_weight_version`` drops calls sampled by older weights outright.
 
+**One data path with the main loop.** A step's sessions go to
+``Trainer.step`` as one ``MergeResult`` (``merge_calls`` with the sessions as
+``RolloutInfo``, each call tagged with its group), as ``Run.train_on`` passes
+``Store.step``'s; ``batching = "tree"`` by default, so a group's shared first
+prompt is computed once. ``sessions_per_step`` splits a pass into optimizer
+steps that keep groups whole. A pass reports (``summary.json``,
+``metrics.jsonl``, printed) sessions selected / trained / skipped by reason,
+signals per name, reward mean, groups and singleton fallback, the truncated
+importance weights (mean, fraction cut by the cap) and staleness in weight
+versions (``policy_version`` minus each call's, by completion tokens).
+
 Trained sessions get ``online_sessions.trained`` set and are skipped next time
 unless ``source.include_trained``; feedback that arrives after is kept and
 flagged. ``[weight_sync] policy = "none"`` (default) only exports the new
@@ -132,6 +143,12 @@ class OnlineConfig(_Section):
         default=None, ge=1, description="default: all in one step"
     )
     mark_trained: bool = True
+    policy_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="the weight version of [model] (for staleness); default: the newest "
+        "version among the calls trained",
+    )
     output_dir: str = "runs/online"
     seed: int = 0
 
@@ -205,20 +222,32 @@ def signals(
     return out
 
 
-def select_sessions(src: SourceSection, *, now: float | None = None) -> list[Session]:
-    """Sessions matching ``src``, oldest first, with their signals."""
+@dataclass
+class Selection:
+    """The sessions a pass trains on, and why the others in its time window were skipped."""
+
+    sessions: list[Session]
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+def select(src: SourceSection, *, now: float | None = None) -> Selection:
+    """Sessions matching ``src``, oldest first, with their signals; each session
+    in the time window that is left out is counted under the first reason that
+    applies: ``open``, ``already_trained``, ``other_key``, ``tags``,
+    ``too_short`` (fewer than ``min_calls`` calls), ``no_feedback``."""
     now = time.time() if now is None else now
     since = src.since
     if src.since_hours is not None:
         since = max(since or 0.0, now - src.since_hours * 3600.0)
+    skipped: Counter[str] = Counter()
     with _connect(src.db) as conn:
         rows = conn.execute(
             "SELECT s.rollout_id, s.key_id, k.name, s.session_key, r.task, s.n_calls, s.started, "
             "s.updated, s.closed, s.trained FROM online_sessions s "
             "JOIN rollouts r ON r.id = s.rollout_id LEFT JOIN app_keys k ON k.id = s.key_id "
             "WHERE (?1 IS NULL OR s.updated >= ?1) AND (?2 IS NULL OR s.updated < ?2) "
-            "AND s.n_calls >= ?3 ORDER BY s.updated, s.rollout_id",
-            (since, src.until, src.min_calls),
+            "ORDER BY s.updated, s.rollout_id",
+            (since, src.until),
         ).fetchall()
         sessions = []
         for rid, key_id, name, skey, task, n, started, updated, closed, trained in rows:
@@ -226,21 +255,40 @@ def select_sessions(src: SourceSection, *, now: float | None = None) -> list[Ses
             s = Session(
                 rid, key_id, name or "", skey, tags, n, started, updated, bool(closed), trained
             )
-            if src.closed_only and not s.closed:
-                continue
-            if trained is not None and not src.include_trained:
-                continue
-            if src.app_keys and s.app_key not in src.app_keys:
-                continue
-            if not set(src.tags) <= set(s.tags):
-                continue
-            sessions.append(s)
+            reason = _skip_reason(s, src)
+            if reason is None:
+                sessions.append(s)
+            else:
+                skipped[reason] += 1
         sigs = signals(conn, [s.rollout_id for s in sessions])
     for s in sessions:
         s.signals = sigs.get(s.rollout_id, [])
     if src.require_feedback:
+        skipped["no_feedback"] += sum(not s.signals for s in sessions)
         sessions = [s for s in sessions if s.signals]
-    return sessions[: src.limit] if src.limit else sessions
+    if src.limit and len(sessions) > src.limit:
+        skipped["over_limit"] += len(sessions) - src.limit
+        sessions = sessions[: src.limit]
+    return Selection(sessions, skipped)
+
+
+def _skip_reason(s: Session, src: SourceSection) -> str | None:
+    if src.closed_only and not s.closed:
+        return "open"
+    if s.trained is not None and not src.include_trained:
+        return "already_trained"
+    if src.app_keys and s.app_key not in src.app_keys:
+        return "other_key"
+    if not set(src.tags) <= set(s.tags):
+        return "tags"
+    if s.n_calls < src.min_calls:
+        return "too_short"
+    return None
+
+
+def select_sessions(src: SourceSection, *, now: float | None = None) -> list[Session]:
+    """Sessions matching ``src``, oldest first, with their signals."""
+    return select(src, now=now).sessions
 
 
 # -------------------------------------------------------------------- reward
@@ -344,11 +392,98 @@ def mark_trained(db: str, rollout_ids: Sequence[str], when: float | None = None)
 # ------------------------------------------------------------------ training
 
 
+def _batch(
+    store: Any,
+    batch: Sequence[Session],
+    rewards: dict[str, float],
+    groups: dict[str, str],
+    *,
+    min_version: int | None,
+    tokenizer: Any,
+) -> tuple[Any, int]:
+    """A step's ``MergeResult`` from the store, as the main loop builds one
+    (``Store.step``): each session's trainable calls, tagged with its group so
+    ``tree`` batching packs a group's shared prompt once, merged with the
+    sessions as ``RolloutInfo`` (group, reward). Also the number of calls
+    dropped as older than ``min_version``."""
+    from lightning import Call, RolloutInfo, merge_calls
+
+    calls, old = [], 0
+    for s in batch:
+        g = groups[s.rollout_id]
+        for c in store.trace(s.rollout_id):
+            if min_version is not None and int(c.weight_version) < min_version:
+                old += 1
+                continue
+            calls.append(Call(c.rollout_id, c.prompt_ids, c.completion_ids, c.logprobs,
+                              c.finish_reason, c.weight_version, g))  # fmt: skip
+    infos = [
+        RolloutInfo(s.rollout_id, group=groups[s.rollout_id], mode="train",
+                    status="succeeded" if s.closed else "running", reward=rewards[s.rollout_id])
+        for s in batch
+    ]  # fmt: skip
+    return merge_calls(calls, tokenizer=tokenizer, rollouts=infos), old
+
+
+def step_batches(
+    sessions: Sequence[Session], groups: dict[str, str], per_step: int
+) -> list[list[Session]]:
+    """Sessions in steps of about ``per_step``, whole groups together (a group's
+    baseline is its members in one step): groups in order of their first
+    session, each added to the current step until it holds ``per_step`` or more."""
+    by_group: dict[str, list[Session]] = defaultdict(list)
+    for s in sessions:
+        by_group[groups[s.rollout_id]].append(s)
+    steps: list[list[Session]] = [[]]
+    for members in by_group.values():
+        if len(steps[-1]) >= per_step:
+            steps.append([])
+        steps[-1].extend(members)
+    return [b for b in steps if b]
+
+
+def staleness(policy_version: int, calls: Sequence[Any]) -> dict[str, Any]:
+    """Completion tokens by staleness ``policy_version - call.weight_version``
+    (how many weight versions behind the policy being trained each token was
+    sampled), with the token-weighted mean and the maximum."""
+    hist: Counter[int] = Counter()
+    for c in calls:
+        hist[policy_version - int(c.weight_version)] += len(c.completion_ids)
+    total = sum(hist.values())
+    return {
+        "staleness_tokens": {str(k): v for k, v in sorted(hist.items())},
+        "staleness_mean": sum(k * v for k, v in hist.items()) / total if total else 0.0,
+        "staleness_max": max(hist) if hist else 0,
+    }
+
+
+def selection_metrics(
+    sel: Selection, rewards: dict[str, float], groups: dict[str, str]
+) -> dict[str, Any]:
+    """What a pass selected and why it left the rest out; the signals by name;
+    how the groups came out (``singleton_fallback``: sessions whose group was too
+    small and that share the ``__batch__`` baseline)."""
+    no_reward = len(sel.sessions) - len(rewards)
+    names: Counter[str] = Counter(x["name"] for s in sel.sessions for x in s.signals)
+    late = sum(x["after_training"] for s in sel.sessions for x in s.signals)
+    vals = list(rewards.values())
+    mean = sum(vals) / len(vals) if vals else float("nan")
+    return {
+        "sessions_selected": len(rewards),
+        "sessions_skipped": dict(sel.skipped + Counter({"no_reward": no_reward})),
+        "feedback_signals": dict(sorted(names.items())),
+        "feedback_after_training": late,
+        "session_reward_mean": mean,
+        "n_groups": len(set(groups.values())),
+        "singleton_fallback": sum(g == "__batch__" for g in groups.values()),
+    }
+
+
 def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
-    """Select, reward, group, train; returns the summary (also in OUTPUT_DIR/summary.json)."""
-    from lightning import Store, Tokenizer, merge_calls
+    """Select, reward, group, train; returns the summary (also in
+    OUTPUT_DIR/summary.json; one line per step in OUTPUT_DIR/metrics.jsonl)."""
+    from lightning import Store, Tokenizer
     from lightning.trainer import Trainer, TrainerConfig
-    from lightning.weight_sync import WeightUpdate, make_weight_sync
 
     def say(msg: str) -> None:
         if not quiet:
@@ -356,19 +491,24 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sessions = select_sessions(cfg.source)
+    sel = select(cfg.source)
     rewards = {}
-    for s in sessions:
+    for s in sel.sessions:
         r = session_reward(s.signals, cfg.reward)
         if r is not None:
             rewards[s.rollout_id] = r
-    sessions = [s for s in sessions if s.rollout_id in rewards]
-    say(f"{len(sessions)} sessions selected from {cfg.source.db}")
+    sessions = [s for s in sel.sessions if s.rollout_id in rewards]
+    groups = session_groups(cfg.source.db, sessions, cfg.grouping) if sessions else {}
     summary: dict[str, Any] = {"output_dir": str(out), "sessions": [], "steps": []}
+    summary.update(selection_metrics(sel, rewards, groups))
+    say(
+        f"{len(sessions)} sessions selected from {cfg.source.db}; skipped "
+        f"{summary['sessions_skipped'] or 'none'}; signals {summary['feedback_signals']}"
+    )
     if not sessions:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary["sessions_trained"] = 0
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         return summary
-    groups = session_groups(cfg.source.db, sessions, cfg.grouping)
     model_dir = cfg.model.resolve()
     tcfg = TrainerConfig.model_validate(
         {
@@ -377,76 +517,125 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
             "temperature": cfg.temperature,
             "seed": cfg.seed,
             "tis_cap": 2.0,
+            "batching": "tree",
             **cfg.trainer,
         }
     )
     trainer = Trainer(tcfg, log_dir=str(out))
     tokenizer = Tokenizer.from_dir(str(model_dir))
-    per_step = cfg.sessions_per_step or len(sessions)
+    batches = step_batches(sessions, groups, cfg.sessions_per_step or len(sessions))
     trained: list[str] = []
     versions: Counter[int] = Counter()
     try:
         with Store(cfg.source.db) as store:
-            for start in range(0, len(sessions), per_step):
-                batch = sessions[start : start + per_step]
-                calls = []
-                for s in batch:
-                    for c in store.trace(s.rollout_id):
-                        wv = int(getattr(c, "weight_version", 0) or 0)
-                        if (
-                            cfg.source.min_weight_version is not None
-                            and wv < cfg.source.min_weight_version
-                        ):
-                            continue
-                        versions[wv] += 1
-                        calls.append(c)
-                merged = merge_calls(calls, tokenizer=tokenizer)
-                if not merged.samples:
-                    say(f"sessions {start}..{start + len(batch)}: nothing trainable")
-                    continue
-                in_batch = {s.rollout_id for s in batch}
-                metrics = dict(
-                    trainer.step(
-                        merged.samples,
-                        {k: v for k, v in rewards.items() if k in in_batch},
-                        {k: v for k, v in groups.items() if k in in_batch},
-                    )
-                )
+            for batch in batches:
+                merged, old = _batch(
+                    store, batch, rewards, groups,
+                    min_version=cfg.source.min_weight_version, tokenizer=tokenizer,
+                )  # fmt: skip
                 ids = sorted({smp.rollout_id for smp in merged.samples})
+                if not ids:
+                    say(f"{len(batch)} sessions: nothing trainable")
+                    continue
+                versions.update(int(c.weight_version) for c in merged.calls)
+                metrics = _train_step(
+                    trainer, merged, ids, rewards, groups,
+                    policy_version=cfg.policy_version, steps_before=len(summary["steps"]),
+                )  # fmt: skip
+                metrics.update(
+                    {"sessions_untrainable": len(batch) - len(ids), "calls_too_old": old}
+                )
                 trained.extend(ids)
-                metrics.update({"sessions": len(ids), "groups": len({groups[i] for i in ids})})
                 summary["steps"].append(metrics)
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(metrics, default=float) + "\n")
-                say(
-                    f"step {len(summary['steps'])}: {len(ids)} sessions, loss {metrics.get('loss')}"
-                )
+                say(_step_line(len(summary["steps"]), metrics))
         if trained:
-            weights = out / "weights" / "latest"
-            trainer.export_weights(str(weights))
-            summary["weights"] = str(weights)
-            if cfg.weight_sync.policy != "none":
-                version = 1 + max(versions) if versions else 1
-                policy = cfg.weight_sync.policy
-                sync = make_weight_sync(
-                    "sglang-disk" if policy == "sglang" else policy, cfg.weight_sync.urls
-                )
-                try:
-                    sync.setup()
-                    sync.push(WeightUpdate(version=version, path=weights))
-                finally:
-                    sync.close()
+            summary["weights"] = str(_export(cfg, trainer, out, versions))
     finally:
         if hasattr(trainer, "close"):
             trainer.close()
     if cfg.mark_trained and trained:
         mark_trained(cfg.source.db, trained)
     summary["sessions"] = trained
+    summary["sessions_trained"] = len(trained)
     summary["rewards"] = {rid: rewards[rid] for rid in trained}
     summary["groups"] = {rid: groups[rid] for rid in trained}
-    summary["weight_versions"] = dict(versions)
+    summary["weight_versions"] = {str(k): v for k, v in sorted(versions.items())}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    say(
+        f"trained {len(trained)} sessions; skipped {summary['sessions_skipped'] or 'none'}; "
+        f"weights in {summary.get('weights')}"
+    )
     return summary
+
+
+def _train_step(
+    trainer: Any,
+    merged: Any,
+    ids: Sequence[str],
+    rewards: dict[str, float],
+    groups: dict[str, str],
+    *,
+    policy_version: int | None,
+    steps_before: int,
+) -> dict[str, Any]:
+    """One optimizer step on the sessions ``ids`` of ``merged``; the trainer's
+    metrics plus the pass's own (groups, singleton fallback, staleness)."""
+    policy = (
+        policy_version
+        if policy_version is not None
+        else max(int(c.weight_version) for c in merged.calls)
+    )
+    metrics = dict(trainer.step(merged, {k: rewards[k] for k in ids}, {k: groups[k] for k in ids}))
+    metrics.update(
+        {
+            "sessions_trained": len(ids),
+            "groups": len({groups[i] for i in ids}),
+            "singleton_fallback": sum(groups[i] == "__batch__" for i in ids),
+            "calls": len(merged.calls),
+            "divergences": dict(Counter(d.kind for d in merged.divergences)),
+            "policy_version": policy,
+            **staleness(policy, merged.calls),
+            # Optimizer steps the policy took in this pass before this one:
+            # every session here was sampled at least that far back.
+            "steps_behind": steps_before,
+        }
+    )
+    return metrics
+
+
+def _step_line(k: int, m: dict[str, Any]) -> str:
+    def f(x: Any) -> str:
+        return "nan" if x is None or x != x else f"{x:.3g}"
+
+    return (
+        f"step {k}: {m['sessions_trained']} sessions in {m['groups']} groups "
+        f"({m['singleton_fallback']} on the batch baseline), reward {f(m['reward_mean'])}, "
+        f"loss {f(m['loss'])}, IS weight {f(m['tis_weight_mean'])} "
+        f"(cap cut {f(m['tis_clip_frac'])}), staleness mean {f(m['staleness_mean'])} "
+        f"max {m['staleness_max']}"
+    )
+
+
+def _export(cfg: OnlineConfig, trainer: Any, out: Path, versions: Counter[int]) -> Path:
+    """Writes the new weights; pushes them to the engines only when configured."""
+    from lightning.weight_sync import WeightUpdate, make_weight_sync
+
+    weights = out / "weights" / "latest"
+    trainer.export_weights(str(weights))
+    if cfg.weight_sync.policy != "none":
+        version = 1 + max(versions) if versions else 1
+        policy = cfg.weight_sync.policy
+        sync = make_weight_sync(
+            "sglang-disk" if policy == "sglang" else policy, cfg.weight_sync.urls
+        )
+        try:
+            sync.setup()
+            sync.push(WeightUpdate(version=version, path=weights))
+        finally:
+            sync.close()
+    return weights
 
 
 # -------------------------------------------------------------------- export

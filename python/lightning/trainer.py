@@ -91,6 +91,8 @@ METRIC_KEYS = (
     "tokens",
     "gap_abs_logprob",
     "gap_kl",
+    "tis_weight_mean",
+    "tis_clip_frac",
     "samples_per_rollout",
     "single_sample_rollout_frac",
 )
@@ -355,7 +357,10 @@ class Trainer:
         ref = self._ref_logprobs(all_mbs, n) if cfg.kl_coef > 0 else None
 
         net = self.ddp or self.model
-        sums = torch.zeros(8, dtype=torch.float64)  # see names below
+        # Σ over weighted tokens: [0] w·clipped [1] w·approx_kl [2] w·entropy [3] w
+        # [4] |gap| [5] k3 gap [6] tokens with a known gap [7] loss
+        # [8] w·importance weight [9] w·(importance weight truncated)
+        sums = torch.zeros(10, dtype=torch.float64)
         first_lp = torch.full((n,), float("nan"), device=self.device)
         loss_total, grad_norms = 0.0, []
         for epoch in range(cfg.ppo_epochs):
@@ -404,6 +409,7 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         self.step_count += 1
         wsum = float(sums[3])
+        tis = cfg.tis_cap is not None
         nan = float("nan")
         r_arr = np.asarray(reward_list, dtype=np.float64)
         a_arr = adv.double().numpy()
@@ -425,6 +431,10 @@ class Trainer:
             "tokens": int(counts[1]),
             "gap_abs_logprob": float(sums[4] / sums[6]) if sums[6] > 0 else nan,
             "gap_kl": float(sums[5] / sums[6]) if sums[6] > 0 else nan,
+            # Truncated importance weights (``tis_cap``): their mean and the
+            # fraction of trained tokens whose weight the cap cut.
+            "tis_weight_mean": float(sums[8]) / wsum if wsum and tis else nan,
+            "tis_clip_frac": float(sums[9]) / wsum if wsum and tis else nan,
             "forward_tokens": int(counts[2]),
             "samples_per_rollout": float(pieces.mean()) if len(pieces) else nan,
             "single_sample_rollout_frac": float((pieces == 1).mean()) if len(pieces) else nan,
@@ -498,6 +508,7 @@ class Trainer:
                 w.sum(),
             ]
         ).cpu()
+        sums[8:10] += torch.stack([(w * m["is_weight"]).sum(), (w * m["is_truncated"]).sum()]).cpu()
         return float(loss.detach())
 
     @contextlib.contextmanager

@@ -171,6 +171,59 @@ pub fn list_keys(c: &Connection) -> rusqlite::Result<Vec<KeyRow>> {
     rows.collect()
 }
 
+/// One session as `GET /admin/online/sessions` lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionRow {
+    pub session_id: String,
+    pub key_id: String,
+    pub key_name: Option<String>,
+    pub session_key: Option<String>,
+    pub user: Option<String>,
+    pub n_calls: i64,
+    pub started: f64,
+    pub updated: f64,
+    pub closed: bool,
+    pub trained: Option<f64>,
+    pub feedback: i64,
+}
+
+/// Which sessions to list: all filters optional; newest activity first.
+#[derive(Debug, Clone, Default)]
+pub struct SessionFilter {
+    pub key_id: Option<String>,
+    pub closed: Option<bool>,
+    pub with_feedback: Option<bool>,
+    pub limit: i64,
+}
+
+pub fn list_sessions(c: &Connection, f: &SessionFilter) -> rusqlite::Result<Vec<SessionRow>> {
+    let mut stmt = c.prepare_cached(
+        "SELECT s.rollout_id, s.key_id, k.name, s.session_key, s.user, s.n_calls, s.started,
+                s.updated, s.closed, s.trained,
+                (SELECT COUNT(*) FROM feedback f WHERE f.rollout_id = s.rollout_id) AS nf
+         FROM online_sessions s LEFT JOIN app_keys k ON k.id = s.key_id
+         WHERE (?1 IS NULL OR s.key_id = ?1) AND (?2 IS NULL OR s.closed = ?2)
+           AND (?3 IS NULL OR (nf > 0) = ?3)
+         ORDER BY s.updated DESC, s.rollout_id LIMIT ?4",
+    )?;
+    let rows = stmt.query_map(params![f.key_id, f.closed, f.with_feedback, f.limit], |r| {
+        Ok(SessionRow {
+            session_id: r.get(0)?,
+            key_id: r.get(1)?,
+            key_name: r.get(2)?,
+            session_key: r.get(3)?,
+            user: r.get(4)?,
+            n_calls: r.get(5)?,
+            started: r.get(6)?,
+            updated: r.get(7)?,
+            closed: r.get::<_, i64>(8)? != 0,
+            trained: r.get(9)?,
+            feedback: r.get(10)?,
+        })
+    })?;
+    rows.collect()
+}
+
 /// The kept state of a protocol object (`resp_…`) in any session of this key.
 pub fn kept_state(c: &Connection, key_id: &str, id: &str) -> rusqlite::Result<Option<Value>> {
     let s: Option<String> = c

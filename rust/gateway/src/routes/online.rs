@@ -4,6 +4,7 @@
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::auth;
@@ -88,6 +89,50 @@ pub async fn revoke_key(
             format!("no active application key {id:?}; GET /admin/keys lists them"),
         )),
     }
+}
+
+/// `GET /admin/online/sessions?key_id=&closed=&feedback=&limit=`: sessions,
+/// most recently active first (default limit 100, at most 10000), with their
+/// call and feedback counts. Booleans are `true`/`false`.
+pub async fn list_sessions(
+    st: &Arc<State>,
+    req: Request<Incoming>,
+    query: &HashMap<String, String>,
+) -> Result<Response<Body>, ApiError> {
+    st.require_admin(req.headers())?;
+    let flag = |k: &str| -> Result<Option<bool>, ApiError> {
+        match query.get(k).map(String::as_str) {
+            None => Ok(None),
+            Some("true") => Ok(Some(true)),
+            Some("false") => Ok(Some(false)),
+            Some(x) => Err(ApiError::bad_request(
+                "invalid_query",
+                format!("{k}={x:?}: use true or false"),
+            )),
+        }
+    };
+    let limit = match query.get("limit") {
+        None => 100,
+        Some(x) => x
+            .parse::<i64>()
+            .ok()
+            .filter(|n| (1..=10_000).contains(n))
+            .ok_or_else(|| {
+                ApiError::bad_request("invalid_query", format!("limit={x:?}: use 1..10000"))
+            })?,
+    };
+    let filter = db::SessionFilter {
+        key_id: query.get("key_id").cloned(),
+        closed: flag("closed")?,
+        with_feedback: flag("feedback")?,
+        limit,
+    };
+    let st2 = st.clone();
+    let rows =
+        tokio::task::spawn_blocking(move || st2.store.read(|c| db::list_sessions(c, &filter)))
+            .await
+            .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    Ok(json_response(200, &json!({ "sessions": rows })))
 }
 
 /// `POST /admin/online/sweep {idle_timeout_s?}`: closes idle sessions (idle
