@@ -261,7 +261,12 @@ def test_production_service_sessions_feedback_and_kill9(engine: FakeEngine, tmp_
     threads = [threading.Thread(target=hammer) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    # Kill once traffic has been acknowledged (however slow the machine), with
+    # more still in flight.
+    deadline = time.monotonic() + 60
+    while not inflight_acked and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
     gw.kill9()
     stop.set()
     for t in threads:

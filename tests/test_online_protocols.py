@@ -428,7 +428,12 @@ def test_kill9_keeps_acknowledged_sessions_and_feedback(
     threads.append(threading.Thread(target=signals))
     for t in threads:
         t.start()
-    time.sleep(0.6)
+    # Kill once calls and feedback have been acknowledged (however slow the
+    # machine), with more still in flight.
+    deadline = time.monotonic() + 60
+    while not (crash_calls and len(fb_acked) > n_users) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
     gw.kill9()
     stop.set()
     for t in threads:
