@@ -22,7 +22,8 @@ import pytest
 
 import lightning
 from fake_vllm import ID_OFFSET, FakeEngine
-from lightning import Gateway, GatewayClient, GatewayConfig
+from gateways import start_gateway
+from lightning import GatewayClient
 
 TOOLS: list[Any] = [
     {
@@ -52,12 +53,7 @@ def engine() -> Iterator[FakeEngine]:
 def gw(engine: FakeEngine, tmp_path: Path) -> Iterator[lightning.GatewayHandle]:
     engine.reset()
     engine.script([{"content": "Hello from the engine."}])
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=[{"url": engine.url, "weight_version": 2}],
-        db=str(tmp_path / "gw.db"),
-    )
-    h = Gateway(cfg).start()
+    h = start_gateway(engine.url, tmp_path / "gw.db", weight_version=2)
     yield h
     h.stop()
 

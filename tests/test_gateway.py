@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 
 import lightning
 from fake_vllm import FakeEngine
+from gateways import start_gateway, wait_until
 from lightning import Gateway, GatewayClient, GatewayConfig, GatewayRequestError, Store
 
 
@@ -29,14 +29,7 @@ def engine() -> Iterator[FakeEngine]:
 
 
 def start(tmp_path: Path, upstreams: list[dict[str, Any]], **kw: Any) -> lightning.GatewayHandle:
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=upstreams,
-        db=str(tmp_path / "gw.db"),
-        retry_base_ms=5,
-        **kw,
-    )
-    return Gateway(cfg).start()
+    return start_gateway(upstreams, tmp_path / "gw.db", retry_base_ms=5, **kw)
 
 
 @pytest.fixture
@@ -291,9 +284,7 @@ def test_pause_drain_resume(client: GatewayClient, engine: FakeEngine) -> None:
 
     t = threading.Thread(target=slow_call)
     t.start()
-    deadline = time.time() + 5
-    while client.state()["in_flight"] == 0 and time.time() < deadline:
-        time.sleep(0.005)
+    wait_until(lambda: client.state()["in_flight"], "the slow call in flight", every=0.005)
     st = client.pause(drain=True, timeout_s=10)
     # pause() returned only after the in-flight stream finished.
     assert st["paused"] and st["drained"] and st["in_flight"] == 0
@@ -327,13 +318,7 @@ def test_client_disconnect_records_aborted(
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
-    deadline = time.time() + 5
-    recs: list[lightning.CallRecord] = []
-    while time.time() < deadline:
-        recs = client.records(r.id)
-        if recs:
-            break
-        time.sleep(0.02)
+    recs = wait_until(lambda: client.records(r.id), "the aborted call's record")
     assert len(recs) == 1
     rec = recs[0]
     assert rec.status == "aborted" and not rec.delivered

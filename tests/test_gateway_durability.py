@@ -30,6 +30,7 @@ import openai
 import pytest
 
 from fake_vllm import FakeEngine
+from gateways import serving, wait_until
 from lightning import GatewayClient, Store
 from lightning.client import GatewayRequestError
 
@@ -60,15 +61,12 @@ def launch(
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/healthz", timeout=0.5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("gateway did not come up")
+    try:
+        wait_until(lambda: serving(url), "the gateway to come up", timeout=20, every=0.05)
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc, url
 
 
 def test_sigterm_drains_and_exits_cleanly(engine: FakeEngine, tmp_path: Path) -> None:
@@ -264,9 +262,12 @@ def kill_round(
     load = threading.Thread(target=load_round, args=(url, rollouts, round_, acked, stop))
     before = sum(len(v) for v in acked.calls.values())
     load.start()
-    deadline = time.time() + 30
-    while sum(len(v) for v in acked.calls.values()) < before + 6 and time.time() < deadline:
-        time.sleep(0.01)
+    wait_until(
+        lambda: sum(len(v) for v in acked.calls.values()) >= before + 6,
+        f"round {round_}: six acknowledged calls",
+        timeout=30,
+        every=0.01,
+    )
     time.sleep(rng.uniform(0.0, 0.4))  # a random moment: mid-stream, mid-commit, mid-post
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(5)
@@ -332,9 +333,7 @@ def test_full_disk_refuses_work_and_recovers(engine: FakeEngine, tmp_path: Path)
         threads = [threading.Thread(target=inflight, args=(k,)) for k in range(6)]
         for t in threads:
             t.start()
-        deadline = time.time() + 10
-        while c.state()["in_flight"] < 6 and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: c.state()["in_flight"] >= 6, "six calls in flight", every=0.01)
         assert c.state()["in_flight"] == 6
         set_fsize(proc.pid, 0)
         for t in threads:
@@ -360,9 +359,7 @@ def test_full_disk_refuses_work_and_recovers(engine: FakeEngine, tmp_path: Path)
         assert (refused.value.status, refused.value.code) == (503, "store_unavailable")
         # The disk frees up: the gateway notices by itself and serves again.
         set_fsize(proc.pid, resource.RLIM_INFINITY)
-        deadline = time.time() + 10
-        while health(url)[0] != 200 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: health(url)[0] == 200, "the gateway to recover", every=0.05)
         assert health(url)[1]["store"] == {"writable": True, "error": None}
         acked += [ask(oa, an, k, f"after {k} [[len:{LEN}]]") for k in range(6)]
         seq = c.reward(r.id, 2.0)
@@ -398,9 +395,9 @@ def test_full_disk_can_serve_unrecorded(engine: FakeEngine, tmp_path: Path) -> N
                 metrics = httpx.get(url + "/metrics", timeout=5).text
                 assert "\nlightning_unrecorded_calls_total 1\n" in metrics
                 set_fsize(proc.pid, resource.RLIM_INFINITY)
-                deadline = time.time() + 10
-                while health(url)[1]["status"] != "ok" and time.time() < deadline:
-                    time.sleep(0.05)
+                wait_until(
+                    lambda: health(url)[1]["status"] == "ok", "the store to recover", every=0.05
+                )
                 last = ask(oa, None, 1, "last [[len:8]]")  # type: ignore[arg-type]
     finally:
         stop_process(proc)

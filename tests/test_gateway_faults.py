@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ import pytest
 
 import lightning
 from fake_vllm import FakeEngine
-from lightning import Gateway, GatewayClient, GatewayConfig
+from gateways import start_gateway, wait_until
+from lightning import GatewayClient
 
 MSGS = [{"role": "user", "content": "hi [[len:6]]"}]
 
@@ -36,8 +36,7 @@ def engine() -> Iterator[FakeEngine]:
 def gw(engine: FakeEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     db = Path(tmp_path_factory.mktemp("faults")) / "gw.db"
     # No gateway retries: each injected fault reaches the harness.
-    cfg = GatewayConfig(listen="127.0.0.1:0", upstreams=[engine.url], db=str(db), max_retries=0)
-    h = Gateway(cfg).start()
+    h = start_gateway([engine.url], db, max_retries=0)
     yield h
     h.stop()
 
@@ -134,15 +133,11 @@ def test_fault_is_typed_recorded_and_survived(
 @pytest.mark.parametrize("stall", ["before_headers", "mid_stream"])
 @pytest.mark.parametrize("proto", list(PROTOCOLS))
 def test_stall_past_the_timeout(engine: FakeEngine, tmp_path: Path, proto: str, stall: str) -> None:
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=[engine.url],
-        db=str(tmp_path / "gw.db"),
-        max_retries=0,
-        upstream_timeout_s=0.5,
-    )
     call = PROTOCOLS[proto]
-    with Gateway(cfg).start() as h, h.client() as c:
+    with (
+        start_gateway([engine.url], tmp_path / "gw.db", max_retries=0, upstream_timeout_s=0.5) as h,
+        h.client() as c,
+    ):
         r = c.create_rollout()
         sdk = ANTHROPIC if proto == "messages" else OPENAI
         try:
@@ -192,23 +187,19 @@ def assert_error_shape(proto: str, resp: httpx.Response, status: int) -> None:
 
 
 def wait_for_records(client: GatewayClient, rollout: str, n: int) -> list[Any]:
-    deadline = time.time() + 10
-    while time.time() < deadline:
+    def enough() -> list[Any] | None:
         recs = client.records(rollout)
-        if len(recs) >= n:
-            return recs
-        time.sleep(0.02)
-    raise AssertionError(f"{rollout}: fewer than {n} records after 10 s")
+        return recs if len(recs) >= n else None
+
+    return wait_until(enough, f"{n} records of {rollout}")
 
 
 def wait_for_cancel(engine: FakeEngine, before: int) -> int:
-    deadline = time.time() + 10
-    while time.time() < deadline:
+    def cancelled() -> list[Any] | None:
         cancels = engine.log()["cancels"]
-        if len(cancels) > before:
-            return int(cancels[-1])
-        time.sleep(0.02)
-    raise AssertionError("the engine never saw the request cancelled")
+        return cancels if len(cancels) > before else None
+
+    return int(wait_until(cancelled, "the engine to see the request cancelled")[-1])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -252,15 +243,9 @@ def test_harness_hangs_up_mid_answer(
 @pytest.fixture(scope="module")
 def small_gw(engine: FakeEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     db = Path(tmp_path_factory.mktemp("small")) / "gw.db"
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=[engine.url],
-        db=str(db),
-        max_retries=0,
-        max_body_bytes=32_768,
-        max_upstream_answer_bytes=16_384,
+    h = start_gateway(
+        [engine.url], db, max_retries=0, max_body_bytes=32_768, max_upstream_answer_bytes=16_384
     )
-    h = Gateway(cfg).start()
     yield h
     h.stop()
 
@@ -340,10 +325,7 @@ def run_all(r: lightning.Rollout, text: str) -> tuple[list[threading.Thread], di
 
 
 def wait_in_flight(c: GatewayClient, n: int) -> None:
-    deadline = time.time() + 10
-    while c.state()["in_flight"] < n and time.time() < deadline:
-        time.sleep(0.01)
-    assert c.state()["in_flight"] >= n
+    wait_until(lambda: c.state()["in_flight"] >= n, f"{n} calls in flight", every=0.01)
 
 
 def test_upstream_list_changes_under_calls_in_flight(engine: FakeEngine, tmp_path: Path) -> None:
@@ -351,15 +333,9 @@ def test_upstream_list_changes_under_calls_in_flight(engine: FakeEngine, tmp_pat
     started them (and record its weight version), new calls go to the new list,
     an empty list refuses new calls in each protocol's shape, nothing is lost."""
     other = FakeEngine("B")
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=[{"url": engine.url, "weight_version": 1}],
-        db=str(tmp_path / "gw.db"),
-        max_retries=0,
-    )
     slow = "in flight [[len:20]] [[slow:0.05]]"
     try:
-        with Gateway(cfg).start() as h, h.client() as c:
+        with start_gateway(engine.url, tmp_path / "gw.db", max_retries=0) as h, h.client() as c:
             r = c.create_rollout()
             threads, inflight = run_all(r, slow)
             wait_in_flight(c, len(KINDS))

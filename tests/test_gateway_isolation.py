@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from fake_vllm import FakeEngine
+from gateways import serving, wait_until
 from lightning import GatewayClient
 
 ADMIN = "isolation-admin-key-0123456789"
@@ -66,16 +66,12 @@ def launch(tmp: Path, *flags: str, listen: str | None = None) -> subprocess.Pope
 
 
 def wait_up(proc: subprocess.Popen[bytes], url: str) -> None:
-    deadline = time.time() + 20
-    while time.time() < deadline:
+    def up() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/healthz", timeout=0.5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise RuntimeError("gateway did not come up")
+        return serving(url)
+
+    wait_until(up, "the gateway to come up", timeout=20, every=0.05)
 
 
 def start(tmp: Path, upstream: str, *flags: str) -> Gw:

@@ -21,7 +21,7 @@ import pytest
 
 import lightning
 from fake_vllm import FakeEngine
-from lightning import Gateway, GatewayConfig
+from gateways import start_gateway, wait_until
 
 MSGS: list[Any] = [{"role": "user", "content": "hi [[len:4]]"}]
 
@@ -35,14 +35,7 @@ def engine() -> Iterator[FakeEngine]:
 
 def start(engine: FakeEngine, tmp_path: Path, **limits: Any) -> lightning.GatewayHandle:
     engine.reset()
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0",
-        upstreams=[engine.url],
-        db=str(tmp_path / "gw.db"),
-        max_retries=0,
-        **limits,
-    )
-    return Gateway(cfg).start()
+    return start_gateway([engine.url], tmp_path / "gw.db", max_retries=0, **limits)
 
 
 def oa(r: lightning.Rollout) -> openai.OpenAI:
@@ -60,14 +53,6 @@ def chat(r: lightning.Rollout, stream: bool = False) -> str:
             return answer.choices[0].message.content or ""
         parts = c.chat.completions.create(model="m", messages=MSGS, stream=True)
         return "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
-
-
-def wait_for(pred: Any, what: str, timeout: float = 20.0) -> None:
-    deadline = time.time() + timeout
-    while not pred():
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def refused_on_every_protocol(r: lightning.Rollout, needle: str) -> None:
@@ -101,7 +86,7 @@ def test_calls_in_flight_are_limited_per_rollout_and_overall(
         a, b, idle = c.create_rollout(), c.create_rollout(), c.create_rollout()
         engine.control(delay_s=4.0)
         held = [pool.submit(chat, a), pool.submit(chat, b)]
-        wait_for(lambda: engine.log()["requests"] == 2, "two calls at the engine")
+        wait_until(lambda: engine.log()["requests"] == 2, "two calls at the engine", timeout=20)
         refused_on_every_protocol(a, "max_calls_per_rollout")
         # `idle` has nothing in flight, but the gateway as a whole is full.
         refused_on_every_protocol(idle, "max_concurrent_calls")

@@ -26,6 +26,7 @@ import openai
 import pytest
 
 from fake_vllm import FakeEngine
+from gateways import serving, wait_until
 from lightning import GatewayClient, GatewayRequestError, LightningError
 
 ADMIN = "online-admin-key"
@@ -61,15 +62,11 @@ class Gw:
         self.log = db.with_suffix(f".{self.port}.log")
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=0.5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        self.proc.kill()
-        raise RuntimeError(f"gateway did not come up: {self.log.read_text()}")
+        try:
+            wait_until(lambda: serving(self.url), "the gateway to come up", timeout=30, every=0.05)
+        except AssertionError:
+            self.proc.kill()
+            raise RuntimeError(f"gateway did not come up: {self.log.read_text()}") from None
 
     def admin(self, method: str, path: str, body: Any = None) -> httpx.Response:
         return httpx.request(
@@ -263,9 +260,7 @@ def test_production_service_sessions_feedback_and_kill9(engine: FakeEngine, tmp_
         t.start()
     # Kill once traffic has been acknowledged (however slow the machine), with
     # more still in flight.
-    deadline = time.monotonic() + 60
-    while not inflight_acked and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: inflight_acked, "acknowledged traffic", timeout=60, every=0.05)
     time.sleep(0.2)
     gw.kill9()
     stop.set()

@@ -28,6 +28,7 @@ import openai
 import pytest
 
 from fake_vllm import FakeEngine
+from gateways import wait_until
 from lightning import GatewayClient, GatewayRequestError
 from test_online import Gw, db_rows, feedback, new_key
 
@@ -430,9 +431,12 @@ def test_kill9_keeps_acknowledged_sessions_and_feedback(
         t.start()
     # Kill once calls and feedback have been acknowledged (however slow the
     # machine), with more still in flight.
-    deadline = time.monotonic() + 60
-    while not (crash_calls and len(fb_acked) > n_users) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(
+        lambda: crash_calls and len(fb_acked) > n_users,
+        "acknowledged calls and feedback",
+        timeout=60,
+        every=0.05,
+    )
     time.sleep(0.2)
     gw.kill9()
     stop.set()

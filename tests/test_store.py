@@ -14,7 +14,8 @@ import pytest
 
 import lightning
 from fake_vllm import FakeEngine
-from lightning import Gateway, GatewayClient, GatewayConfig, Store
+from gateways import start_gateway
+from lightning import GatewayClient, Store
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,7 @@ def recorded(engine: FakeEngine, tmp_path_factory: pytest.TempPathFactory) -> It
     """Two groups of two rollouts; rewards on three of them; the second group's
     later calls served by weight version 5."""
     db = tmp_path_factory.mktemp("store") / "gw.db"
-    cfg = GatewayConfig(
-        listen="127.0.0.1:0", upstreams=[{"url": engine.url, "weight_version": 3}], db=str(db)
-    )
-    with Gateway(cfg).start() as gw, gw.client() as client:
+    with start_gateway(engine.url, db, weight_version=3) as gw, gw.client() as client:
         ids = []
         for g, rewards in (("g0", [1.0, 0.0]), ("g1", [0.5, None])):
             for k, reward in enumerate(rewards):

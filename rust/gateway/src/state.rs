@@ -157,16 +157,27 @@ impl State {
         }
     }
 
+    /// Runs a store read on tokio's blocking pool: SQLite reads must not stall
+    /// the async workers that forward calls.
+    pub async fn read_store<T, F>(self: &Arc<Self>, read: F) -> Result<T, ApiError>
+    where
+        F: FnOnce(&Store) -> Result<T, GatewayError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let st = self.clone();
+        tokio::task::spawn_blocking(move || read(&st.store))
+            .await
+            .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))?
+            .map_err(ApiError::from)
+    }
+
     /// The rollout with this id, from memory or the store.
     pub async fn rollout(self: &Arc<Self>, id: &str) -> Result<Arc<RolloutInfo>, ApiError> {
         if let Some(r) = self.cached(id) {
             return Ok(r);
         }
-        let st = self.clone();
         let key = id.to_string();
-        let row = tokio::task::spawn_blocking(move || st.store.get_rollout(&key))
-            .await
-            .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+        let row = self.read_store(move |s| s.get_rollout(&key)).await?;
         match row {
             Some(row) => Ok(self.cache(&row)),
             None => Err(ApiError::not_found(
@@ -184,11 +195,10 @@ impl State {
         if let Some(id) = id {
             return self.rollout(&id).await.map(Some);
         }
-        let st = self.clone();
         let key = hash.to_string();
-        let row = tokio::task::spawn_blocking(move || st.store.rollout_by_token_hash(&key))
-            .await
-            .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+        let row = self
+            .read_store(move |s| s.rollout_by_token_hash(&key))
+            .await?;
         Ok(row.map(|r| self.cache(&r)))
     }
 

@@ -232,12 +232,10 @@ pub async fn key_rollout(
     let key = match cached {
         Some(k) => k,
         None => {
-            let st2 = st.clone();
             let h = hash.to_string();
-            let row =
-                tokio::task::spawn_blocking(move || st2.store.read(|c| db::key_by_hash(c, &h)))
-                    .await
-                    .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+            let row = st
+                .read_store(move |s| s.read(|c| db::key_by_hash(c, &h)))
+                .await?;
             let Some(row) = row else { return Ok(None) };
             let k = Arc::new(AppKey::from_row(&row));
             if let Ok(mut m) = st.online_keys.by_hash.write() {
@@ -288,11 +286,10 @@ pub fn bind_call(info: Arc<RolloutInfo>, headers: &HeaderMap, body: &Bytes) -> A
 /// The state a protocol continues from (`previous_response_id`), looked up
 /// among this key's sessions, or 404.
 pub async fn load_history(st: &Arc<State>, key_id: &str, id: &str) -> Result<Value, ApiError> {
-    let st2 = st.clone();
     let (k, i) = (key_id.to_string(), id.to_string());
-    let state = tokio::task::spawn_blocking(move || st2.store.read(|c| db::kept_state(c, &k, &i)))
-        .await
-        .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    let state = st
+        .read_store(move |s| s.read(|c| db::kept_state(c, &k, &i)))
+        .await?;
     state.ok_or_else(|| {
         ApiError::not_found(
             "previous_response_not_found",

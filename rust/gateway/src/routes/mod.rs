@@ -173,11 +173,8 @@ async fn harness_route(
     match v1 {
         V1::Models => proxy::forward::models(st).await,
         V1::GetResponse(id) => {
-            let st2 = st.clone();
             let key = id.clone();
-            let row = tokio::task::spawn_blocking(move || st2.store.kept(&info.id, &key))
-                .await
-                .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+            let row = st.read_store(move |s| s.kept(&info.id, &key)).await?;
             match row {
                 Some((object, _)) => Ok(json_response(200, &object)),
                 None => Err(ApiError::not_found(

@@ -63,10 +63,7 @@ pub async fn list_keys(
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
     st.require_admin(req.headers())?;
-    let st2 = st.clone();
-    let rows = tokio::task::spawn_blocking(move || st2.store.read(db::list_keys))
-        .await
-        .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    let rows = st.read_store(|s| s.read(db::list_keys)).await?;
     Ok(json_response(200, &json!({ "keys": rows })))
 }
 
@@ -127,11 +124,9 @@ pub async fn list_sessions(
         with_feedback: flag("feedback")?,
         limit,
     };
-    let st2 = st.clone();
-    let rows =
-        tokio::task::spawn_blocking(move || st2.store.read(|c| db::list_sessions(c, &filter)))
-            .await
-            .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    let rows = st
+        .read_store(move |s| s.read(|c| db::list_sessions(c, &filter)))
+        .await?;
     Ok(json_response(200, &json!({ "sessions": rows })))
 }
 

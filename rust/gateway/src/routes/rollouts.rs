@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::auth;
-use crate::error::{ApiError, GatewayError};
+use crate::error::ApiError;
 use crate::http::{full, json_response, parse_json, Body};
 use crate::state::State;
 use crate::store::NewRollout;
@@ -36,13 +36,9 @@ pub async fn list(
         .get("limit")
         .and_then(|s| s.parse::<i64>().ok())
         .unwrap_or(10_000);
-    let st2 = st.clone();
-    let rows = tokio::task::spawn_blocking(move || {
-        st2.store
-            .list_rollouts(status.as_deref(), group.as_deref(), limit)
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    let rows = st
+        .read_store(move |s| s.list_rollouts(status.as_deref(), group.as_deref(), limit))
+        .await?;
     Ok(json_response(200, &json!({ "rollouts": rows })))
 }
 
@@ -53,16 +49,10 @@ pub async fn get(
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
     st.authorize(req.headers(), id).await?;
-    let st2 = st.clone();
     let key = id.to_string();
-    let (row, (n_calls, reward)) = tokio::task::spawn_blocking(move || {
-        Ok::<_, GatewayError>((
-            st2.store.get_rollout(&key)?,
-            st2.store.rollout_summary(&key)?,
-        ))
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    let (row, (n_calls, reward)) = st
+        .read_store(move |s| Ok((s.get_rollout(&key)?, s.rollout_summary(&key)?)))
+        .await?;
     let row = row.ok_or_else(|| {
         ApiError::not_found(
             "rollout_not_found",
@@ -185,11 +175,8 @@ pub async fn events(
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
     let info = st.authorize(req.headers(), id).await?;
-    let st2 = st.clone();
     let key = info.id.clone();
-    let events = tokio::task::spawn_blocking(move || st2.store.events(&key))
-        .await
-        .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    let events = st.read_store(move |s| s.events(&key)).await?;
     Ok(json_response(
         200,
         &json!({"rollout_id": info.id, "events": events}),
@@ -209,11 +196,8 @@ pub async fn trace(
         .map(String::as_str)
         .unwrap_or("json")
         .to_string();
-    let st2 = st.clone();
     let key = info.id.clone();
-    let calls = tokio::task::spawn_blocking(move || st2.store.trace(&key))
-        .await
-        .map_err(|e| ApiError::internal(format!("reader task failed: {e}")))??;
+    let calls = st.read_store(move |s| s.trace(&key)).await?;
     match format.as_str() {
         "json" => Ok(json_response(
             200,
