@@ -83,8 +83,7 @@ def test_sigterm_drains_and_exits_cleanly(engine: FakeEngine, tmp_path: Path) ->
 
     t = threading.Thread(target=slow)
     t.start()
-    while c.state()["in_flight"] == 0:
-        time.sleep(0.005)
+    wait_until(lambda: c.state()["in_flight"], "the slow call in flight", every=0.005)
     proc.send_signal(signal.SIGTERM)
     t.join(10)
     oa.close()
