@@ -11,7 +11,7 @@ export LIGHTNING_CACHE ?= $(HOME)/.cache/lightning
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 DEPS_STAMP := $(VENV)/.lightning-deps-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv deps build test lint rust-test py-test demo demo-online bench fmt clean
+.PHONY: venv deps build test lint rust-test py-test demo demo-online bench fuzz fmt clean
 
 venv: $(DEPS_STAMP)
 
@@ -76,3 +76,14 @@ fmt: venv
 
 clean:
 	rm -rf target $(VENV)
+
+# Coverage-guided fuzzing of the gateway's parsers, by hand (nightly + cargo-fuzz:
+# `cargo install cargo-fuzz`). `make test` checks the same properties on stable
+# with bounded proptest runs; this runs each target FUZZ_SECONDS from the seeds.
+FUZZ_SECONDS ?= 180
+FUZZ_TARGETS := sse_framing engine_answer harness_request engine_to_harness stored_trace
+fuzz:
+	cd rust/gateway/fuzz && for t in $(FUZZ_TARGETS); do \
+	  mkdir -p corpus/$$t && cp seeds/$$t/* corpus/$$t/ && \
+	  cargo +nightly fuzz run -O $$t corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) \
+	    -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1 || exit 1; done

@@ -8,14 +8,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 import lightning
 from fake_vllm import FakeEngine
 from gateways import start_gateway
-from lightning import GatewayClient, Store
+from lightning import GatewayClient, LightningError, Store
+from lightning.client import decode_columnar
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +31,15 @@ def engine() -> Iterator[FakeEngine]:
 
 def conversation(rollout: lightning.Rollout, turns: int, tag: str) -> None:
     """A multi-turn chat: every answer goes back as context of the next call."""
-    sdk = openai.OpenAI(base_url=rollout.base_url, api_key=rollout.token)
     messages: list[Any] = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": f"{tag} [[len:5]]"},
     ]
-    for t in range(turns):
-        resp = sdk.chat.completions.create(model="m", messages=messages)
-        messages.append({"role": "assistant", "content": resp.choices[0].message.content})
-        messages.append({"role": "user", "content": f"more {t} [[len:4]]"})
+    with openai.OpenAI(base_url=rollout.base_url, api_key=rollout.token) as sdk:
+        for t in range(turns):
+            resp = sdk.chat.completions.create(model="m", messages=messages)
+            messages.append({"role": "assistant", "content": resp.choices[0].message.content})
+            messages.append({"role": "user", "content": f"more {t} [[len:4]]"})
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +132,66 @@ def test_http_path_returns_the_same_batch(recorded: Any) -> None:
     for x, y in zip(a.samples, b.samples, strict=True):
         for field in ("tokens", "weights", "call_index", "weight_version"):
             np.testing.assert_array_equal(getattr(x, field), getattr(y, field))
+
+
+def columnar(gw: Any, rollout_id: str) -> bytes:
+    r = httpx.get(
+        f"{gw.url}/rollouts/{rollout_id}/trace?format=columnar",
+        headers={"Authorization": f"Bearer {gw.admin_key}"},
+    )
+    r.raise_for_status()
+    return r.content
+
+
+def test_columnar_trace_decodes_to_the_stored_records(recorded: Any) -> None:
+    gw, db, ids = recorded
+    with Store(db) as store:
+        for rid in ids:
+            got, want = decode_columnar(columnar(gw, rid)), store.records(rid)
+            assert [r.seq for r in got] == [r.seq for r in want] and len(got) > 0
+            for x, y in zip(got, want, strict=True):
+                np.testing.assert_array_equal(x.prompt_ids, y.prompt_ids)
+                np.testing.assert_array_equal(x.completion_ids, y.completion_ids)
+                np.testing.assert_array_equal(x.logprobs, y.logprobs)
+
+
+@pytest.fixture(scope="module")
+def trace_bytes(recorded: Any) -> bytes:
+    gw, _, ids = recorded
+    return columnar(gw, ids[2])
+
+
+# A trace cut off inside its header, just after it, and one byte short.
+@example(cut=13, flips=[])
+@example(cut=-4, flips=[])
+@example(cut=-1, flips=[])
+@example(cut=None, flips=[(14, 0x2D)])  # a '-' into the header's JSON
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    cut=st.none() | st.integers(-64, 4096),
+    flips=st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 255)), max_size=4),
+)
+def test_a_damaged_columnar_trace_is_a_lightning_error(
+    trace_bytes: bytes, cut: int | None, flips: list[tuple[int, int]]
+) -> None:
+    """A trace from another machine may arrive cut off or damaged: decoding it
+    gives whole records or a ``LightningError``, never another exception or
+    arrays silently shorter than the header says."""
+    buf = bytearray(trace_bytes if cut is None else trace_bytes[:cut])
+    for at, value in flips:
+        if buf:
+            buf[at % len(buf)] = value
+    try:
+        records = decode_columnar(bytes(buf))
+    except LightningError:
+        return
+    for r in records:
+        if r.completion_ids is not None and r.logprobs is not None:
+            assert len(r.logprobs) == len(r.completion_ids)
+    if len(buf) < len(trace_bytes):
+        raise AssertionError(f"a trace cut to {len(buf)} of {len(trace_bytes)} bytes decoded")
 
 
 def test_store_reads_records_events_and_rewards(recorded: Any) -> None:

@@ -117,9 +117,21 @@ class CallRecord:
 
 
 def decode_columnar(buf: bytes, group: str | None = None) -> list[CallRecord]:
-    """Decodes ``GET /rollouts/{id}/trace?format=columnar`` (see rust/gateway/src/columnar.rs)."""
+    """Decodes ``GET /rollouts/{id}/trace?format=columnar`` (see rust/gateway/src/columnar.rs).
+
+    A trace comes over the network from a gateway that may be another version
+    or cut off mid-body: anything that is not exactly one well-formed trace
+    raises ``LightningError`` (never a bare struct/JSON/numpy error, and never
+    a silently short or shifted array)."""
     if buf[:4] != b"LTRC":
         raise LightningError("not a lightning columnar trace (bad magic)")
+    try:
+        return _decode_columnar(buf, group)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+        raise LightningError(f"malformed columnar trace ({len(buf)} bytes): {e!r}") from e
+
+
+def _decode_columnar(buf: bytes, group: str | None) -> list[CallRecord]:
     version, hlen = struct.unpack_from("<II", buf, 4)
     if version != 1:
         raise LightningError(
@@ -127,9 +139,18 @@ def decode_columnar(buf: bytes, group: str | None = None) -> list[CallRecord]:
         )
     header = json.loads(buf[12 : 12 + hlen])
     metas = header["calls"]
+    for m in metas:
+        for key in ("prompt_len", "completion_len"):
+            if type(m[key]) is not int or m[key] < 0:
+                raise ValueError(f"call {m.get('seq')}: {key} {m[key]!r} is not a count")
     off = 12 + hlen
     np_total = sum(m["prompt_len"] for m in metas)
     nc_total = sum(m["completion_len"] for m in metas)
+    if len(buf) != off + 4 * (np_total + 2 * nc_total):
+        raise ValueError(
+            f"header announces {np_total} prompt and {nc_total} completion tokens, "
+            f"body holds {len(buf) - off} bytes"
+        )
     prompts = np.frombuffer(buf, dtype="<u4", count=np_total, offset=off)
     off += 4 * np_total
     comps = np.frombuffer(buf, dtype="<u4", count=nc_total, offset=off)

@@ -21,6 +21,8 @@ pub mod cli;
 pub mod columnar;
 pub mod config;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod http;
 pub mod limits;
 pub mod metrics;
