@@ -3,8 +3,14 @@
 //! logprobs), as JSON or as an SSE stream when the request has `"stream":true`.
 //! It does no work per request, so its own capacity is far above the gateway's.
 //!
-//! `cargo run --release -p lightning-gateway --example static_upstream -- PORT [COMPLETION_TOKENS]`
+//! `cargo run --release -p lightning-gateway --example static_upstream -- PORT [COMPLETION_TOKENS] [unique]`
 //! (default 200 completion tokens: one SSE event each when streamed).
+//!
+//! `unique` (the soak bench): a request whose body holds a nonce `#n=DIGITS#`
+//! gets an answer of its own: the nonce, zero-padded to 10 digits, is the text
+//! of the first completion token and the nonce itself its token id, so a
+//! client can tell its answer from any other and the store's ids can be
+//! checked byte for byte against what this engine sent.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -17,14 +23,21 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 const PROMPT: usize = 1000;
+/// Stand-ins for a request's nonce in `unique` mode (see the module doc).
+const TEXT_SLOT: &str = "QQQQQQQQQQ";
+const ID_SLOT: u32 = u32::MAX;
 
-fn bodies(completion: usize) -> (Bytes, Bytes) {
+fn bodies(completion: usize, unique: bool) -> (Bytes, Bytes) {
     let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| 1000 + i * 7 % 30000).collect();
-    let ids: Vec<u32> = (0..completion as u32)
+    let mut ids: Vec<u32> = (0..completion as u32)
         .map(|i| 500 + i * 13 % 30000)
         .collect();
     let lp = |i: usize| -((i % 17) as f64) / 8.0;
-    let content: String = (0..completion).map(|_| "x").collect();
+    let mut tokens: Vec<&str> = vec!["x"; completion];
+    if unique && completion > 0 {
+        (ids[0], tokens[0]) = (ID_SLOT, TEXT_SLOT);
+    }
+    let content: String = tokens.concat();
     let whole = json!({
         "id": "chatcmpl-static", "object": "chat.completion", "created": 0, "model": "static",
         "prompt_token_ids": prompt,
@@ -43,7 +56,7 @@ fn bodies(completion: usize) -> (Bytes, Bytes) {
     sse.push_str(&format!("data: {first}\n\n"));
     for (i, id) in ids.iter().enumerate() {
         let c = json!({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "static",
-            "choices": [{"index": 0, "delta": {"content": "x"},
+            "choices": [{"index": 0, "delta": {"content": tokens[i]},
                 "logprobs": {"content": [{"token": "x", "logprob": lp(i), "bytes": [120], "top_logprobs": []}]},
                 "finish_reason": if i + 1 == completion { json!("length") } else { json!(null) }, "token_ids": [id]}]});
         sse.push_str(&format!("data: {c}\n\n"));
@@ -52,6 +65,39 @@ fn bodies(completion: usize) -> (Bytes, Bytes) {
         "usage": {"prompt_tokens": PROMPT, "completion_tokens": completion, "total_tokens": PROMPT + completion}});
     sse.push_str(&format!("data: {usage}\n\ndata: [DONE]\n\n"));
     (Bytes::from(whole.to_string()), Bytes::from(sse))
+}
+
+/// The nonce of a request body (`#n=DIGITS#`), if any.
+fn nonce(body: &[u8]) -> Option<u64> {
+    let at = memchr::memmem::find(body, b"#n=")? + 3;
+    let digits = body[at..].iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&body[at..at + digits])
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// The template with its slots filled by this nonce.
+fn fill(template: &Bytes, n: u64) -> Bytes {
+    let text = format!("{n:010}");
+    let id = n.to_string();
+    let mut out = Vec::with_capacity(template.len() + 16);
+    let mut rest = &template[..];
+    let slots: [(&[u8], &[u8]); 2] = [
+        (TEXT_SLOT.as_bytes(), text.as_bytes()),
+        (b"4294967295", id.as_bytes()),
+    ];
+    while let Some((at, from, to)) = slots
+        .iter()
+        .filter_map(|(from, to)| memchr::memmem::find(rest, from).map(|at| (at, *from, *to)))
+        .min_by_key(|(at, _, _)| *at)
+    {
+        out.extend_from_slice(&rest[..at]);
+        out.extend_from_slice(to);
+        rest = &rest[at + from.len()..];
+    }
+    out.extend_from_slice(rest);
+    Bytes::from(out)
 }
 
 async fn answer(
@@ -65,11 +111,14 @@ async fn answer(
         .map(|c| c.to_bytes())
         .unwrap_or_default();
     let stream = body.windows(13).any(|w| w == b"\"stream\":true");
-    let (data, ct) = if stream {
+    let (mut data, ct) = if stream {
         (b.1.clone(), "text/event-stream")
     } else {
         (b.0.clone(), "application/json")
     };
+    if let Some(n) = nonce(&body) {
+        data = fill(&data, n);
+    }
     let mut r = Response::new(Full::new(data));
     r.headers_mut()
         .insert("content-type", hyper::header::HeaderValue::from_static(ct));
@@ -85,11 +134,12 @@ fn main() -> std::io::Result<()> {
         .nth(2)
         .and_then(|p| p.parse().ok())
         .unwrap_or(200);
+    let unique = std::env::args().nth(3).as_deref() == Some("unique");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let b = Arc::new(bodies(completion));
+        let b = Arc::new(bodies(completion, unique));
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
         println!("READY {}", listener.local_addr()?.port());
         loop {
