@@ -265,6 +265,27 @@ pub struct PackedTree {
 }
 
 impl PackedTree {
+    /// An empty forest with room for `tokens` tokens, `gens` generator
+    /// entries and `trees` trees.
+    pub fn with_capacity(tokens: usize, gens: usize, trees: usize) -> Self {
+        let mut gen_offsets = Vec::with_capacity(tokens + 1);
+        gen_offsets.push(0);
+        let mut tree_offsets = Vec::with_capacity(trees + 1);
+        tree_offsets.push(0);
+        PackedTree {
+            tokens: Vec::with_capacity(tokens),
+            parent: Vec::with_capacity(tokens),
+            depth: Vec::with_capacity(tokens),
+            weights: Vec::with_capacity(tokens),
+            logprobs: Vec::with_capacity(tokens),
+            gen_offsets,
+            gen_call: Vec::with_capacity(gens),
+            tree_offsets,
+            tree_keys: Vec::with_capacity(trees),
+            tree_call: Vec::with_capacity(trees),
+        }
+    }
+
     /// The first generating call of each token (input index), -1 for context.
     pub fn first_generator(&self) -> Vec<i32> {
         self.gen_offsets

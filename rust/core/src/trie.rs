@@ -431,6 +431,25 @@ impl TrieRef<'_, '_, '_> {
         }
     }
 
+    /// (tokens, generator entries) that `pack_into` appends, so the output
+    /// can be allocated once: growing six token-long vectors by doubling
+    /// copied each several times and faulted in twice the pages.
+    fn packed_size(&self, limit: usize) -> (usize, usize) {
+        let (mut tokens, mut gens) = (0usize, 0usize);
+        for n in self.nodes.iter().skip(1) {
+            let (start, end) = (n.start as usize, (n.end as usize).min(limit));
+            if start >= end {
+                continue;
+            }
+            tokens += end - start;
+            for g in &n.gens {
+                let (from, to) = ((g.from as usize).max(start), (g.to as usize).min(end));
+                gens += to.saturating_sub(from);
+            }
+        }
+        (tokens, gens)
+    }
+
     /// Append this trie as one tree of `out`, cut at `limit` tokens.
     fn pack_into(&self, limit: usize, out: &mut PackedTree) {
         // (node, next child, index of the node's last token in `out`)
@@ -807,16 +826,22 @@ pub fn pack(
         (true, Some(g)) => TreeKey::Group(g),
         _ => TreeKey::Rollout(c.rollout_id),
     });
-    let mut out = PackedTree {
-        gen_offsets: vec![0],
-        tree_offsets: vec![0],
-        ..PackedTree::default()
-    };
-    for (key, members) in &trees {
-        let mut trie = Trie::new(calls);
-        for &c in members {
-            trie.insert(c);
-        }
+    let tries: Vec<Trie<'_, '_>> = trees
+        .iter()
+        .map(|(_, members)| {
+            let mut trie = Trie::new(calls);
+            for &c in members {
+                trie.insert(c);
+            }
+            trie
+        })
+        .collect();
+    let (tokens, gens) = tries
+        .iter()
+        .map(|t| t.as_ref().packed_size(limit))
+        .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
+    let mut out = PackedTree::with_capacity(tokens, gens, trees.len());
+    for ((key, members), trie) in trees.iter().zip(&tries) {
         trie.as_ref().pack_into(limit, &mut out);
         out.tree_offsets.push(out.tokens.len() as i64);
         out.tree_call.push(members[0] as i32);
@@ -1172,6 +1197,12 @@ mod tests {
         assert_eq!(per_rollout.token_tree(), vec![0, 0, 0, 1, 1, 1, 2, 2, 2]);
         let cut = pack(&calls, Some(2), true).unwrap();
         assert_eq!(cut.tokens, vec![1, 2]);
+        // The output was sized exactly up front, cut or not.
+        for t in [&p, &per_rollout, &cut] {
+            assert_eq!(t.tokens.capacity(), t.tokens.len());
+            assert_eq!(t.gen_call.capacity(), t.gen_call.len());
+            assert_eq!(t.gen_offsets.capacity(), t.gen_offsets.len());
+        }
     }
 
     #[test]
