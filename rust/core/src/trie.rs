@@ -587,6 +587,40 @@ pub struct MergePlan {
 }
 
 impl MergePlan {
+    /// The per-rollout packed tree ([`pack`] without `across_rollouts`) from the
+    /// tries this plan already built, instead of inserting every call again.
+    /// `calls` must be the calls planned from; the output equals `pack`'s, as the
+    /// plan's rollouts are the same groups in the same order with the same
+    /// insertion order.
+    pub fn pack(
+        &self,
+        calls: &[CallView<'_>],
+        max_tokens: Option<usize>,
+    ) -> Result<PackedTree, CoreError> {
+        let limit = check(calls, max_tokens)?;
+        let tries: Vec<TrieRef<'_, '_, '_>> = self
+            .rollouts
+            .iter()
+            .map(|r| TrieRef {
+                calls,
+                nodes: &r.nodes,
+            })
+            .collect();
+        let (tokens, gens) = tries
+            .iter()
+            .map(|t| t.packed_size(limit))
+            .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
+        let mut out = PackedTree::with_capacity(tokens, gens, tries.len());
+        for (r, trie) in self.rollouts.iter().zip(&tries) {
+            trie.pack_into(limit, &mut out);
+            out.tree_offsets.push(out.tokens.len() as i64);
+            out.tree_call.push(r.first_call as i32);
+            out.tree_keys
+                .push(calls[r.first_call].rollout_id.to_string());
+        }
+        Ok(out)
+    }
+
     /// The kept samples, in output order. `calls` must be the calls planned from.
     pub fn samples<'p, 'a>(
         &'p self,
@@ -826,8 +860,10 @@ pub fn pack(
         (true, Some(g)) => TreeKey::Group(g),
         _ => TreeKey::Rollout(c.rollout_id),
     });
+    // Tries are independent: build them in parallel, then lay them out in order
+    // (so the output does not depend on the thread count).
     let tries: Vec<Trie<'_, '_>> = trees
-        .iter()
+        .par_iter()
         .map(|(_, members)| {
             let mut trie = Trie::new(calls);
             for &c in members {
@@ -1203,6 +1239,42 @@ mod tests {
             assert_eq!(t.gen_call.capacity(), t.gen_call.len());
             assert_eq!(t.gen_offsets.capacity(), t.gen_offsets.len());
         }
+    }
+
+    #[test]
+    fn plan_pack_lays_out_the_plans_tries_as_pack_builds_them() {
+        // Interleaved rollouts with a branch (r1's third call rewrites history),
+        // a duplicate, logprobs, and limits that cut inside prompts and completions.
+        let lp = [-0.5f32, -0.25];
+        let calls = [
+            call("r1", &[1, 2], &[3, 4], Some(&lp)),
+            call("r2", &[1, 2], &[5], None),
+            call("r1", &[1, 2, 3, 4, 6], &[7], None),
+            call("r2", &[1, 2, 5, 8], &[9, 10], Some(&lp)),
+            call("r1", &[1, 2, 9], &[7], None),
+            call("r2", &[1, 2, 5, 8], &[9, 10], Some(&lp)),
+        ];
+        for max_tokens in [None, Some(1), Some(3), Some(5), Some(100)] {
+            let p = plan(&calls, max_tokens).unwrap();
+            let from_plan = p.pack(&calls, max_tokens).unwrap();
+            let built = pack(&calls, max_tokens, false).unwrap();
+            // NaN marks untrained logprobs: compare those bit for bit.
+            let bits = |t: &PackedTree| t.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&from_plan), bits(&built), "{max_tokens:?}");
+            let strip = |t: &PackedTree| PackedTree {
+                logprobs: Vec::new(),
+                ..t.clone()
+            };
+            assert_eq!(strip(&from_plan), strip(&built), "{max_tokens:?}");
+            assert_eq!(from_plan.tree_keys, ["r1", "r2"]);
+            // Both were sized exactly up front (cuts and shared nodes included).
+            for t in [&from_plan, &built] {
+                assert_eq!(t.tokens.capacity(), t.tokens.len(), "{max_tokens:?}");
+                assert_eq!(t.gen_call.capacity(), t.gen_call.len(), "{max_tokens:?}");
+            }
+        }
+        let p = plan(&calls, None).unwrap();
+        assert!(p.pack(&calls, Some(0)).is_err());
     }
 
     #[test]

@@ -920,9 +920,16 @@ impl PyMergeResult {
         let views = views(&calls)?;
         let max_tokens = self.max_tokens;
         let index = &self.index;
+        let plan = &self.plan;
         let (t, rollout, group, version) = py
             .detach(|| {
-                let t = lightning_core::pack(&views, max_tokens, across_rollouts)?;
+                // Per rollout, the plan's tries are the trees: lay them out
+                // rather than build them again.
+                let t = if across_rollouts {
+                    lightning_core::pack(&views, max_tokens, true)?
+                } else {
+                    plan.pack(&views, max_tokens)?
+                };
                 let first = t.first_generator();
                 let tree_group: Vec<i32> = t
                     .tree_call
