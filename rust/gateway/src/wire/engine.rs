@@ -98,10 +98,10 @@ struct WireMessage {
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct WireLogprobs {
-    /// Chat: one entry per generated token.
-    content: Option<Vec<WireTokenLogprob>>,
+    /// Chat: one entry per generated token; only each entry's `logprob` is kept.
+    content: Option<LogprobList>,
     /// Completions: one value (or null) per generated token.
-    token_logprobs: Option<Vec<Option<f64>>>,
+    token_logprobs: Option<LogprobList>,
 }
 
 #[derive(Deserialize, Default)]
@@ -110,20 +110,79 @@ struct WireTokenLogprob {
     logprob: Option<f64>,
 }
 
-impl WireLogprobs {
-    fn values(&self) -> Option<Vec<f32>> {
-        if let Some(c) = &self.content {
-            return Some(
-                c.iter()
-                    .map(|t| t.logprob.map(|x| x as f32).unwrap_or(f32::NAN))
-                    .collect(),
-            );
+/// A list of logprobs read straight into `f32`s (NaN where the engine sent
+/// null): either chat entries (`{"logprob": x, "token": …, "top_logprobs": …}`,
+/// everything but `logprob` skipped unread) or bare numbers. No intermediate
+/// list of entries: the logprobs are most of a 26 KB answer's bytes.
+#[derive(Default)]
+struct LogprobList(Vec<f32>);
+
+impl<'de> Deserialize<'de> for LogprobList {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> serde::de::Visitor<'de> for Entries {
+            type Value = LogprobList;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of logprobs (numbers, nulls or {\"logprob\": …} objects)")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<LogprobList, A::Error> {
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+                while let Some(e) = seq.next_element::<LogprobEntry>()? {
+                    out.push(e.0.map(|x| x as f32).unwrap_or(f32::NAN));
+                }
+                Ok(LogprobList(out))
+            }
         }
-        self.token_logprobs.as_ref().map(|v| {
-            v.iter()
-                .map(|x| x.map(|x| x as f32).unwrap_or(f32::NAN))
-                .collect()
-        })
+        d.deserialize_seq(Entries)
+    }
+}
+
+/// One list entry: a number, null, or a chat `{"logprob": …}` object.
+struct LogprobEntry(Option<f64>);
+
+impl<'de> Deserialize<'de> for LogprobEntry {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Entry;
+        impl<'de> serde::de::Visitor<'de> for Entry {
+            type Value = LogprobEntry;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a logprob: a number, null or {\"logprob\": …}")
+            }
+            fn visit_f64<E>(self, x: f64) -> Result<LogprobEntry, E> {
+                Ok(LogprobEntry(Some(x)))
+            }
+            fn visit_i64<E>(self, x: i64) -> Result<LogprobEntry, E> {
+                Ok(LogprobEntry(Some(x as f64)))
+            }
+            fn visit_u64<E>(self, x: u64) -> Result<LogprobEntry, E> {
+                Ok(LogprobEntry(Some(x as f64)))
+            }
+            fn visit_unit<E>(self) -> Result<LogprobEntry, E> {
+                Ok(LogprobEntry(None))
+            }
+            fn visit_none<E>(self) -> Result<LogprobEntry, E> {
+                Ok(LogprobEntry(None))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<LogprobEntry, A::Error> {
+                let t = WireTokenLogprob::deserialize(
+                    serde::de::value::MapAccessDeserializer::new(map),
+                )?;
+                Ok(LogprobEntry(t.logprob))
+            }
+        }
+        d.deserialize_any(Entry)
+    }
+}
+
+impl WireLogprobs {
+    fn into_values(self) -> Option<Vec<f32>> {
+        self.content.or(self.token_logprobs).map(|l| l.0)
     }
 }
 
@@ -144,7 +203,7 @@ pub fn parse_answer(body: &[u8]) -> Result<Capture, String> {
         .into_iter()
         .enumerate()
         .map(|(i, c)| {
-            let logprobs = c.logprobs.as_ref().and_then(WireLogprobs::values);
+            let logprobs = c.logprobs.and_then(WireLogprobs::into_values);
             let text = c.message.and_then(|m| m.content).or(c.text);
             ChoiceCapture {
                 index: c.index.unwrap_or(i as i64),
@@ -219,7 +278,7 @@ impl StreamCapture {
             if let Some(ids) = c.token_ids.or(c.output_ids) {
                 slot.completion_ids.get_or_insert_with(Vec::new).extend(ids);
             }
-            if let Some(lp) = c.logprobs.as_ref().and_then(WireLogprobs::values) {
+            if let Some(lp) = c.logprobs.and_then(WireLogprobs::into_values) {
                 slot.logprobs.get_or_insert_with(Vec::new).extend(lp);
             }
             if let Some(fr) = c.finish_reason {
@@ -409,6 +468,29 @@ mod tests {
         assert_eq!(cap.choices[0].text.as_deref(), Some("ab"));
         let flags = check(Kind::Chat, &cap, true);
         assert_eq!(flags[0], vec!["ids_usage_mismatch".to_string()]);
+    }
+
+    #[test]
+    fn logprobs_read_as_f32_with_nan_for_null() {
+        // Completions: bare numbers and nulls; chat: objects whose other
+        // fields (escaped tokens, nested top_logprobs) are skipped unread.
+        let body = br#"{"choices":[{"index":0,"text":"ab","token_ids":[1,2,3],
+            "logprobs":{"token_logprobs":[-0.5,null,-2],"tokens":["a","b","c"]}}]}"#;
+        let cap = parse_answer(body).unwrap_or_default();
+        let lp = cap.choices[0].logprobs.clone().unwrap_or_default();
+        assert_eq!(lp.len(), 3);
+        assert_eq!((lp[0], lp[2]), (-0.5, -2.0));
+        assert!(lp[1].is_nan());
+        let body = br#"{"choices":[{"index":0,"message":{"content":"x"},"token_ids":[4,5],
+            "logprobs":{"content":[{"token":"\"q\"","top_logprobs":[{"token":"z","logprob":-9}],"logprob":-0.25},
+            {"token":"y","logprob":null}]}}]}"#;
+        let cap = parse_answer(body).unwrap_or_default();
+        let lp = cap.choices[0].logprobs.clone().unwrap_or_default();
+        assert_eq!(lp.len(), 2);
+        assert_eq!(lp[0], -0.25);
+        assert!(lp[1].is_nan());
+        // A logprob that is neither number, null nor object fails the parse.
+        assert!(parse_answer(br#"{"choices":[{"logprobs":{"token_logprobs":["x"]}}]}"#).is_err());
     }
 
     #[test]
