@@ -47,8 +47,22 @@ def client(gw: lightning.GatewayHandle) -> Iterator[GatewayClient]:
     c.close()
 
 
-def sdk(rollout: lightning.Rollout, **kw: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=rollout.base_url, api_key=rollout.token, **kw)
+_OPEN: list[openai.OpenAI] = []
+
+
+def sdk(rollout: lightning.Rollout, base_url: str | None = None, **kw: Any) -> openai.OpenAI:
+    """An SDK client for the rollout, closed when the test ends: one left to the
+    garbage collector reports its sockets during whichever test runs then."""
+    c = openai.OpenAI(base_url=base_url or rollout.base_url, api_key=rollout.token, **kw)
+    _OPEN.append(c)
+    return c
+
+
+@pytest.fixture(autouse=True)
+def _close_sdks() -> Iterator[None]:
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
 
 
 def assert_matches_engine(
@@ -111,7 +125,7 @@ def test_completions_and_bearer_route(
 ) -> None:
     r = client.create_rollout()
     # Harnesses that can only set an API key use /v1 with the rollout token.
-    oa = openai.OpenAI(base_url=gw.url + "/v1", api_key=r.token)
+    oa = sdk(r, base_url=gw.url + "/v1")
     resp = oa.completions.create(model="m", prompt="Once upon [[len:7]]", max_tokens=7)
     ans = engine.log()["answers"]
     assert resp.choices[0].text == ans[0]["choices"][0]["text"]
@@ -249,9 +263,8 @@ def test_auth_and_errors(client: GatewayClient, gw: lightning.GatewayHandle) -> 
         assert err["code"] == code and err["message"] and err["type"]
     # The SDK surfaces these as its own exception types.
     with pytest.raises(openai.PermissionDeniedError):
-        openai.OpenAI(base_url=a.base_url, api_key=b.token).chat.completions.create(
-            model="m", messages=MESSAGES
-        )
+        with openai.OpenAI(base_url=a.base_url, api_key=b.token) as oa:
+            oa.chat.completions.create(model="m", messages=MESSAGES)
 
 
 def test_body_limit(engine: FakeEngine, tmp_path: Path) -> None:
