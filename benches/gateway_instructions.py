@@ -27,7 +27,16 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_load import ADMIN, TARGET, build, commit, machine, request_body, wait_http
+from gateway_load import (
+    ADMIN,
+    TARGET,
+    build,
+    commit,
+    machine,
+    request_body,
+    stop_servers,
+    wait_http,
+)
 
 SECONDS = float(os.environ.get("GATEWAY_BENCH_SECONDS", "4"))
 
@@ -130,13 +139,8 @@ def main() -> int:
             for row in top_functions(tmp / f"{name}.out"):
                 print("  " + row.strip()[:150])
     finally:
-        gw.terminate()
-        gw.wait(60)
-        for p, _ in ups:
-            p.terminate()
-            p.wait(10)
-            if p.stdout:
-                p.stdout.close()
+        stop_servers(gw, timeout=60)
+        stop_servers(*(p for p, _ in ups))
     return 0
 
 

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -97,6 +98,18 @@ def request_body() -> bytes:
 
 def spawn(cpus: str, cmd: list[str], **kw: object) -> subprocess.Popen[str]:
     return subprocess.Popen(["taskset", "-c", cpus, *cmd], stdout=subprocess.PIPE, text=True, **kw)  # type: ignore[call-overload]
+
+
+def stop_servers(*procs: subprocess.Popen[Any], timeout: float = 30) -> None:
+    """Terminates the bench's servers (kill after ``timeout``) and closes their pipes."""
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        if p.stdout:
+            p.stdout.close()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -241,14 +254,7 @@ def main() -> int:
             "For scale (issue): a Python FastAPI + httpx gateway adds 3.5-5 ms per call and saturates near 150-200 calls/s on its core."
         )
     finally:
-        for p in (gw, upstream):
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-            if p.stdout:
-                p.stdout.close()
+        stop_servers(gw, upstream)
     return 0
 
 

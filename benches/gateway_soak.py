@@ -52,6 +52,7 @@ from gateway_load import (
     machine,
     rss_mb,
     spawn,
+    stop_servers,
     wait_http,
 )
 
@@ -95,7 +96,9 @@ def expected() -> tuple[bytes, np.ndarray, bytes]:
     """What the static engine sends (see ``bodies`` in static_upstream.rs)."""
     prompt = np.array([1000 + i * 7 % 30000 for i in range(PROMPT)], "<u4").tobytes()
     ids = np.array([500 + i * 13 % 30000 for i in range(COMPLETION)], "<u4")
-    lps = np.array([-((i % 17) / 8.0) for i in range(COMPLETION)], "<f4").tobytes()  # -0.0 first, as Rust
+    lps = np.array(
+        [-((i % 17) / 8.0) for i in range(COMPLETION)], "<f4"
+    ).tobytes()  # -0.0 first, as Rust
     return prompt, ids, lps
 
 
@@ -278,14 +281,7 @@ def main() -> int:
                 f"({(max(rest) - first) / first * 100:+.1f}% / {(min(rest) - first) / first * 100:+.1f}% of {first:.1f} MB)"
             )
     finally:
-        for p in (gw, upstream):
-            p.terminate()
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-            if p.stdout:
-                p.stdout.close()
+        stop_servers(gw, upstream)
     counts = verify(db, seen)
     print(
         f"\ncheck against the store ({db.stat().st_size / 1e6:.0f} MB):\n"
