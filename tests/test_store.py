@@ -4,6 +4,7 @@ process as the engine). The HTTP path must return the same objects."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,13 @@ def test_a_damaged_columnar_trace_is_a_lightning_error(
             assert len(r.logprobs) == len(r.completion_ids)
     if len(buf) < len(trace_bytes):
         raise AssertionError(f"a trace cut to {len(buf)} of {len(trace_bytes)} bytes decoded")
+
+
+def test_a_deeply_nested_columnar_header_is_a_lightning_error() -> None:
+    header = b"[" * 100_000  # json.loads gives up with RecursionError
+    buf = b"LTRC" + struct.pack("<II", 1, len(header)) + header
+    with pytest.raises(LightningError, match="malformed columnar trace"):
+        decode_columnar(buf)
 
 
 def test_store_reads_records_events_and_rewards(recorded: Any) -> None:

@@ -127,7 +127,7 @@ def decode_columnar(buf: bytes, group: str | None = None) -> list[CallRecord]:
         raise LightningError("not a lightning columnar trace (bad magic)")
     try:
         return _decode_columnar(buf, group)
-    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
         raise LightningError(f"malformed columnar trace ({len(buf)} bytes): {e!r}") from e
 
 
