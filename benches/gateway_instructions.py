@@ -5,8 +5,10 @@ through the closed-loop load generator (``examples/load.rs``). For each point
 the counters are zeroed after a warm-up, a few seconds of calls run, and the
 gateway's instructions (every thread: proxy, store writer, readers) are divided
 by the calls served. The per-SSE-event cost is the difference between streams
-of 400 and 200 completion events, over 200. The top functions by self cost are
-printed for the JSON and the stream point.
+of 400 and 200 completion events, over 200, for chat (the engine's stream passed
+through) and for the Responses and Messages adapters (the same engine stream
+translated event by event). The top functions by self cost are printed for the
+JSON and the stream point.
 
     python benches/gateway_instructions.py [GATEWAY_BINARY]   # default: this build
 
@@ -78,6 +80,24 @@ def measure(pid: int, url: str, body: Path, token: str, out: Path) -> tuple[int,
     return callgrind_totals(out), calls
 
 
+def translated_bodies(tmp: Path) -> dict[str, tuple[str, Path]]:
+    """The bench's conversation as a streamed Responses and Messages request."""
+    msgs = json.loads(request_body())["messages"]
+    turns = [m for m in msgs if m["role"] != "system"]
+    bodies = {
+        "responses": ("/v1/responses", {"model": "static", "stream": True, "max_output_tokens": 400,
+                                        "instructions": msgs[0]["content"], "input": turns}),
+        "messages": ("/v1/messages", {"model": "static", "stream": True, "max_tokens": 400,
+                                      "system": msgs[0]["content"], "messages": turns}),
+    }  # fmt: skip
+    out = {}
+    for proto, (path, body) in bodies.items():
+        file = tmp / f"body_{proto}.json"
+        file.write_text(json.dumps(body))
+        out[proto] = (path, file)
+    return out
+
+
 def upstream(tokens: int) -> tuple[subprocess.Popen[str], int]:
     p = subprocess.Popen(
         [str(TARGET / "examples" / "static_upstream"), "0", str(tokens)],
@@ -120,20 +140,34 @@ def main() -> int:
         for name, body in (("json", body_json), ("stream200", body_stream)):
             ir, n = measure(gw.pid, call, body, token, tmp / f"{name}.out")
             res[name] = (ir, n)
-        # The same stream with 400 events: point the gateway at the second engine.
+        # Streams translated by the Responses and Messages adapters (same engine stream).
+        translated = translated_bodies(tmp)
+        for proto, (path, body) in translated.items():
+            res[f"{proto}200"] = measure(
+                gw.pid, f"{url}/rollouts/{rid}{path}", body, token, tmp / f"{proto}200.out"
+            )
+        # The same streams with 400 events: point the gateway at the second engine.
         httpx.post(
             url + "/admin/upstreams",
             headers={"Authorization": f"Bearer {ADMIN}"},
             json={"upstreams": [{"url": f"http://127.0.0.1:{ups[1][1]}/v1"}]},
         ).raise_for_status()
         res["stream400"] = measure(gw.pid, call, body_stream, token, tmp / "stream400.out")
-        print(f"\n{'point':<12}{'calls':>7}{'instructions/call':>20}")
+        for proto, (path, body) in translated.items():
+            res[f"{proto}400"] = measure(
+                gw.pid, f"{url}/rollouts/{rid}{path}", body, token, tmp / f"{proto}400.out"
+            )
+        print(f"\n{'point':<14}{'calls':>7}{'instructions/call':>20}")
         for name, (ir, n) in res.items():
-            print(f"{name:<12}{n:>7}{ir / n:>20,.0f}")
-        per_event = (res["stream400"][0] / res["stream400"][1]) - (
-            res["stream200"][0] / res["stream200"][1]
-        )
-        print(f"per SSE event (stream400 - stream200) / 200: {per_event / 200:,.0f} instructions")
+            print(f"{name:<14}{n:>7}{ir / n:>20,.0f}")
+        for proto in ("stream", *translated):
+            per_event = (res[f"{proto}400"][0] / res[f"{proto}400"][1]) - (
+                res[f"{proto}200"][0] / res[f"{proto}200"][1]
+            )
+            label = "chat" if proto == "stream" else proto
+            print(
+                f"per SSE event, {label:<9} ({proto}400 - {proto}200) / 200: {per_event / 200:,.0f} instructions"
+            )
         for name in ("json", "stream200"):
             print(f"\ntop functions by self instructions, {name} ({tmp / (name + '.out')}):")
             for row in top_functions(tmp / f"{name}.out"):
