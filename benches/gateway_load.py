@@ -142,7 +142,16 @@ def fsync_p50_ms(directory: Path, n: int = 200) -> float:
     return times[len(times) // 2] * 1000
 
 
-def load(url: str, conc: int, body: Path, token: str | None) -> dict[str, float]:
+def load(
+    url: str,
+    conc: int,
+    body: Path,
+    token: str | None,
+    seconds: float = SECONDS,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One closed-loop run of ``examples/load.rs`` on CPU 1 (``env``: its
+    ``LOAD_*`` settings); its JSON summary."""
     cmd = [
         "taskset",
         "-c",
@@ -150,12 +159,13 @@ def load(url: str, conc: int, body: Path, token: str | None) -> dict[str, float]
         str(TARGET / "examples" / "load"),
         url,
         str(conc),
-        str(SECONDS),
+        str(seconds),
         str(body),
     ]
     if token:
         cmd.append(token)
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    env = dict(os.environ, **(env or {}))
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out)
 
 

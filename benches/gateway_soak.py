@@ -32,7 +32,6 @@ import json
 import os
 import re
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,6 +48,7 @@ from gateway_load import (
     build,
     commit,
     cpu_seconds,
+    load,
     machine,
     rss_mb,
     spawn,
@@ -106,21 +106,9 @@ RUNS = iter(range(7))  # direct, 3 protocols, 3 soak streams: each its own nonce
 
 
 def run_load(url: str, conc: int, seconds: float, body: Path, token: str, seen: Path) -> dict:
-    cmd = [
-        "taskset",
-        "-c",
-        "1",
-        str(TARGET / "examples" / "load"),
-        url,
-        str(conc),
-        str(seconds),
-        str(body),
-        token,
-    ]
     # Nonces are token ids (u32): 300 M apart per run, workers 1 M apart within one.
-    env = dict(os.environ, LOAD_SEEN=str(seen), LOAD_NONCE_BASE=str(next(RUNS) * 300_000_000))
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
-    return json.loads(out.stdout)
+    env = {"LOAD_SEEN": str(seen), "LOAD_NONCE_BASE": str(next(RUNS) * 300_000_000)}
+    return load(url, conc, body, token, seconds, env)
 
 
 def sample_rss(

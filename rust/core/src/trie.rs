@@ -431,9 +431,7 @@ impl TrieRef<'_, '_, '_> {
         }
     }
 
-    /// (tokens, generator entries) that `pack_into` appends, so the output
-    /// can be allocated once: growing six token-long vectors by doubling
-    /// copied each several times and faulted in twice the pages.
+    /// (tokens, generator entries) that `pack_into` appends (see [`lay_out`]).
     fn packed_size(&self, limit: usize) -> (usize, usize) {
         let (mut tokens, mut gens) = (0usize, 0usize);
         for n in self.nodes.iter().skip(1) {
@@ -598,27 +596,18 @@ impl MergePlan {
         max_tokens: Option<usize>,
     ) -> Result<PackedTree, CoreError> {
         let limit = check(calls, max_tokens)?;
-        let tries: Vec<TrieRef<'_, '_, '_>> = self
+        let trees: Vec<_> = self
             .rollouts
             .iter()
-            .map(|r| TrieRef {
-                calls,
-                nodes: &r.nodes,
+            .map(|r| {
+                let trie = TrieRef {
+                    calls,
+                    nodes: &r.nodes,
+                };
+                (trie, r.first_call as i32, calls[r.first_call].rollout_id)
             })
             .collect();
-        let (tokens, gens) = tries
-            .iter()
-            .map(|t| t.packed_size(limit))
-            .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
-        let mut out = PackedTree::with_capacity(tokens, gens, tries.len());
-        for (r, trie) in self.rollouts.iter().zip(&tries) {
-            trie.pack_into(limit, &mut out);
-            out.tree_offsets.push(out.tokens.len() as i64);
-            out.tree_call.push(r.first_call as i32);
-            out.tree_keys
-                .push(calls[r.first_call].rollout_id.to_string());
-        }
-        Ok(out)
+        Ok(lay_out(&trees, limit))
     }
 
     /// The kept samples, in output order. `calls` must be the calls planned from.
@@ -872,20 +861,33 @@ pub fn pack(
             trie
         })
         .collect();
-    let (tokens, gens) = tries
+    let laid: Vec<_> = trees
         .iter()
-        .map(|t| t.as_ref().packed_size(limit))
+        .zip(&tries)
+        .map(|((key, members), trie)| {
+            let (TreeKey::Rollout(k) | TreeKey::Group(k)) = *key;
+            (trie.as_ref(), members[0] as i32, k)
+        })
+        .collect();
+    Ok(lay_out(&laid, limit))
+}
+
+/// One forest from `trees` (each a trie, its first call and its key), cut at
+/// `limit` tokens, allocated once at its exact size: growing six token-long
+/// vectors by doubling copied each several times and faulted in twice the pages.
+fn lay_out(trees: &[(TrieRef<'_, '_, '_>, i32, &str)], limit: usize) -> PackedTree {
+    let (tokens, gens) = trees
+        .iter()
+        .map(|(t, _, _)| t.packed_size(limit))
         .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
     let mut out = PackedTree::with_capacity(tokens, gens, trees.len());
-    for ((key, members), trie) in trees.iter().zip(&tries) {
-        trie.as_ref().pack_into(limit, &mut out);
+    for (trie, first_call, key) in trees {
+        trie.pack_into(limit, &mut out);
         out.tree_offsets.push(out.tokens.len() as i64);
-        out.tree_call.push(members[0] as i32);
-        out.tree_keys.push(match key {
-            TreeKey::Rollout(s) | TreeKey::Group(s) => s.to_string(),
-        });
+        out.tree_call.push(*first_call);
+        out.tree_keys.push(key.to_string());
     }
-    Ok(out)
+    out
 }
 
 /// The packed tree of plain token sequences (one forest, every shared prefix
@@ -904,21 +906,12 @@ pub fn pack_sequences(seqs: &[&[u32]]) -> PackedTree {
             logprobs: None,
         })
         .collect();
-    let mut out = PackedTree {
-        gen_offsets: vec![0],
-        tree_offsets: vec![0],
-        ..PackedTree::default()
-    };
     let mut trie = Trie::new(&calls);
     for c in 0..calls.len() {
         trie.insert(c);
     }
-    trie.as_ref().pack_into(usize::MAX, &mut out);
-    out.tree_offsets.push(out.tokens.len() as i64);
     // No rollouts here: the one tree has no first call to name.
-    out.tree_call.push(-1);
-    out.tree_keys.push(String::new());
-    out
+    lay_out(&[(trie.as_ref(), -1, "")], usize::MAX)
 }
 
 /// Child lookup over a [`PackedTree`]: finds the node of every position of a
