@@ -20,10 +20,8 @@ use serde_json::{json, Value};
 
 use crate::columnar;
 use crate::error::ApiError;
-use crate::protocol::anthropic_messages::AnthropicMessages;
-use crate::protocol::openai::OpenAi;
-use crate::protocol::openai_responses::OpenAiResponses;
 use crate::protocol::{Answer, Ctx, Protocol};
+use crate::routes::{CHAT, COMPLETIONS, MESSAGES, RESPONSES};
 use crate::store::{blob_to_f32s, blob_to_ids, StoredCall};
 use crate::wire::engine::{parse_answer, Kind, StreamCapture};
 use crate::wire::sse::Parser;
@@ -41,9 +39,7 @@ pub const TARGETS: [(&str, Target); 5] = [
     ("stored_trace", stored_trace),
 ];
 
-static CHAT: OpenAi = OpenAi(Kind::Chat);
-static COMPLETIONS: OpenAi = OpenAi(Kind::Completion);
-static ADAPTERS: [&dyn Protocol; 4] = [&CHAT, &COMPLETIONS, &OpenAiResponses, &AnthropicMessages];
+static ADAPTERS: [&dyn Protocol; 4] = [&CHAT, &COMPLETIONS, &RESPONSES, &MESSAGES];
 
 /// A harness request each adapter accepts (sets up the answer side's state).
 fn valid_request(adapter: usize) -> Value {

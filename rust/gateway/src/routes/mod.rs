@@ -35,11 +35,11 @@ use crate::proxy;
 use crate::state::{RolloutInfo, State};
 use crate::wire::engine::Kind;
 
-static CHAT: OpenAi = OpenAi(Kind::Chat);
-static COMPLETIONS: OpenAi = OpenAi(Kind::Completion);
-static RESPONSES: OpenAiResponses = OpenAiResponses;
-
-static MESSAGES: AnthropicMessages = AnthropicMessages;
+/// The protocol adapters the routes serve (the fuzz targets drive the same ones).
+pub(crate) static CHAT: OpenAi = OpenAi(Kind::Chat);
+pub(crate) static COMPLETIONS: OpenAi = OpenAi(Kind::Completion);
+pub(crate) static RESPONSES: OpenAiResponses = OpenAiResponses;
+pub(crate) static MESSAGES: AnthropicMessages = AnthropicMessages;
 
 /// What a path under `.../v1/` asks for.
 #[derive(Debug, Clone)]
