@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import copy
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -8,6 +11,7 @@ from transformers import AutoModelForCausalLM
 import lightning
 import reference
 from lightning import batching
+from lightning.attention import to_device
 from lightning.batching import (
     BATCH_MODES,
     SeqItem,
@@ -16,6 +20,10 @@ from lightning.batching import (
     tree_batch,
 )
 from lightning.models import tiny_model_dir
+
+# Where the layout-equality tests run: a GPU host sets cuda (micro-batches and
+# plans then really travel to the device); CI runs them on the CPU.
+DEVICE = torch.device(os.environ.get("LIGHTNING_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +93,42 @@ def test_tree_computes_shared_prefixes_once() -> None:
 def test_modes_give_same_gradients(tiny: torch.nn.Module) -> None:
     items = grpo_like_items(1)
     n = sum(len(i.positions) for i in items)
-    coef = torch.linspace(-1, 1, n)
+    coef = torch.linspace(-1, 1, n, device=DEVICE)
+    model = copy.deepcopy(tiny).to(DEVICE)
     grads = {}
     for mode in BATCH_MODES:
-        tiny.zero_grad()
+        model.zero_grad()
         for mb in micro_batches(items, 40, mode=mode):  # type: ignore[arg-type]
-            lp, _ = forward_logprobs(tiny, mb)
+            mb = mb.to(DEVICE)
+            lp, _ = forward_logprobs(model, mb)
             (coef[mb.target_ids] * lp).sum().backward()
-        grads[mode] = torch.cat([p.grad.reshape(-1).clone() for p in tiny.parameters()])
-    tiny.zero_grad()
+        grads[mode] = torch.cat([p.grad.reshape(-1).cpu() for p in model.parameters()])
     for mode in ("packed", "tree"):
         torch.testing.assert_close(grads[mode], grads["padded"], atol=1e-5, rtol=1e-4)
+
+
+def test_to_device_keeps_every_tensor_in_place() -> None:
+    # One copy per dtype, split back into views: shapes, dtypes, None and order
+    # survive (values too, where a second device exists: LIGHTNING_TEST_DEVICE).
+    tensors = [
+        torch.arange(6).reshape(2, 3),
+        None,
+        torch.tensor([[True, False], [False, True]])[None],
+        torch.arange(4, dtype=torch.int32),
+        torch.arange(5),
+        torch.zeros(0, dtype=torch.bool),
+    ]
+    target = DEVICE if DEVICE.type != "cpu" else torch.device("meta")
+    moved = to_device(tensors, target)
+    assert moved[1] is None
+    for t, m in zip(tensors, moved, strict=True):
+        if t is not None:
+            assert m is not None and m.device.type == target.type
+            assert (m.shape, m.dtype) == (t.shape, t.dtype)
+            if target.type != "meta":
+                assert torch.equal(m.cpu(), t)
+    same = to_device(tensors, "cpu")
+    assert all(a is b for a, b in zip(same, tensors, strict=True))
 
 
 def test_tree_batch_from_packed_tree(tiny: torch.nn.Module) -> None:

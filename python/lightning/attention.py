@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTN_IMPLEMENTATION", "TreePlan", "plan_tree", "use_tree_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "TreePlan", "plan_tree", "to_device", "use_tree_attention"]
 
 ATTN_IMPLEMENTATION = "lightning"
 # A bucket may hold at most this much padding (in query x key cells) relative
@@ -57,15 +57,33 @@ class TreePlan:
     order: torch.Tensor  # [N] long: where node i's output sits in the bucket outputs
 
     def to(self, device: torch.device | str) -> TreePlan:
-        def move(b: _Bucket) -> _Bucket:
-            return _Bucket(
-                b.q_index.to(device),
-                b.k_index.to(device),
-                None if b.mask is None else b.mask.to(device),
-                b.valid.to(device),
-            )
+        fields = [t for b in self.buckets for t in (b.q_index, b.k_index, b.mask, b.valid)]
+        moved = iter(to_device([*fields, self.order], device))
+        buckets = tuple(_Bucket(*(next(moved) for _ in range(4))) for _ in self.buckets)  # type: ignore[arg-type]
+        return TreePlan(buckets, next(moved))  # type: ignore[arg-type]
 
-        return TreePlan(tuple(move(b) for b in self.buckets), self.order.to(device))
+
+def to_device(
+    tensors: Sequence[torch.Tensor | None], device: torch.device | str
+) -> list[torch.Tensor | None]:
+    """``[t.to(device) for t in tensors]`` (``None`` stays ``None``) in one copy
+    per dtype. A plan has four small index tensors per bucket, and on a GPU
+    each copy from pageable host memory waits for the stream to drain: one
+    flat copy per dtype, split into views there, keeps the GPU fed."""
+    device = torch.device(device)
+    out: list[torch.Tensor | None] = list(tensors)
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None and t.device != device:
+            groups.setdefault(t.dtype, []).append(i)
+    for dtype, idx in groups.items():
+        # bool has no cat-able byte view on every backend; uint8 has.
+        raw = torch.uint8 if dtype == torch.bool else dtype
+        flat = torch.cat([tensors[i].reshape(-1).view(raw) for i in idx])  # type: ignore[union-attr]
+        moved = flat.to(device).split([tensors[i].numel() for i in idx])  # type: ignore[union-attr]
+        for i, m in zip(idx, moved, strict=True):
+            out[i] = m.view(dtype).view(tensors[i].shape)  # type: ignore[union-attr]
+    return out
 
 
 def segments(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from lightning.attention import TreePlan, plan_tree, segments, use_tree_attention
+from lightning.attention import TreePlan, plan_tree, segments, to_device, use_tree_attention
 from lightning.losses import entropy_from_logits
 from lightning.modes import BatchMode
 
@@ -82,15 +82,26 @@ class MicroBatch:
     extras: dict[str, Any] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        ids, pos, mask, keep, gather, tokens, target_ids = to_device(
+            [
+                self.input_ids,
+                self.position_ids,
+                self.attention_mask,
+                self.keep,
+                self.gather,
+                self.target_tokens,
+                self.target_ids,
+            ],
+            device,
+        )
         return MicroBatch(
-            input_ids=move(self.input_ids),
-            position_ids=move(self.position_ids),
-            attention_mask=move(self.attention_mask),
-            keep=move(self.keep),
-            gather=move(self.gather),
-            target_tokens=move(self.target_tokens),
-            target_ids=move(self.target_ids),
+            input_ids=ids,  # type: ignore[arg-type]
+            position_ids=pos,  # type: ignore[arg-type]
+            attention_mask=mask,
+            keep=keep,  # type: ignore[arg-type]
+            gather=gather,  # type: ignore[arg-type]
+            target_tokens=tokens,  # type: ignore[arg-type]
+            target_ids=target_ids,  # type: ignore[arg-type]
             forward_tokens=self.forward_tokens,
             n_sequences=self.n_sequences,
             tree=None if self.tree is None else self.tree.to(device),
@@ -363,7 +374,11 @@ class _TargetLogprob(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         r, v = h.shape[0], weight.shape[0]
         step = max(1, _CHUNK_ELEMENTS // max(v, 1))
-        bounds = torch.searchsorted(rows, torch.arange(0, r + step, step, device=rows.device))
+        # Chunk c's targets are rows[bounds[c]:bounds[c + 1]]: read to the host
+        # once, not twice per chunk (each read waits for the GPU to drain).
+        bounds = torch.searchsorted(
+            rows, torch.arange(0, r + step, step, device=rows.device)
+        ).tolist()
         lse = torch.empty(r, dtype=torch.float32, device=h.device)
         ent = torch.empty(r if want_entropy else 0, dtype=torch.float32, device=h.device)
         logp = torch.empty(rows.shape[0], dtype=torch.float32, device=h.device)
@@ -372,7 +387,7 @@ class _TargetLogprob(torch.autograd.Function):
         for c, a in enumerate(range(0, r, step)):
             logits = _chunk_logits(h[a : a + step], weight, bias, inv_temp)  # [c, V]
             lse[a : a + step] = torch.logsumexp(logits, dim=-1)
-            lo, hi = int(bounds[c]), int(bounds[c + 1])
+            lo, hi = bounds[c], bounds[c + 1]
             logp[lo:hi] = logits[rows[lo:hi] - a, tokens[lo:hi]] - lse[rows[lo:hi]]
             if want_entropy or keep:
                 p = torch.exp(logits - lse[a : a + step, None])
@@ -380,14 +395,15 @@ class _TargetLogprob(torch.autograd.Function):
                     ent[a : a + step] = lse[a : a + step] - (p * logits).sum(-1)
                 if keep:
                     probs[a : a + step] = p
-        ctx.save_for_backward(h, weight, bias, rows, tokens, lse, bounds, probs)
-        ctx.step, ctx.inv_temp, ctx.keep = step, inv_temp, keep
+        ctx.save_for_backward(h, weight, bias, rows, tokens, lse, probs)
+        ctx.step, ctx.inv_temp, ctx.keep, ctx.bounds = step, inv_temp, keep, bounds
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, _: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        h, weight, bias, rows, tokens, lse, bounds, probs = ctx.saved_tensors
+        h, weight, bias, rows, tokens, lse, probs = ctx.saved_tensors
+        bounds = ctx.bounds
         g = g.float()
         row_g = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device).index_add_(0, rows, g)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -411,7 +427,7 @@ class _TargetLogprob(torch.autograd.Function):
             hc = h[a : a + step]
             logits = _chunk_logits(hc, weight, bias, inv_temp)
             d = logits.sub_(lse[a : a + step, None]).exp_().mul_(-row_g[a : a + step, None])
-            lo, hi = int(bounds[c]), int(bounds[c + 1])
+            lo, hi = bounds[c], bounds[c + 1]
             d.index_put_((rows[lo:hi] - a, tokens[lo:hi]), g[lo:hi], accumulate=True)
             if inv_temp != 1.0:
                 d.mul_(inv_temp)  # [c, V]: d loss / d (h W^T + b)

@@ -85,7 +85,10 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
 
 def smollm2_dir() -> Path:
     """A safetensors copy of SmolLM2-135M-Instruct, built on first use."""
-    return convert_gguf(smollm2_gguf(), cache_dir() / "models" / "smollm2-135m-instruct")
+    target = cache_dir() / "models" / "smollm2-135m-instruct"
+    if (target / "config.json").exists():  # built before: the GGUF package is not needed
+        return target
+    return convert_gguf(smollm2_gguf(), target)
 
 
 def tiny_model_dir(
