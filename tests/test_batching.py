@@ -177,6 +177,30 @@ def test_fused_head_matches_materialised_logits(tiny: torch.nn.Module, entropy: 
             torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
 
 
+def test_fused_head_under_autocast_matches_the_models_own_head(tiny: torch.nn.Module) -> None:
+    # Under bf16 autocast the fused head's backward re-enters autocast (its
+    # GEMMs run in bf16, as the model's own head's do): both backward paths
+    # give the materialised head's gradients, not float32 ones.
+    items = grpo_like_items(3)
+    [mb] = micro_batches(items, 4096, mode="tree")
+    coef = torch.linspace(-1, 1, len(mb.target_ids))
+    grads = {}
+    for fuse, keep in ((False, 1 << 28), (True, 1 << 28), (True, 0)):
+        batching._KEEP_SOFTMAX_ELEMENTS = keep
+        tiny.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, _ = forward_logprobs(tiny, mb, fuse_head=fuse)
+        (coef * lp).sum().backward()
+        grads[(fuse, keep)] = torch.cat([p.grad.reshape(-1) for p in tiny.parameters()])
+    batching._KEEP_SOFTMAX_ELEMENTS = 1 << 28
+    tiny.zero_grad()
+    want = grads[(False, 1 << 28)]
+    for key in ((True, 1 << 28), (True, 0)):
+        err = (grads[key] - want).norm() / want.norm()
+        # Measured: 0 with the re-entered autocast, 4.5e-3 with a float32 backward.
+        assert err < 1e-3, (key, float(err))
+
+
 def test_bad_mode_and_budget() -> None:
     with pytest.raises(ValueError, match="unknown batching mode"):
         micro_batches(grpo_like_items(), 10, mode="ragged")  # type: ignore[arg-type]

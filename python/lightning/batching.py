@@ -25,6 +25,7 @@ never materialised, which on a large vocabulary is most of the step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -397,11 +398,26 @@ class _TargetLogprob(torch.autograd.Function):
                     probs[a : a + step] = p
         ctx.save_for_backward(h, weight, bias, rows, tokens, lse, probs)
         ctx.step, ctx.inv_temp, ctx.keep, ctx.bounds = step, inv_temp, keep, bounds
+        # Autograd runs backward outside the caller's autocast: re-enter it there,
+        # as autocast's own matmuls are differentiated, or the head's three
+        # backward GEMMs run in float32 (on a GPU, most of a small model's step).
+        dev = h.device.type
+        ctx.amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, _: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        amp = (
+            torch.autocast(ctx.saved_tensors[0].device.type, dtype=ctx.amp)
+            if ctx.amp is not None
+            else contextlib.nullcontext()
+        )
+        with amp:
+            return _TargetLogprob._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         h, weight, bias, rows, tokens, lse, probs = ctx.saved_tensors
         bounds = ctx.bounds
         g = g.float()
@@ -434,7 +450,7 @@ class _TargetLogprob(torch.autograd.Function):
             if gh is not None:
                 gh[a : a + step] = (d.to(weight.dtype) @ weight).to(h.dtype)
             if gw is not None:
-                gw.addmm_(d.T, hc.float())
+                gw += d.T @ hc.float()  # not addmm_: in-place ops bypass autocast
             if gb is not None:
                 gb += d.sum(0)
         return (
