@@ -69,8 +69,11 @@ use bytes::Bytes;
 use hyper::StatusCode;
 use serde_json::{json, Map, Value};
 
+use super::chunk::{self, Choice, Chunk, ToolCallDelta};
 use super::openai::capture_fields;
-use super::{object, sse_frame, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator};
+use super::{
+    object, push_json, sse_frame, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator,
+};
 use crate::error::ApiError;
 use crate::wire::engine::Kind;
 use crate::wire::sse::Event;
@@ -716,6 +719,8 @@ pub struct Translator {
     output_tokens: Option<u64>,
     streamed_ids: u64,
     failed: bool,
+    /// The open block's delta frames up to the delta's one string (see `ensure`).
+    delta_head: Vec<u8>,
 }
 
 impl Translator {
@@ -733,6 +738,7 @@ impl Translator {
             output_tokens: None,
             streamed_ids: 0,
             failed: false,
+            delta_head: Vec::new(),
         }
     }
 
@@ -741,19 +747,22 @@ impl Translator {
         sse_frame(out, Some(name), v.to_string().as_bytes());
     }
 
-    fn start(&mut self, chunk: &Value, out: &mut Vec<u8>) {
+    /// The first chunk (`None` when the stream ends before any) opens the
+    /// message; `data` is its payload, read again here for the `model`.
+    fn start(&mut self, chunk: Option<(&Chunk<'_>, &[u8])>, out: &mut Vec<u8>) {
         if self.started {
             return;
         }
         self.started = true;
-        if let Some(p) = chunk.get("prompt_token_ids").and_then(Value::as_array) {
-            self.input_tokens = p.len() as u64;
+        if let Some(n) = chunk.and_then(|(c, _)| c.prompt_token_ids.0) {
+            self.input_tokens = n;
         }
+        let model = chunk.and_then(|(_, data)| chunk::model(data));
         let message = json!({
             "id": self.id,
             "type": "message",
             "role": "assistant",
-            "model": chunk.get("model").cloned().unwrap_or(Value::Null),
+            "model": model.unwrap_or(Value::Null),
             "content": [],
             "stop_reason": null,
             "stop_sequence": null,
@@ -776,8 +785,8 @@ impl Translator {
         Self::event(out, &json!({"type": "content_block_stop", "index": index}));
     }
 
-    /// Opens `kind` unless it is the open block; returns the block's index.
-    fn ensure(&mut self, kind: Open, block: impl FnOnce() -> Value, out: &mut Vec<u8>) -> usize {
+    /// Opens `kind` unless it is the open block.
+    fn ensure(&mut self, kind: Open, block: impl FnOnce() -> Value, out: &mut Vec<u8>) {
         if self.open != Some(kind) {
             self.close(out);
             let index = self.next;
@@ -786,99 +795,87 @@ impl Translator {
             let start =
                 json!({"type": "content_block_start", "index": index, "content_block": block()});
             Self::event(out, &start);
+            // Every delta of the block is the same bytes but for its one
+            // string: written once here, not serialized per token.
+            let (delta_type, field) = match kind {
+                Open::Thinking => ("thinking_delta", "thinking"),
+                Open::Text => ("text_delta", "text"),
+                Open::Tool(_) => ("input_json_delta", "partial_json"),
+            };
+            self.delta_head = format!(
+                "event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":{index},\"delta\":{{\"type\":\"{delta_type}\",\"{field}\":"
+            )
+            .into_bytes();
         }
-        self.next - 1
     }
 
-    fn delta(out: &mut Vec<u8>, index: usize, delta: Value) {
-        Self::event(
-            out,
-            &json!({"type": "content_block_delta", "index": index, "delta": delta}),
-        );
+    /// A per-token delta of the open block: the block's prepared bytes
+    /// around the delta's string, no `Value` built.
+    fn delta(&self, out: &mut Vec<u8>, s: &str) {
+        out.reserve(self.delta_head.len() + s.len() + 8);
+        out.extend_from_slice(&self.delta_head);
+        push_json(out, s);
+        out.extend_from_slice(b"}}\n\n");
     }
 
-    fn on_choice(&mut self, choice: &Value, out: &mut Vec<u8>) {
-        if let Some(ids) = choice.get("token_ids").and_then(Value::as_array) {
-            self.streamed_ids += ids.len() as u64;
+    fn on_choice(&mut self, choice: &Choice<'_>, out: &mut Vec<u8>) {
+        if let Some(n) = choice.token_ids.0 {
+            self.streamed_ids += n;
         }
-        let delta = choice.get("delta").cloned().unwrap_or(Value::Null);
-        if let Some(r) = reasoning_of(&delta).filter(|r| !r.is_empty()) {
-            let i = self.ensure(
+        let delta = &choice.delta.0;
+        // `reasoning` wins whenever it is there, even when it is not a string.
+        let reasoning = if delta.reasoning.is_present() {
+            &delta.reasoning
+        } else {
+            &delta.reasoning_content
+        };
+        if let Some(r) = reasoning.as_str().filter(|r| !r.is_empty()) {
+            self.ensure(
                 Open::Thinking,
                 || json!({"type": "thinking", "thinking": "", "signature": ""}),
                 out,
             );
-            Self::delta(out, i, json!({"type": "thinking_delta", "thinking": r}));
+            self.delta(out, r);
         }
-        if let Some(t) = delta
-            .get("content")
-            .and_then(Value::as_str)
-            .filter(|t| !t.is_empty())
-        {
-            let i = self.ensure(Open::Text, || json!({"type": "text", "text": ""}), out);
-            Self::delta(out, i, json!({"type": "text_delta", "text": t}));
+        if let Some(t) = delta.content.as_str().filter(|t| !t.is_empty()) {
+            self.ensure(Open::Text, || json!({"type": "text", "text": ""}), out);
+            self.delta(out, t);
         }
-        for c in delta
-            .get("tool_calls")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            self.on_tool_delta(c, out);
+        for c in &delta.tool_calls.0 {
+            self.on_tool_delta(&c.0, out);
         }
-        if let Some(f) = choice.get("finish_reason").and_then(Value::as_str) {
+        if let Some(f) = choice.finish_reason.as_str() {
             self.finish = Some(f.to_string());
-            self.stop = choice.get("stop_reason").cloned();
+            // Only ever read as a string (the matched stop sequence).
+            self.stop = choice
+                .stop_reason
+                .as_str()
+                .map(|s| Value::String(s.to_string()));
             self.close(out);
         }
     }
 
-    fn on_tool_delta(&mut self, c: &Value, out: &mut Vec<u8>) {
-        let index = c
-            .get("index")
-            .and_then(Value::as_u64)
-            .unwrap_or(self.tool_calls as u64);
+    fn on_tool_delta(&mut self, c: &ToolCallDelta<'_>, out: &mut Vec<u8>) {
+        let index = c.index.as_u64().unwrap_or(self.tool_calls as u64);
         if self.open != Some(Open::Tool(index)) {
-            let id = tool_use_id(
-                c.get("id").and_then(Value::as_str),
-                &self.id,
-                self.tool_calls,
-            );
+            let id = tool_use_id(c.id.as_str(), &self.id, self.tool_calls);
             self.tool_calls += 1;
-            let name = c
-                .pointer("/function/name")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_string();
+            let name = c.function.0.name.as_str().unwrap_or("").to_string();
             self.ensure(
                 Open::Tool(index),
                 || json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
                 out,
             );
         }
-        let args = c
-            .pointer("/function/arguments")
-            .and_then(Value::as_str)
-            .unwrap_or("");
+        let args = c.function.0.arguments.as_str().unwrap_or("");
         if !args.is_empty() {
-            Self::delta(
-                out,
-                self.next - 1,
-                json!({"type": "input_json_delta", "partial_json": args}),
-            );
+            // The call's block is the open one (opened just above if it was not).
+            self.delta(out, args);
         }
     }
-}
 
-impl StreamTranslator for Translator {
-    fn on_event(&mut self, ev: &Event, out: &mut Vec<u8>) {
-        if self.failed || ev.is_done() || ev.data.trim_ascii().is_empty() {
-            return;
-        }
-        let Ok(chunk) = serde_json::from_slice::<Value>(&ev.data) else {
-            return; // counted and flagged by the capture (`wire::engine`)
-        };
-        if let Some(err) = chunk.get("error") {
+    fn on_chunk(&mut self, chunk: Chunk<'_>, data: &[u8], out: &mut Vec<u8>) {
+        if let Some(err) = &chunk.error {
             let msg = err
                 .get("message")
                 .and_then(Value::as_str)
@@ -891,20 +888,28 @@ impl StreamTranslator for Translator {
             self.failed = true;
             return;
         }
-        self.start(&chunk, out);
-        if let Some(n) = u64_at(&chunk, "/usage/prompt_tokens") {
-            self.input_tokens = n;
+        self.start(Some((&chunk, data)), out);
+        if let Some(u) = &chunk.usage {
+            if let Some(n) = u64_at(u, "/prompt_tokens") {
+                self.input_tokens = n;
+            }
+            if let Some(n) = u64_at(u, "/completion_tokens") {
+                self.output_tokens = Some(n);
+            }
         }
-        if let Some(n) = u64_at(&chunk, "/usage/completion_tokens") {
-            self.output_tokens = Some(n);
-        }
-        if let Some(choice) = chunk
-            .get("choices")
-            .and_then(Value::as_array)
-            .and_then(|c| c.first())
-        {
+        if let Some(choice) = &chunk.choices.0 {
             self.on_choice(choice, out);
         }
+    }
+}
+
+impl StreamTranslator for Translator {
+    fn on_event(&mut self, ev: &Event, out: &mut Vec<u8>) {
+        if self.failed || ev.is_done() || ev.data.trim_ascii().is_empty() {
+            return;
+        }
+        // A chunk that is not JSON is counted and flagged by the capture (`wire::engine`).
+        chunk::read(&ev.data, |c| self.on_chunk(c, &ev.data, out));
     }
 
     fn finish(&mut self) -> (Vec<u8>, Option<Kept>) {
@@ -912,7 +917,7 @@ impl StreamTranslator for Translator {
         if self.failed {
             return (out, None);
         }
-        self.start(&Value::Null, &mut out);
+        self.start(None, &mut out);
         self.close(&mut out);
         let (reason, seq) = stop_reason(
             self.finish.as_deref(),

@@ -889,3 +889,49 @@ proptest! {
         prop_assert_eq!(items_of(&chat["messages"]), expected(&turns));
     }
 }
+
+/// The frames the translator sends for one engine chunk as vLLM streams it
+/// (the delta, its logprobs and its token ids).
+fn frames(t: &mut dyn StreamTranslator, delta: Value) -> String {
+    let chunk = json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": null,
+            "logprobs": {"content": [{"token": "x", "logprob": -0.25, "bytes": [120], "top_logprobs": []}]},
+            "token_ids": [87]}]});
+    let data = chunk.to_string().into_bytes();
+    let ev = Event {
+        raw: [b"data: ", &data[..], b"\n\n"].concat(),
+        data,
+    };
+    let mut out = Vec::new();
+    t.on_event(&ev, &mut out);
+    String::from_utf8(out).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The per-token frames, byte for byte (harnesses parse them as JSON, but
+/// the bytes are what a recorded trace and a diff of two gateways see).
+#[test]
+fn per_token_frames_are_pinned() {
+    let mut t = AnthropicMessages.translator(&ctx(true));
+    frames(t.as_mut(), json!({"role": "assistant", "content": ""}));
+    frames(t.as_mut(), json!({"reasoning": "so"}));
+    assert_eq!(
+        frames(t.as_mut(), json!({"reasoning": " \"hm\"\n"})),
+        "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"thinking_delta\",\"thinking\":\" \\\"hm\\\"\\n\"}}\n\n"
+    );
+    frames(t.as_mut(), json!({"content": "Hi"}));
+    assert_eq!(
+        frames(t.as_mut(), json!({"content": " thére\t"})),
+        "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"text_delta\",\"text\":\" thére\\t\"}}\n\n"
+    );
+    frames(
+        t.as_mut(),
+        json!({"tool_calls": [{"index": 0, "id": "call_9", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
+    );
+    assert_eq!(
+        frames(
+            t.as_mut(),
+            json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1"}}]})
+        ),
+        "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":2,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"a\\\": 1\"}}\n\n"
+    );
+}

@@ -40,6 +40,7 @@
 
 use bytes::Bytes;
 use hyper::StatusCode;
+use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
@@ -47,6 +48,7 @@ use crate::wire::engine::Kind;
 use crate::wire::sse::Event;
 
 pub mod anthropic_messages;
+mod chunk;
 pub mod openai;
 pub mod openai_responses;
 
@@ -225,4 +227,10 @@ pub fn sse_frame(out: &mut Vec<u8>, event: Option<&str>, data: &[u8]) {
     out.extend_from_slice(b"data: ");
     out.extend_from_slice(data);
     out.extend_from_slice(b"\n\n");
+}
+
+/// `v` as JSON, appended to a frame being written by hand.
+pub fn push_json(out: &mut Vec<u8>, v: &(impl Serialize + ?Sized)) {
+    // Into a Vec, a string or a number cannot fail to serialize.
+    let _ = serde_json::to_writer(out, v);
 }

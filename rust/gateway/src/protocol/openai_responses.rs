@@ -61,7 +61,10 @@ use bytes::Bytes;
 use hyper::StatusCode;
 use serde_json::{json, Map, Value};
 
-use super::{object, sse_frame, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator};
+use super::chunk::{self, Chunk, ToolCallDelta};
+use super::{
+    object, push_json, sse_frame, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator,
+};
 use crate::error::ApiError;
 use crate::wire::engine::Kind;
 use crate::wire::sse::Event;
@@ -113,8 +116,12 @@ impl ToolMap {
         }
     }
 
+    /// Asked for every streamed argument delta: no copies of the names.
     fn is_custom(&self, engine_name: &str) -> bool {
-        self.lookup(engine_name).2
+        self.entries
+            .iter()
+            .find(|e| e.0 == engine_name)
+            .is_some_and(|e| e.3)
     }
 }
 
@@ -864,6 +871,24 @@ enum Open {
     Call(usize),
 }
 
+/// What a per-token delta adds to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum DeltaOf {
+    Reasoning,
+    Text,
+    Arguments,
+}
+
+impl DeltaOf {
+    fn kind(self) -> &'static str {
+        match self {
+            DeltaOf::Reasoning => "response.reasoning_text.delta",
+            DeltaOf::Text => "response.output_text.delta",
+            DeltaOf::Arguments => "response.function_call_arguments.delta",
+        }
+    }
+}
+
 /// Streams a chat completion as Responses events.
 struct Translator {
     ctx: Ctx,
@@ -874,6 +899,10 @@ struct Translator {
     open: Open,
     /// Output index of the open item; items done so far.
     index: usize,
+    /// The open item's delta frames up to the delta text, and from after it
+    /// to the sequence number (see `open_deltas`).
+    delta_head: Vec<u8>,
+    delta_tail: Vec<u8>,
     done_items: Vec<Value>,
     /// Engine tool-call index → position in `g.calls`.
     call_slots: Vec<(u64, usize)>,
@@ -891,6 +920,8 @@ impl Translator {
             started: false,
             open: Open::None,
             index: 0,
+            delta_head: Vec::new(),
+            delta_tail: Vec::new(),
             done_items: Vec::new(),
             call_slots: Vec::new(),
             failed: false,
@@ -909,6 +940,42 @@ impl Translator {
         ev["sequence_number"] = json!(self.seq);
         self.seq += 1;
         sse_frame(out, Some(kind), ev.to_string().as_bytes());
+    }
+
+    /// Prepares the open item's per-token frames: all their bytes but the
+    /// delta text and the sequence number are the same for every token, so
+    /// they are written once here (the keys in the order `emit` gives every
+    /// event: its own, then `type` and `sequence_number`).
+    fn open_deltas(&mut self, of: DeltaOf, item_id: &str) {
+        let kind = of.kind();
+        let mut head = format!("event: {kind}\ndata: {{\"item_id\":").into_bytes();
+        push_json(&mut head, item_id);
+        head.extend_from_slice(format!(",\"output_index\":{}", self.index).as_bytes());
+        if of != DeltaOf::Arguments {
+            head.extend_from_slice(b",\"content_index\":0");
+        }
+        head.extend_from_slice(b",\"delta\":");
+        // Output text carries `logprobs: []`: the engine's are recorded, not sent.
+        let logprobs = if of == DeltaOf::Text {
+            ",\"logprobs\":[]"
+        } else {
+            ""
+        };
+        self.delta_head = head;
+        self.delta_tail =
+            format!("{logprobs},\"type\":\"{kind}\",\"sequence_number\":").into_bytes();
+    }
+
+    /// A per-token delta of the open item: its prepared bytes around the
+    /// delta text and the sequence number, no `Value` built.
+    fn emit_delta(&mut self, out: &mut Vec<u8>, delta: &str) {
+        out.reserve(self.delta_head.len() + self.delta_tail.len() + delta.len() + 32);
+        out.extend_from_slice(&self.delta_head);
+        push_json(out, delta);
+        out.extend_from_slice(&self.delta_tail);
+        push_json(out, &self.seq);
+        out.extend_from_slice(b"}\n\n");
+        self.seq += 1;
     }
 
     fn start(&mut self, out: &mut Vec<u8>) {
@@ -996,15 +1063,10 @@ impl Translator {
                 json!({"output_index": i, "item": item}),
             );
             self.emit(out, "response.content_part.added", json!({"item_id": id, "output_index": i, "content_index": 0, "part": {"type": "reasoning_text", "text": ""}}));
+            self.open_deltas(DeltaOf::Reasoning, &id);
         }
-        let i = self.index;
         self.g.reasoning.get_or_insert_with(String::new).push_str(d);
-        let id = self.builder().item_id("rs", i);
-        self.emit(
-            out,
-            "response.reasoning_text.delta",
-            json!({"item_id": id, "output_index": i, "content_index": 0, "delta": d}),
-        );
+        self.emit_delta(out, d);
     }
 
     fn text_delta(&mut self, out: &mut Vec<u8>, d: &str) {
@@ -1020,16 +1082,16 @@ impl Translator {
                 json!({"output_index": i, "item": item}),
             );
             self.emit(out, "response.content_part.added", json!({"item_id": id, "output_index": i, "content_index": 0, "part": output_text("")}));
+            let id = self.builder().item_id("msg", i);
+            self.open_deltas(DeltaOf::Text, &id);
         }
-        let i = self.index;
         self.g.text.get_or_insert_with(String::new).push_str(d);
-        let id = self.builder().item_id("msg", i);
-        self.emit(out, "response.output_text.delta", json!({"item_id": id, "output_index": i, "content_index": 0, "delta": d, "logprobs": []}));
+        self.emit_delta(out, d);
     }
 
-    fn call_delta(&mut self, out: &mut Vec<u8>, tc: &Value) {
-        let engine_index = tc.get("index").and_then(Value::as_u64).unwrap_or(0);
-        let f = tc.get("function");
+    fn call_delta(&mut self, out: &mut Vec<u8>, tc: &ToolCallDelta<'_>) {
+        let engine_index = tc.index.as_u64().unwrap_or(0);
+        let f = &tc.function.0;
         let slot = match self.call_slots.iter().find(|(e, _)| *e == engine_index) {
             Some((_, s)) => *s,
             None => {
@@ -1037,11 +1099,8 @@ impl Translator {
                 let slot = self.g.calls.len();
                 self.call_slots.push((engine_index, slot));
                 self.g.calls.push(ToolCall {
-                    id: str_field(tc, "id").unwrap_or("").to_string(),
-                    name: f
-                        .and_then(|f| str_field(f, "name"))
-                        .unwrap_or("")
-                        .to_string(),
+                    id: tc.id.as_str().unwrap_or("").to_string(),
+                    name: f.name.as_str().unwrap_or("").to_string(),
                     arguments: String::new(),
                 });
                 self.open = Open::Call(slot);
@@ -1054,10 +1113,12 @@ impl Translator {
                     "response.output_item.added",
                     json!({"output_index": i, "item": item}),
                 );
+                let id = self.builder().item_id("fc", i);
+                self.open_deltas(DeltaOf::Arguments, &id);
                 slot
             }
         };
-        let args = f.and_then(|f| str_field(f, "arguments")).unwrap_or("");
+        let args = f.arguments.as_str().unwrap_or("");
         if args.is_empty() {
             return;
         }
@@ -1067,13 +1128,7 @@ impl Translator {
             return;
         }
         if !self.plan.map.is_custom(&self.g.calls[slot].name) {
-            let i = self.index;
-            let id = self.builder().item_id("fc", i);
-            self.emit(
-                out,
-                "response.function_call_arguments.delta",
-                json!({"item_id": id, "output_index": i, "delta": args}),
-            );
+            self.emit_delta(out, args);
         }
     }
 
@@ -1091,17 +1146,9 @@ impl Translator {
         self.emit(&mut out, "response.failed", json!({"response": r}));
         out
     }
-}
 
-impl StreamTranslator for Translator {
-    fn on_event(&mut self, ev: &Event, out: &mut Vec<u8>) {
-        if ev.is_done() || ev.data.trim_ascii().is_empty() {
-            return;
-        }
-        let Ok(chunk) = serde_json::from_slice::<Value>(&ev.data) else {
-            return;
-        };
-        if let Some(err) = chunk.get("error") {
+    fn on_chunk(&mut self, chunk: Chunk<'_>, out: &mut Vec<u8>) {
+        if let Some(err) = chunk.error {
             let msg = err
                 .get("message")
                 .and_then(Value::as_str)
@@ -1112,38 +1159,43 @@ impl StreamTranslator for Translator {
             return;
         }
         self.start(out);
-        if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
-            self.g.usage = Some(u.clone());
+        if let Some(u) = chunk.usage {
+            self.g.usage = Some(u);
         }
         // Responses has one output per answer: only the first choice is translated.
-        let Some(ch) = chunk.get("choices").and_then(|c| c.get(0)) else {
+        let Some(ch) = chunk.choices.0 else {
             return;
         };
-        if let Some(d) = ch.get("delta") {
-            if let Some(r) = reasoning_of(d).filter(|s| !s.is_empty()) {
-                self.reasoning_delta(out, r);
-            }
-            if let Some(t) = d
-                .get("content")
-                .and_then(Value::as_str)
-                .filter(|s| !s.is_empty())
-            {
-                self.text_delta(out, t);
-            }
-            for tc in d
-                .get("tool_calls")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-            {
-                self.call_delta(out, tc);
-            }
+        let d = &ch.delta.0;
+        // As `reasoning_of`: `reasoning_content` first.
+        if let Some(r) = d
+            .reasoning_content
+            .as_str()
+            .or_else(|| d.reasoning.as_str())
+            .filter(|s| !s.is_empty())
+        {
+            self.reasoning_delta(out, r);
         }
-        if let Some(fr) = str_field(ch, "finish_reason") {
+        if let Some(t) = d.content.as_str().filter(|s| !s.is_empty()) {
+            self.text_delta(out, t);
+        }
+        for tc in &d.tool_calls.0 {
+            self.call_delta(out, &tc.0);
+        }
+        if let Some(fr) = ch.finish_reason.as_str() {
             self.g.finish_reason = Some(fr.to_string());
             // The engine is done generating: the last item ends now, not at commit.
             self.close(out);
         }
+    }
+}
+
+impl StreamTranslator for Translator {
+    fn on_event(&mut self, ev: &Event, out: &mut Vec<u8>) {
+        if ev.is_done() || ev.data.trim_ascii().is_empty() {
+            return;
+        }
+        chunk::read(&ev.data, |c| self.on_chunk(c, out));
     }
 
     fn finish(&mut self) -> (Vec<u8>, Option<Kept>) {

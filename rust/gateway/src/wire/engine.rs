@@ -189,7 +189,7 @@ impl WireLogprobs {
 /// JSON from bytes: one UTF-8 check over the whole text, then a parse that
 /// trusts it (serde_json's slice reader validates every string it meets, one
 /// call each: a fifth of a streamed chunk's parse).
-fn from_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, String> {
+pub(crate) fn from_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, String> {
     let text = std::str::from_utf8(bytes).map_err(|e| format!("not UTF-8: {e}"))?;
     serde_json::from_str(text).map_err(|e| e.to_string())
 }

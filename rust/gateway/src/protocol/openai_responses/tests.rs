@@ -425,3 +425,53 @@ fn arb_json() -> impl Strategy<Value = Value> {
         ]
     })
 }
+
+/// One engine chunk as vLLM streams it: the delta, its logprobs and its token ids.
+fn engine_chunk(delta: Value, finish: Value) -> Event {
+    let chunk = json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+            "logprobs": {"content": [{"token": "x", "logprob": -0.25, "bytes": [120], "top_logprobs": []}]},
+            "token_ids": [87]}]});
+    let data = chunk.to_string().into_bytes();
+    Event {
+        raw: [b"data: ", &data[..], b"\n\n"].concat(),
+        data,
+    }
+}
+
+/// The frames the translator sends for one engine chunk.
+fn frames(t: &mut dyn StreamTranslator, delta: Value) -> String {
+    let mut out = Vec::new();
+    t.on_event(&engine_chunk(delta, Value::Null), &mut out);
+    String::from_utf8(out).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The per-token frames, byte for byte (harnesses parse them as JSON, but
+/// the bytes are what a recorded trace and a diff of two gateways see).
+#[test]
+fn per_token_frames_are_pinned() {
+    let (_, c) = tool_request();
+    let mut t = OpenAiResponses.translator(&c);
+    frames(t.as_mut(), json!({"role": "assistant", "content": ""}));
+    frames(t.as_mut(), json!({"reasoning_content": "so"}));
+    assert_eq!(
+        frames(t.as_mut(), json!({"reasoning_content": " \"hm\"\n"})),
+        "event: response.reasoning_text.delta\ndata: {\"item_id\":\"rs_00ff_0\",\"output_index\":0,\"content_index\":0,\"delta\":\" \\\"hm\\\"\\n\",\"type\":\"response.reasoning_text.delta\",\"sequence_number\":5}\n\n"
+    );
+    frames(t.as_mut(), json!({"content": "Hi"}));
+    assert_eq!(
+        frames(t.as_mut(), json!({"content": " thére\t"})),
+        "event: response.output_text.delta\ndata: {\"item_id\":\"msg_00ff_1\",\"output_index\":1,\"content_index\":0,\"delta\":\" thére\\t\",\"logprobs\":[],\"type\":\"response.output_text.delta\",\"sequence_number\":12}\n\n"
+    );
+    frames(
+        t.as_mut(),
+        json!({"tool_calls": [{"index": 0, "id": "call_9", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
+    );
+    assert_eq!(
+        frames(
+            t.as_mut(),
+            json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1"}}]})
+        ),
+        "event: response.function_call_arguments.delta\ndata: {\"item_id\":\"fc_00ff_2\",\"output_index\":2,\"delta\":\"{\\\"a\\\": 1\",\"type\":\"response.function_call_arguments.delta\",\"sequence_number\":17}\n\n"
+    );
+}
