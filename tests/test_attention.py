@@ -41,6 +41,8 @@ def _depth(parent: list[int]) -> np.ndarray:
 @settings(max_examples=60, deadline=None)
 @given(dfs_trees(), st.sampled_from([1, 2]))
 @example([-1, 0, 1, 1, 3, -1, 5, 5], 1)
+@example([-1, 0, -1, 2, -1, 4], 1)  # packed, one length: one view, outputs in order
+@example([-1, 0, 1, 1, -1, 4, 5, 5], 2)  # two prompts, two branches each: strided view
 def test_tree_attention_matches_root_path_attention(parent: list[int], rep: int) -> None:
     torch.manual_seed(len(parent))
     n, hkv, d = len(parent), 2, 8
@@ -58,6 +60,18 @@ def test_tree_attention_matches_root_path_attention(parent: list[int], rep: int)
     wants = torch.autograd.grad((want * g).sum(), (q, k, v))
     for a, b in zip(grads, wants, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_even_roots_are_viewed_not_gathered() -> None:
+    # Packed sequences of one length: one bucket viewed in place, no reorder.
+    packed = plan_tree(np.array([-1, 0, 1, -1, 3, 4]), np.array([0, 1, 2, 0, 1, 2]))
+    assert [b.span for b in packed.buckets] == [(0, 2, 3, 3)] and packed.in_order
+    # Two prompts of 2 nodes with two 1-node branches each (stride 4): the
+    # prompts are a strided view; the branches are gathered.
+    parent = [-1, 0, 1, 1, -1, 4, 5, 5]
+    tree = plan_tree(np.array(parent), _depth(parent))
+    assert sorted(str(b.span) for b in tree.buckets) == ["(0, 2, 4, 2)", "None"]
+    assert not tree.in_order
 
 
 def test_segments_split_at_branches() -> None:

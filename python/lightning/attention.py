@@ -46,7 +46,11 @@ class _Bucket:
     q_index: torch.Tensor  # [B, Lq] long: node of each query slot (padding: any node)
     k_index: torch.Tensor  # [B, Lk] long: node of each key slot, root path in depth order
     mask: torch.Tensor | None  # [B or 1, 1, Lq, Lk] bool, or None for plain causal (Lq == Lk)
-    valid: torch.Tensor  # [B * Lq] bool: query slot holds a real node
+    # (first node, rows, stride, length) when the bucket is B whole root
+    # segments of one length, each `stride` nodes after the last: its queries,
+    # keys and values are then a strided view of the row, no gather (and no
+    # scatter in the backward pass). The index tensors are empty then.
+    span: tuple[int, int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,12 +59,18 @@ class TreePlan:
 
     buckets: tuple[_Bucket, ...]
     order: torch.Tensor  # [N] long: where node i's output sits in the bucket outputs
+    # The bucket outputs are already in node order (`order` is 0..N-1): packed
+    # sequences of one length.
+    in_order: bool = False
 
     def to(self, device: torch.device | str) -> TreePlan:
-        fields = [t for b in self.buckets for t in (b.q_index, b.k_index, b.mask, b.valid)]
+        fields = [t for b in self.buckets for t in (b.q_index, b.k_index, b.mask)]
         moved = iter(to_device([*fields, self.order], device))
-        buckets = tuple(_Bucket(*(next(moved) for _ in range(4))) for _ in self.buckets)  # type: ignore[arg-type]
-        return TreePlan(buckets, next(moved))  # type: ignore[arg-type]
+        buckets = tuple(
+            _Bucket(next(moved), next(moved), next(moved), b.span)  # type: ignore[arg-type]
+            for b in self.buckets
+        )
+        return TreePlan(buckets, next(moved), self.in_order)  # type: ignore[arg-type]
 
 
 def to_device(
@@ -126,11 +136,44 @@ def plan_tree(parent: np.ndarray, depth: np.ndarray) -> TreePlan:
     buckets, placed = [], np.empty(len(parent), dtype=np.int64)
     offset = 0
     for members in _bucket(lq, lk):
+        members = members[np.argsort(starts[members], kind="stable")]  # node order: views
         bucket, slots = _make_bucket(members, starts, lq, lk, paths, depth)
+        span = _span(members, starts, lq, lk, parent_seg, len(parent))
+        if span is not None:
+            empty = torch.zeros(0, dtype=torch.long)
+            bucket = _Bucket(empty, empty, None, span)
         placed[slots[:, 0]] = offset + slots[:, 1]
         offset += len(members) * int(lq[members].max())
         buckets.append(bucket)
-    return TreePlan(tuple(buckets), torch.from_numpy(placed))
+    # No padding slots and every node at its own index: the outputs need no reorder.
+    in_order = offset == len(parent) and bool((placed == np.arange(len(parent))).all())
+    return TreePlan(tuple(buckets), torch.from_numpy(placed), in_order)
+
+
+def _span(
+    members: np.ndarray,
+    starts: np.ndarray,
+    lq: np.ndarray,
+    lk: np.ndarray,
+    parent_seg: np.ndarray,
+    n: int,
+) -> tuple[int, int, int, int] | None:
+    """``(first node, rows, stride, length)`` when the bucket's segments (in
+    node order) are whole roots of one length at evenly spaced starts whose
+    strided window fits in the row; ``None`` otherwise."""
+    length = int(lq[members[0]])
+    if (parent_seg[members] >= 0).any() or (lq[members] != length).any():
+        return None
+    if (lk[members] != length).any():
+        return None
+    first, rows = int(starts[members[0]]), len(members)
+    steps = np.diff(starts[members])
+    stride = int(steps[0]) if rows > 1 else length
+    if rows > 1 and (steps != stride).any():
+        return None
+    if stride < length or first + rows * stride > n:
+        return None
+    return first, rows, stride, length
 
 
 def _bucket(lq: np.ndarray, lk: np.ndarray) -> list[np.ndarray]:
@@ -167,7 +210,6 @@ def _make_bucket(
     q_index = np.zeros((b, mq), dtype=np.int64)
     k_index = np.zeros((b, mk), dtype=np.int64)
     q_depth = np.zeros((b, mq), dtype=np.int64)  # padding queries see key 0 only
-    valid = np.zeros((b, mq), dtype=np.bool_)
     slots = []
     for row, s in enumerate(members.tolist()):
         n, a = int(lq[s]), int(starts[s])
@@ -175,7 +217,6 @@ def _make_bucket(
         k_index[row, : lk[s]] = paths[s]
         # Key slot j holds the path node at depth (first depth of the path) + j.
         q_depth[row, :n] = depth[a : a + n] - depth[paths[s][0]]
-        valid[row, :n] = True
         slots.append(np.stack([np.arange(a, a + n), row * mq + np.arange(n)], axis=1))
     uniform = bool((lq[members] == mq).all() and (lk[members] == mk).all())
     mask: torch.Tensor | None
@@ -185,12 +226,7 @@ def _make_bucket(
         mask = torch.from_numpy(np.arange(mk)[None, :] <= q_depth[0][:, None])[None, None]
     else:
         mask = torch.from_numpy(np.arange(mk)[None, None, :] <= q_depth[:, :, None])[:, None]
-    bucket = _Bucket(
-        torch.from_numpy(q_index),
-        torch.from_numpy(k_index),
-        mask,
-        torch.from_numpy(valid.reshape(-1)),
-    )
+    bucket = _Bucket(torch.from_numpy(q_index), torch.from_numpy(k_index), mask)
     return bucket, np.concatenate(slots)
 
 
@@ -223,9 +259,12 @@ def tree_attention(
     rep = q.shape[0] // k.shape[0]
     outs = []
     for b in lightning_tree.buckets:
-        qb = q[:, b.q_index].transpose(0, 1)  # [B, H, Lq, d]
-        kb = k[:, b.k_index].transpose(0, 1)  # [B, Hkv, Lk, d]
-        vb = v[:, b.k_index].transpose(0, 1)
+        if b.span is not None:
+            qb, kb, vb = (_window(t, b.span) for t in (q, k, v))
+        else:
+            qb = q[:, b.q_index].transpose(0, 1)  # [B, H, Lq, d]
+            kb = k[:, b.k_index].transpose(0, 1)  # [B, Hkv, Lk, d]
+            vb = v[:, b.k_index].transpose(0, 1)
         if rep > 1:
             kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
         ob = F.scaled_dot_product_attention(
@@ -239,7 +278,17 @@ def tree_attention(
         )  # [B, H, Lq, d]
         outs.append(ob.transpose(1, 2).reshape(-1, *ob.shape[1:2], ob.shape[3]))  # [B*Lq, H, d]
     flat = torch.cat(outs) if len(outs) > 1 else outs[0]
+    if lightning_tree.in_order:
+        return flat[None], None
     return flat[lightning_tree.order][None], None  # [1, N, H, d]
+
+
+def _window(t: torch.Tensor, span: tuple[int, int, int, int]) -> torch.Tensor:
+    """``[B, H, L, d]`` view of ``t`` ``[H, N, d]``: B rows of L nodes, each
+    ``stride`` nodes after the last (see ``_Bucket.span``)."""
+    first, rows, stride, length = span
+    windows = t.narrow(1, first, rows * stride).unflatten(1, (rows, stride))
+    return windows[:, :, :length].transpose(0, 1)
 
 
 def _register() -> None:
