@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_instructions import translated_bodies
+from gateway_instructions import translated_bodies, upstream
 from gateway_load import (
     ADMIN,
     TARGET,
@@ -39,7 +39,6 @@ from gateway_load import (
     load,
     machine,
     request_body,
-    spawn,
     stop_servers,
     wait_http,
 )
@@ -47,13 +46,6 @@ from gateway_load import (
 SECONDS = float(os.environ.get("GATEWAY_BENCH_SECONDS", "4"))
 CONCURRENCY = int(os.environ.get("GATEWAY_BENCH_CONCURRENCY", "64"))
 ROUNDS = int(os.environ.get("GATEWAY_BENCH_ROUNDS", "3"))
-
-
-def upstream(events: int) -> tuple[subprocess.Popen[str], int]:
-    """The static engine streaming `events` completion events a call, on CPU 1."""
-    p = spawn("1", [str(TARGET / "examples" / "static_upstream"), "0", str(events)])
-    assert p.stdout is not None
-    return p, int(p.stdout.readline().split()[1])
 
 
 def cpu_per_call(pid: int, url: str, body: Path, token: str) -> float:

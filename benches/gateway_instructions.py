@@ -36,6 +36,7 @@ from gateway_load import (
     commit,
     machine,
     request_body,
+    spawn,
     stop_servers,
     wait_http,
 )
@@ -99,11 +100,8 @@ def translated_bodies(tmp: Path) -> dict[str, tuple[str, Path]]:
 
 
 def upstream(tokens: int) -> tuple[subprocess.Popen[str], int]:
-    p = subprocess.Popen(
-        [str(TARGET / "examples" / "static_upstream"), "0", str(tokens)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    """The static engine streaming `tokens` completion events a call, on CPU 1."""
+    p = spawn("1", [str(TARGET / "examples" / "static_upstream"), "0", str(tokens)])
     assert p.stdout is not None
     return p, int(p.stdout.readline().split()[1])
 
