@@ -15,6 +15,7 @@ less with other tenants' load than wall time, which is printed beside them.
     python benches/train_step.py                       # tiny model, full batch
     python benches/train_step.py --model smollm2 --tasks 1
     python benches/train_step.py --model tiny smollm2 --weights random --repeat 3   # GPU host
+    python benches/train_step.py --model llama1b --budget 16384 --repeat 3   # GPU host, 1.2B
 
 ``--weights random`` builds each model from its ``config.json`` alone, with
 random weights: the same shapes and the same arithmetic, for a machine that has
@@ -34,11 +35,26 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from lightning.attention import use_tree_attention
 from lightning.batching import BATCH_MODES, SeqItem, _fused_head, forward_logprobs, micro_batches
 from lightning.models import smollm2_dir, tiny_model_dir
+
+# A model big enough to keep a GPU busy: Llama-3.2-1B's shape (hidden 2048, 16
+# layers, 32 query / 8 key-value heads) with SmolLM2's vocabulary, so the
+# batch's token ids fit. Random weights only: there is no such checkpoint.
+LLAMA_1B = LlamaConfig(
+    vocab_size=49152,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
 
 
 def grpo_items(tasks: int, group: int, prompt: int, completion: int, seed: int) -> list[SeqItem]:
@@ -121,7 +137,7 @@ def run(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=["tiny", "smollm2"], nargs="+", default=["tiny"])
+    ap.add_argument("--model", choices=["tiny", "smollm2", "llama1b"], nargs="+", default=["tiny"])
     ap.add_argument("--tasks", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=512)
@@ -151,13 +167,21 @@ def main() -> None:
     items = grpo_items(args.tasks, args.group, args.prompt, args.completion, seed=0)
     trained = sum(len(i.positions) for i in items)
     for name in args.model:
-        path = tiny_model_dir() if name == "tiny" else smollm2_dir()
-        if args.weights == "random":
+        if name == "llama1b" or args.weights == "random":
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(
-                AutoConfig.from_pretrained(path), dtype=torch.float32, attn_implementation="sdpa"
+            config = (
+                LLAMA_1B
+                if name == "llama1b"
+                else AutoConfig.from_pretrained(
+                    tiny_model_dir() if name == "tiny" else smollm2_dir()
+                )
             )
+            with device:  # random init on the device: a 1.2B model inits slowly on a CPU
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=torch.float32, attn_implementation="sdpa"
+                )
         else:
+            path = tiny_model_dir() if name == "tiny" else smollm2_dir()
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.float32, attn_implementation="sdpa"
             )
@@ -174,7 +198,7 @@ def main() -> None:
         cfg = model.config
         print(
             f"\n[{name}] hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, vocab "
-            f"{cfg.vocab_size}; weights {args.weights}; trained tokens {trained}, sample tokens {total}"
+            f"{cfg.vocab_size}; weights {'random' if name == 'llama1b' else args.weights}; trained tokens {trained}, sample tokens {total}"
         )
         clock = "cpu" if device.type == "cpu" else "wall"
         print(
