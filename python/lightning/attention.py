@@ -77,7 +77,7 @@ def to_device(
     tensors: Sequence[torch.Tensor | None], device: torch.device | str
 ) -> list[torch.Tensor | None]:
     """``[t.to(device) for t in tensors]`` (``None`` stays ``None``) in one copy
-    per dtype. A plan has four small index tensors per bucket, and on a GPU
+    per dtype. A plan has up to three small index tensors per bucket, and on a GPU
     each copy from pageable host memory waits for the stream to drain: one
     flat copy per dtype, split into views there, keeps the GPU fed."""
     device = torch.device(device)

@@ -400,7 +400,7 @@ class _TargetLogprob(torch.autograd.Function):
         ctx.step, ctx.inv_temp, ctx.keep, ctx.bounds = step, inv_temp, keep, bounds
         # Autograd runs backward outside the caller's autocast: re-enter it there,
         # as autocast's own matmuls are differentiated, or the head's three
-        # backward GEMMs run in float32 (on a GPU, most of a small model's step).
+        # backward GEMMs run in float32 (a quarter of a smollm2-sized GPU step).
         dev = h.device.type
         ctx.amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         ctx.mark_non_differentiable(ent)
