@@ -471,6 +471,27 @@ mod tests {
     }
 
     #[test]
+    fn escaped_strings_read_whole() {
+        // JSON escapes in a chunk's id, text piece and finish reason, streamed
+        // and whole, read as the text they stand for.
+        let mut s = StreamCapture::new();
+        s.feed(br#"{"id":"chat\u0041","choices":[{"index":0,"delta":{"content":"a\n\"b\""},"token_ids":[5]}]}"#);
+        s.feed(br#"{"id":"other","choices":[{"index":0,"delta":{"content":" c\u00e9"},"token_ids":[6],"finish_reason":"st\u006fp"}]}"#);
+        let cap = s.finish();
+        assert_eq!(cap.id.as_deref(), Some("chatA"));
+        assert_eq!(cap.choices[0].text.as_deref(), Some("a\n\"b\" c\u{e9}"));
+        assert_eq!(cap.choices[0].finish_reason.as_deref(), Some("stop"));
+        let whole = parse_answer(
+            br#"{"id":"x\ty","choices":[{"message":{"content":"plain"},"finish_reason":"length"},{"text":"t\u00e9"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(whole.id.as_deref(), Some("x\ty"));
+        assert_eq!(whole.choices[0].text.as_deref(), Some("plain"));
+        assert_eq!(whole.choices[0].finish_reason.as_deref(), Some("length"));
+        assert_eq!(whole.choices[1].text.as_deref(), Some("t\u{e9}"));
+    }
+
+    #[test]
     fn logprobs_read_as_f32_with_nan_for_null() {
         // Completions: bare numbers and nulls; chat: objects whose other
         // fields (escaped tokens, nested top_logprobs) are skipped unread.
