@@ -101,10 +101,12 @@ struct ToolMap {
 }
 
 impl ToolMap {
+    fn entry(&self, engine_name: &str) -> Option<&(String, Option<String>, String, bool)> {
+        self.entries.iter().find(|e| e.0 == engine_name)
+    }
+
     fn lookup(&self, engine_name: &str) -> (Option<String>, String, bool) {
-        self.entries
-            .iter()
-            .find(|e| e.0 == engine_name)
+        self.entry(engine_name)
             .map(|e| (e.1.clone(), e.2.clone(), e.3))
             .unwrap_or((None, engine_name.to_string(), false))
     }
@@ -118,10 +120,7 @@ impl ToolMap {
 
     /// Asked for every streamed argument delta: no copies of the names.
     fn is_custom(&self, engine_name: &str) -> bool {
-        self.entries
-            .iter()
-            .find(|e| e.0 == engine_name)
-            .is_some_and(|e| e.3)
+        self.entry(engine_name).is_some_and(|e| e.3)
     }
 }
 
