@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -151,25 +153,41 @@ def test_tree_batch_from_packed_tree(tiny: torch.nn.Module) -> None:
         tree_batch(packed, [SeqItem(np.array([10, 99]), np.array([1]), np.array([0]))])
 
 
+# The head's three paths: the model's own (materialised logits), fused with
+# the softmax kept for backward, fused with it recomputed per chunk.
+MATERIALISED, FUSED_KEPT, FUSED_RECOMPUTED = (False, 1 << 28), (True, 1 << 28), (True, 0)
+
+
+def head_paths(
+    model: torch.nn.Module, mb: batching.MicroBatch, amp: Any = contextlib.nullcontext, **kw: Any
+) -> dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    """(logprobs, entropies, gradient) of a fixed loss through each head path."""
+    coef = torch.linspace(-1, 1, len(mb.target_ids))
+    keep_bound = batching._KEEP_SOFTMAX_ELEMENTS
+    out = {}
+    try:
+        for fuse, keep in (MATERIALISED, FUSED_KEPT, FUSED_RECOMPUTED):
+            batching._KEEP_SOFTMAX_ELEMENTS = keep
+            model.zero_grad()
+            with amp():
+                lp, ent = forward_logprobs(model, mb, fuse_head=fuse, **kw)
+            (coef * lp).sum().backward()
+            grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            out[(fuse, keep)] = (lp.detach(), ent, grad)
+    finally:
+        batching._KEEP_SOFTMAX_ELEMENTS = keep_bound
+        model.zero_grad()
+    return out
+
+
 @pytest.mark.parametrize("entropy", [False, True])
 def test_fused_head_matches_materialised_logits(tiny: torch.nn.Module, entropy: bool) -> None:
     # Targets sharing a row (tree), temperature, both the kept-softmax and the
     # recompute backward: values, entropies and gradients equal the HF head's.
-    items = grpo_like_items(2)
-    [mb] = micro_batches(items, 4096, mode="tree")
-    coef = torch.linspace(-1, 1, len(mb.target_ids))
-    out = {}
-    for fuse, keep in ((False, 1 << 28), (True, 1 << 28), (True, 0)):
-        batching._KEEP_SOFTMAX_ELEMENTS = keep
-        tiny.zero_grad()
-        lp, ent = forward_logprobs(tiny, mb, entropy=entropy, temperature=0.8, fuse_head=fuse)
-        (coef * lp).sum().backward()
-        grad = torch.cat([p.grad.reshape(-1) for p in tiny.parameters()])
-        out[(fuse, keep)] = (lp.detach(), ent, grad)
-    batching._KEEP_SOFTMAX_ELEMENTS = 1 << 28
-    tiny.zero_grad()
-    want = out[(False, 1 << 28)]
-    for key in ((True, 1 << 28), (True, 0)):
+    [mb] = micro_batches(grpo_like_items(2), 4096, mode="tree")
+    out = head_paths(tiny, mb, entropy=entropy, temperature=0.8)
+    want = out[MATERIALISED]
+    for key in (FUSED_KEPT, FUSED_RECOMPUTED):
         got = out[key]
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
         torch.testing.assert_close(got[2], want[2], atol=1e-6, rtol=1e-4)
@@ -181,22 +199,12 @@ def test_fused_head_under_autocast_matches_the_models_own_head(tiny: torch.nn.Mo
     # Under bf16 autocast the fused head's backward re-enters autocast (its
     # GEMMs run in bf16, as the model's own head's do): both backward paths
     # give the materialised head's gradients, not float32 ones.
-    items = grpo_like_items(3)
-    [mb] = micro_batches(items, 4096, mode="tree")
-    coef = torch.linspace(-1, 1, len(mb.target_ids))
-    grads = {}
-    for fuse, keep in ((False, 1 << 28), (True, 1 << 28), (True, 0)):
-        batching._KEEP_SOFTMAX_ELEMENTS = keep
-        tiny.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            lp, _ = forward_logprobs(tiny, mb, fuse_head=fuse)
-        (coef * lp).sum().backward()
-        grads[(fuse, keep)] = torch.cat([p.grad.reshape(-1) for p in tiny.parameters()])
-    batching._KEEP_SOFTMAX_ELEMENTS = 1 << 28
-    tiny.zero_grad()
-    want = grads[(False, 1 << 28)]
-    for key in ((True, 1 << 28), (True, 0)):
-        err = (grads[key] - want).norm() / want.norm()
+    [mb] = micro_batches(grpo_like_items(3), 4096, mode="tree")
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    out = head_paths(tiny, mb, amp=bf16)
+    want = out[MATERIALISED][2]
+    for key in (FUSED_KEPT, FUSED_RECOMPUTED):
+        err = (out[key][2] - want).norm() / want.norm()
         # Measured: 0 with the re-entered autocast, 4.5e-3 with a float32 backward.
         assert err < 1e-3, (key, float(err))
 
