@@ -57,6 +57,25 @@ LLAMA_1B = LlamaConfig(
 )
 
 
+def load_model(name: str, weights: str, device: torch.device) -> torch.nn.Module:
+    """The bench's model `name`, with its own weights or random ones (llama1b:
+    always random)."""
+    if name == "llama1b":
+        config = LLAMA_1B
+    else:
+        path = tiny_model_dir() if name == "tiny" else smollm2_dir()
+        if weights == "file":
+            return AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="sdpa"
+            )
+        config = AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    with device:  # random init on the device: a 1.2B model inits slowly on a CPU
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="sdpa"
+        )
+
+
 def grpo_items(tasks: int, group: int, prompt: int, completion: int, seed: int) -> list[SeqItem]:
     rng = np.random.default_rng(seed)
     items, tid = [], 0
@@ -167,24 +186,7 @@ def main() -> None:
     items = grpo_items(args.tasks, args.group, args.prompt, args.completion, seed=0)
     trained = sum(len(i.positions) for i in items)
     for name in args.model:
-        if name == "llama1b" or args.weights == "random":
-            torch.manual_seed(0)
-            config = (
-                LLAMA_1B
-                if name == "llama1b"
-                else AutoConfig.from_pretrained(
-                    tiny_model_dir() if name == "tiny" else smollm2_dir()
-                )
-            )
-            with device:  # random init on the device: a 1.2B model inits slowly on a CPU
-                model = AutoModelForCausalLM.from_config(
-                    config, dtype=torch.float32, attn_implementation="sdpa"
-                )
-        else:
-            path = tiny_model_dir() if name == "tiny" else smollm2_dir()
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, attn_implementation="sdpa"
-            )
+        model = load_model(name, args.weights, device)
         model = model.to(device).train()
         model.config.use_cache = False
         amp = (
