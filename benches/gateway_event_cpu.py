@@ -36,6 +36,7 @@ from gateway_load import (
     build,
     commit,
     cpu_seconds,
+    gateway_args,
     load,
     machine,
     request_body,
@@ -77,8 +78,8 @@ def main() -> int:
     ups = [upstream(200), upstream(400)]
     port = 19500 + os.getpid() % 400
     gw = subprocess.Popen(
-        ["taskset", "-c", "0", str(binary), "--listen", f"127.0.0.1:{port}", "--db", str(tmp / "bench.db"),
-         "--admin-key", ADMIN, "--threads", "1", "--sync", "full", "--upstream", f"http://127.0.0.1:{ups[0][1]}/v1"],
+        ["taskset", "-c", "0",
+         *gateway_args(binary, port, f"http://127.0.0.1:{ups[0][1]}/v1", tmp / "bench.db", sync="full")],
         stderr=subprocess.DEVNULL,
         env=dict(os.environ, RUST_LOG="warn"),
     )  # fmt: skip

@@ -34,6 +34,7 @@ from gateway_load import (
     TARGET,
     build,
     commit,
+    gateway_args,
     machine,
     request_body,
     spawn,
@@ -123,9 +124,7 @@ def main() -> int:
     port = 19000 + os.getpid() % 1000
     cmd = [
         "valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/callgrind.out.%p",
-        str(binary), "--listen", f"127.0.0.1:{port}", "--db", str(tmp / "bench.db"),
-        "--admin-key", ADMIN, "--threads", "1", "--sync", "full",
-        "--upstream", f"http://127.0.0.1:{ups[0][1]}/v1",
+        *gateway_args(binary, port, f"http://127.0.0.1:{ups[0][1]}/v1", tmp / "bench.db", sync="full"),
     ]  # fmt: skip
     gw = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="warn"))
     url = f"http://127.0.0.1:{port}"

@@ -96,6 +96,12 @@ def request_body() -> bytes:
     return json.dumps({"model": "static", "messages": turns, "max_tokens": 200}).encode()
 
 
+def gateway_args(binary: Path, port: int, upstream: str, db: Path, sync: str = SYNC) -> list[str]:
+    """A bench gateway's command line: one tokio worker, the bench admin key."""
+    return [str(binary), "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--db", str(db),
+            "--admin-key", ADMIN, "--threads", "1", "--sync", sync]  # fmt: skip
+
+
 def spawn(cpus: str, cmd: list[str], **kw: object) -> subprocess.Popen[str]:
     return subprocess.Popen(["taskset", "-c", cpus, *cmd], stdout=subprocess.PIPE, text=True, **kw)  # type: ignore[call-overload]
 
@@ -207,10 +213,9 @@ def main() -> int:
     gw_port = 18000 + os.getpid() % 1000
     gw = spawn(
         "0",
-        [str(TARGET / "lightning-gateway"), "--listen", f"127.0.0.1:{gw_port}", "--upstream",
-         f"http://127.0.0.1:{up_port}/v1", "--db", str(db), "--admin-key", ADMIN, "--threads", "1", "--sync", SYNC],
+        gateway_args(TARGET / "lightning-gateway", gw_port, f"http://127.0.0.1:{up_port}/v1", db),
         env=env,
-    )  # fmt: skip
+    )
     gw_url = f"http://127.0.0.1:{gw_port}"
     try:
         wait_http(gw_url + "/healthz")

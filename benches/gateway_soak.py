@@ -48,6 +48,7 @@ from gateway_load import (
     build,
     commit,
     cpu_seconds,
+    gateway_args,
     load,
     machine,
     rss_mb,
@@ -182,10 +183,9 @@ def main() -> int:
     port = 19000 + os.getpid() % 1000
     gw = spawn(
         "0",
-        [str(TARGET / "lightning-gateway"), "--listen", f"127.0.0.1:{port}", "--upstream", f"{up}/v1",
-         "--db", str(db), "--admin-key", ADMIN, "--threads", "1", "--sync", "full"],
+        gateway_args(TARGET / "lightning-gateway", port, f"{up}/v1", db, sync="full"),
         env=dict(os.environ, RUST_LOG="warn"),
-    )  # fmt: skip
+    )
     url = f"http://127.0.0.1:{port}"
     seen: set[int] = set()
     wrong = errors = 0
