@@ -359,7 +359,7 @@ class _TargetLogprob(torch.autograd.Function):
     """``log softmax(h W^T + b)[row, token]`` per target, computed chunk by
     chunk over rows, with the row entropies (detached). The gradient with
     respect to the logits is ``g·(onehot − softmax)``, summed over the targets
-    of a row; the softmax is kept from the forward pass when it fits in
+    of a row; the softmax (unnormalised) is kept from the forward pass when it fits in
     ``_KEEP_SOFTMAX_ELEMENTS``, else recomputed per chunk."""
 
     @staticmethod
@@ -384,19 +384,29 @@ class _TargetLogprob(torch.autograd.Function):
         ent = torch.empty(r if want_entropy else 0, dtype=torch.float32, device=h.device)
         logp = torch.empty(rows.shape[0], dtype=torch.float32, device=h.device)
         keep = r * v <= _KEEP_SOFTMAX_ELEMENTS
+        # Kept: exp(logits - row max), unnormalised, and 1 / its row sum; the
+        # backward pass folds the normalisation into its per-row scale. One exp
+        # and five passes over each [c, V] chunk (logsumexp, then a normalised
+        # softmax copied into place, took two exps and eleven).
         probs = torch.empty((r, v) if keep else (0, 0), dtype=torch.float32, device=h.device)
+        inv_sum = torch.empty(r if keep else 0, dtype=torch.float32, device=h.device)
         for c, a in enumerate(range(0, r, step)):
             logits = _chunk_logits(h[a : a + step], weight, bias, inv_temp)  # [c, V]
-            lse[a : a + step] = torch.logsumexp(logits, dim=-1)
+            top = logits.amax(dim=-1, keepdim=True)
+            shifted = logits.sub_(top)  # <= 0: exp never overflows
+            z = torch.exp(shifted, out=probs[a : a + step]) if keep else shifted.exp()
+            total = z.sum(dim=-1)
+            log_total = total.log()
+            lse[a : a + step] = top[:, 0] + log_total
             lo, hi = bounds[c], bounds[c + 1]
-            logp[lo:hi] = logits[rows[lo:hi] - a, tokens[lo:hi]] - lse[rows[lo:hi]]
-            if want_entropy or keep:
-                p = torch.exp(logits - lse[a : a + step, None])
-                if want_entropy:
-                    ent[a : a + step] = lse[a : a + step] - (p * logits).sum(-1)
-                if keep:
-                    probs[a : a + step] = p
-        ctx.save_for_backward(h, weight, bias, rows, tokens, lse, probs)
+            local = rows[lo:hi] - a
+            logp[lo:hi] = shifted[local, tokens[lo:hi]] - log_total[local]
+            if want_entropy:
+                # H = lse - sum(p * logits) = log_total - sum(z * shifted) / total
+                ent[a : a + step] = log_total - (z * shifted).sum(dim=-1) / total
+            if keep:
+                inv_sum[a : a + step] = total.reciprocal()
+        ctx.save_for_backward(h, weight, bias, rows, tokens, lse, probs, inv_sum)
         ctx.step, ctx.inv_temp, ctx.keep, ctx.bounds = step, inv_temp, keep, bounds
         # Autograd runs backward outside the caller's autocast: re-enter it there,
         # as autocast's own matmuls are differentiated, or the head's three
@@ -418,7 +428,7 @@ class _TargetLogprob(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        h, weight, bias, rows, tokens, lse, probs = ctx.saved_tensors
+        h, weight, bias, rows, tokens, lse, probs, inv_sum = ctx.saved_tensors
         bounds = ctx.bounds
         g = g.float()
         row_g = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device).index_add_(0, rows, g)
@@ -427,7 +437,8 @@ class _TargetLogprob(torch.autograd.Function):
             if ctx.keep == "used":
                 raise RuntimeError("target_logprobs supports one backward pass per forward")
             ctx.keep = "used"
-            d = probs.mul_(-row_g[:, None])  # the kept softmax becomes d loss / d logits
+            # The kept exp, normalised and scaled in one pass, becomes d loss / d logits.
+            d = probs.mul_((-row_g * inv_sum)[:, None])
             d.index_put_((rows, tokens), g, accumulate=True)
             if ctx.inv_temp != 1.0:
                 d.mul_(ctx.inv_temp)  # [R, V]
