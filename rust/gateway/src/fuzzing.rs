@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 
 use crate::columnar;
 use crate::error::ApiError;
-use crate::protocol::{Answer, Ctx, Protocol};
+use crate::protocol::{translate_event, Answer, Ctx, Protocol};
 use crate::routes::{CHAT, COMPLETIONS, MESSAGES, RESPONSES};
 use crate::store::{blob_to_f32s, blob_to_ids, StoredCall};
 use crate::wire::engine::{parse_answer, Kind, StreamCapture};
@@ -204,7 +204,10 @@ pub fn engine_to_harness(data: &[u8]) {
     let mut t = adapter.translator(&ctx);
     let mut out = Vec::new();
     for ev in Parser::new().feed(engine).unwrap_or_default() {
-        t.on_event(&ev, &mut out);
+        // As the pipeline: a chunk that does not read ends the stream.
+        if !translate_event(t.as_mut(), &ev, &mut out) {
+            break;
+        }
     }
     let (last, _) = t.finish();
     out.extend_from_slice(&last);

@@ -69,13 +69,12 @@ use bytes::Bytes;
 use hyper::StatusCode;
 use serde_json::{json, Map, Value};
 
-use super::chunk::{self, Choice, Chunk, ToolCallDelta};
 use super::openai::capture_fields;
 use super::{
     object, push_json, sse_frame, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator,
 };
 use crate::error::ApiError;
-use crate::wire::engine::Kind;
+use crate::wire::engine::{Choice, Chunk, Delta, Kind, ToolCallDelta};
 use crate::wire::sse::Event;
 
 #[derive(Debug, Clone, Copy)]
@@ -747,17 +746,19 @@ impl Translator {
         sse_frame(out, Some(name), v.to_string().as_bytes());
     }
 
-    /// The first chunk (`None` when the stream ends before any) opens the
-    /// message; `data` is its payload, read again here for the `model`.
-    fn start(&mut self, chunk: Option<(&Chunk<'_>, &[u8])>, out: &mut Vec<u8>) {
+    /// The first chunk (`None` when the stream ends before any) opens the message.
+    fn start(&mut self, chunk: Option<&Chunk<'_>>, out: &mut Vec<u8>) {
         if self.started {
             return;
         }
         self.started = true;
-        if let Some(n) = chunk.and_then(|(c, _)| c.prompt_token_ids.0) {
-            self.input_tokens = n;
+        if let Some(p) = chunk.and_then(|c| c.prompt_token_ids.as_ref()) {
+            self.input_tokens = p.len() as u64;
         }
-        let model = chunk.and_then(|(_, data)| chunk::model(data));
+        // Kept as its bytes by the read: parsed here, once a stream.
+        let model = chunk
+            .and_then(|c| c.model)
+            .and_then(|m| serde_json::from_str::<Value>(m.get()).ok());
         let message = json!({
             "id": self.id,
             "type": "message",
@@ -819,10 +820,24 @@ impl Translator {
     }
 
     fn on_choice(&mut self, choice: &Choice<'_>, out: &mut Vec<u8>) {
-        if let Some(n) = choice.token_ids.0 {
-            self.streamed_ids += n;
+        if let Some(ids) = &choice.token_ids {
+            self.streamed_ids += ids.len() as u64;
         }
-        let delta = &choice.delta.0;
+        if let Some(delta) = &choice.delta {
+            self.on_delta(delta, out);
+        }
+        if let Some(f) = &choice.finish_reason {
+            self.finish = Some(f.clone());
+            // Only ever read as a string (the matched stop sequence).
+            self.stop = choice
+                .stop_reason
+                .as_str()
+                .map(|s| Value::String(s.to_string()));
+            self.close(out);
+        }
+    }
+
+    fn on_delta(&mut self, delta: &Delta<'_>, out: &mut Vec<u8>) {
         // `reasoning` wins whenever it is there, even when it is not a string.
         let reasoning = if delta.reasoning.is_present() {
             &delta.reasoning
@@ -837,21 +852,12 @@ impl Translator {
             );
             self.delta(out, r);
         }
-        if let Some(t) = delta.content.as_str().filter(|t| !t.is_empty()) {
+        if let Some(t) = delta.content.as_deref().filter(|t| !t.is_empty()) {
             self.ensure(Open::Text, || json!({"type": "text", "text": ""}), out);
             self.delta(out, t);
         }
         for c in &delta.tool_calls.0 {
             self.on_tool_delta(&c.0, out);
-        }
-        if let Some(f) = choice.finish_reason.as_str() {
-            self.finish = Some(f.to_string());
-            // Only ever read as a string (the matched stop sequence).
-            self.stop = choice
-                .stop_reason
-                .as_str()
-                .map(|s| Value::String(s.to_string()));
-            self.close(out);
         }
     }
 
@@ -874,7 +880,7 @@ impl Translator {
         }
     }
 
-    fn on_chunk(&mut self, chunk: Chunk<'_>, data: &[u8], out: &mut Vec<u8>) {
+    fn on_chunk(&mut self, chunk: &Chunk<'_>, out: &mut Vec<u8>) {
         if let Some(err) = &chunk.error {
             let msg = err
                 .get("message")
@@ -888,7 +894,7 @@ impl Translator {
             self.failed = true;
             return;
         }
-        self.start(Some((&chunk, data)), out);
+        self.start(Some(chunk), out);
         if let Some(u) = &chunk.usage {
             if let Some(n) = u64_at(u, "/prompt_tokens") {
                 self.input_tokens = n;
@@ -897,19 +903,20 @@ impl Translator {
                 self.output_tokens = Some(n);
             }
         }
-        if let Some(choice) = &chunk.choices.0 {
+        if let Some(choice) = chunk.choices.first() {
             self.on_choice(choice, out);
         }
     }
 }
 
 impl StreamTranslator for Translator {
-    fn on_event(&mut self, ev: &Event, out: &mut Vec<u8>) {
-        if self.failed || ev.is_done() || ev.data.trim_ascii().is_empty() {
+    fn on_event(&mut self, _: &Event, chunk: Option<&Chunk<'_>>, out: &mut Vec<u8>) {
+        if self.failed {
             return;
         }
-        // A chunk that is not JSON is counted and flagged by the capture (`wire::engine`).
-        chunk::read(&ev.data, |c| self.on_chunk(c, &ev.data, out));
+        if let Some(c) = chunk {
+            self.on_chunk(c, out);
+        }
     }
 
     fn finish(&mut self) -> (Vec<u8>, Option<Kept>) {

@@ -1,6 +1,7 @@
 //! Unit and property tests of the Anthropic Messages adapter.
 
 use super::*;
+use crate::protocol::translate_event;
 use crate::wire::sse::Parser;
 use proptest::prelude::*;
 use serde_json::json;
@@ -403,7 +404,7 @@ fn translate(chunks: &[Value]) -> (Vec<u8>, Vec<u8>) {
     let mut t = AnthropicMessages.translator(&ctx(true));
     let mut early = Vec::new();
     for ev in &events {
-        t.on_event(ev, &mut early);
+        translate_event(t.as_mut(), ev, &mut early);
     }
     (early, t.finish().0)
 }
@@ -592,9 +593,40 @@ fn a_failed_stream_ends_with_an_error_event() {
     let evs = Parser::new()
         .feed(b"data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\n")
         .unwrap_or_default();
-    t.on_event(&evs[0], &mut out);
+    assert!(translate_event(t.as_mut(), &evs[0], &mut out));
     assert!(String::from_utf8_lossy(&out).contains("boom"));
     assert!(t.finish().0.is_empty());
+    // `"error": null` is no error (the capture records the call as answered).
+    let mut t = AnthropicMessages.translator(&ctx(true));
+    let mut out = Vec::new();
+    let evs = Parser::new()
+        .feed(b"data: {\"error\": null, \"choices\": [{\"delta\": {\"content\": \"Hi\"}}]}\n\n")
+        .unwrap_or_default();
+    assert!(translate_event(t.as_mut(), &evs[0], &mut out));
+    let s = String::from_utf8_lossy(&out).to_string();
+    assert!(
+        s.contains("text_delta") && !s.contains("event: error"),
+        "{s}"
+    );
+    assert!(!t.finish().0.is_empty());
+}
+
+/// `model` is echoed in `message_start` as the engine sent it, any JSON value.
+#[test]
+fn the_first_chunk_model_is_echoed_as_sent() {
+    for (model, want) in [
+        (r#""m\u00e9""#, json!("m\u{e9}")),
+        (r#"{"b":1,"a":[2]}"#, json!({"b": 1, "a": [2]})),
+        ("null", Value::Null),
+    ] {
+        let (early, _) = translate(&[serde_json::from_str(&format!(
+            r#"{{"model": {model}, "choices": [{{"delta": {{"content": "x"}}}}]}}"#
+        ))
+        .unwrap_or_default()]);
+        let start = Parser::new().feed(&early).unwrap_or_default();
+        let v: Value = serde_json::from_slice(&start[0].data).unwrap_or_default();
+        assert_eq!(v["message"]["model"], want, "{model}");
+    }
 }
 
 fn text_strategy() -> impl Strategy<Value = String> {
@@ -678,7 +710,7 @@ proptest! {
         sse_frame(&mut frames, None, &bytes);
         sse_frame(&mut frames, None, v.to_string().as_bytes());
         for ev in Parser::new().feed(&frames).unwrap_or_default() {
-            t.on_event(&ev, &mut out);
+            translate_event(t.as_mut(), &ev, &mut out);
         }
         let _ = t.finish();
     }
@@ -903,7 +935,7 @@ fn frames(t: &mut dyn StreamTranslator, delta: Value) -> String {
         data,
     };
     let mut out = Vec::new();
-    t.on_event(&ev, &mut out);
+    assert!(translate_event(t, &ev, &mut out));
     String::from_utf8(out).unwrap_or_else(|e| panic!("{e}"))
 }
 

@@ -26,7 +26,8 @@
 //!    ([`Kept`]); the call and the kept object commit in one transaction, then
 //!    the answer goes out;
 //! 6. streamed: a [`StreamTranslator`] gets every engine SSE event the moment
-//!    it is complete and returns the protocol's frames to send *now*;
+//!    it is complete, with its chunk as the capture read it (one parse feeds
+//!    both), and returns the protocol's frames to send *now*;
 //!    [`StreamTranslator::finish`] returns the final frame(s) that the
 //!    pipeline holds back until the call has committed (chat's `[DONE]`,
 //!    Responses' `response.completed`), so a harness that saw the end of an
@@ -44,11 +45,10 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
-use crate::wire::engine::Kind;
+use crate::wire::engine::{read_event, Chunk, Kind};
 use crate::wire::sse::Event;
 
 pub mod anthropic_messages;
-mod chunk;
 pub mod openai;
 pub mod openai_responses;
 
@@ -193,9 +193,12 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
 
 /// Turns one engine SSE stream into the protocol's SSE frames as it arrives.
 pub trait StreamTranslator: Send {
-    /// One complete engine event (`[DONE]` included). Appends the frames to
-    /// send right away to `out` (nothing, if it has nothing to say yet).
-    fn on_event(&mut self, ev: &Event, out: &mut Vec<u8>);
+    /// One complete engine event (`[DONE]` included) and its chunk, read once
+    /// for the capture and the translator (`wire::engine::read_event`; `None`
+    /// for `[DONE]` and an event without data). An event whose chunk does not
+    /// read never gets here: the pipeline ends the stream. Appends the frames
+    /// to send right away to `out` (nothing, if it has nothing to say yet).
+    fn on_event(&mut self, ev: &Event, chunk: Option<&Chunk<'_>>, out: &mut Vec<u8>);
 
     /// The engine's stream ended well. Returns the final frame(s), which the
     /// pipeline sends only after the call has committed, and what to keep.
@@ -204,6 +207,20 @@ pub trait StreamTranslator: Send {
     /// The call failed after the stream began (engine cut off, timeout, store
     /// failure): the frame(s) that end the stream with this error.
     fn fail(&mut self, e: &ApiError) -> Vec<u8>;
+}
+
+/// Hands one engine event to `t` as the pipeline does (for the tests and the
+/// fuzz targets, which have no capture): its chunk read once and handed on.
+/// `false`, and nothing handed on, when the chunk does not read (the
+/// pipeline ends the stream there).
+pub fn translate_event(t: &mut dyn StreamTranslator, ev: &Event, out: &mut Vec<u8>) -> bool {
+    match read_event(ev) {
+        Ok(chunk) => {
+            t.on_event(ev, chunk.as_ref(), out);
+            true
+        }
+        Err(_) => false,
+    }
 }
 
 /// The JSON object a harness sent, or a 400 saying so.

@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 
 use super::{object, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator};
 use crate::error::ApiError;
-use crate::wire::engine::Kind;
+use crate::wire::engine::{Chunk, Kind};
 use crate::wire::sse::Event;
 
 /// The OpenAI dialect of one engine route: chat completions or completions.
@@ -92,7 +92,7 @@ pub(crate) struct Passthrough {
 }
 
 impl StreamTranslator for Passthrough {
-    fn on_event(&mut self, ev: &Event, out: &mut Vec<u8>) {
+    fn on_event(&mut self, ev: &Event, _: Option<&Chunk<'_>>, out: &mut Vec<u8>) {
         if ev.is_done() {
             self.done = Some(ev.raw.clone());
         } else {
@@ -169,7 +169,7 @@ mod tests {
         let mut t = OpenAi(Kind::Chat).translator(&Ctx::default());
         let mut out = Vec::new();
         for ev in &events {
-            t.on_event(ev, &mut out);
+            crate::protocol::translate_event(t.as_mut(), ev, &mut out);
         }
         assert_eq!(out, b"data: {\"a\":1}\n\n");
         assert_eq!(t.finish().0, b"data: [DONE]\n\n");

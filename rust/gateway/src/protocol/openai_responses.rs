@@ -61,12 +61,11 @@ use bytes::Bytes;
 use hyper::StatusCode;
 use serde_json::{json, Map, Value};
 
-use super::chunk::{self, Chunk, ToolCallDelta};
 use super::{
     object, push_json, sse_frame, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator,
 };
 use crate::error::ApiError;
-use crate::wire::engine::Kind;
+use crate::wire::engine::{Chunk, Kind, ToolCallDelta};
 use crate::wire::sse::Event;
 
 #[derive(Debug, Clone, Copy)]
@@ -1146,8 +1145,8 @@ impl Translator {
         out
     }
 
-    fn on_chunk(&mut self, chunk: Chunk<'_>, out: &mut Vec<u8>) {
-        if let Some(err) = chunk.error {
+    fn on_chunk(&mut self, chunk: &Chunk<'_>, out: &mut Vec<u8>) {
+        if let Some(err) = &chunk.error {
             let msg = err
                 .get("message")
                 .and_then(Value::as_str)
@@ -1158,31 +1157,32 @@ impl Translator {
             return;
         }
         self.start(out);
-        if let Some(u) = chunk.usage {
-            self.g.usage = Some(u);
+        if let Some(u) = &chunk.usage {
+            self.g.usage = Some(u.clone());
         }
         // Responses has one output per answer: only the first choice is translated.
-        let Some(ch) = chunk.choices.0 else {
+        let Some(ch) = chunk.choices.first() else {
             return;
         };
-        let d = &ch.delta.0;
-        // As `reasoning_of`: `reasoning_content` first.
-        if let Some(r) = d
-            .reasoning_content
-            .as_str()
-            .or_else(|| d.reasoning.as_str())
-            .filter(|s| !s.is_empty())
-        {
-            self.reasoning_delta(out, r);
+        if let Some(d) = &ch.delta {
+            // As `reasoning_of`: `reasoning_content` first.
+            if let Some(r) = d
+                .reasoning_content
+                .as_str()
+                .or_else(|| d.reasoning.as_str())
+                .filter(|s| !s.is_empty())
+            {
+                self.reasoning_delta(out, r);
+            }
+            if let Some(t) = d.content.as_deref().filter(|s| !s.is_empty()) {
+                self.text_delta(out, t);
+            }
+            for tc in &d.tool_calls.0 {
+                self.call_delta(out, &tc.0);
+            }
         }
-        if let Some(t) = d.content.as_str().filter(|s| !s.is_empty()) {
-            self.text_delta(out, t);
-        }
-        for tc in &d.tool_calls.0 {
-            self.call_delta(out, &tc.0);
-        }
-        if let Some(fr) = ch.finish_reason.as_str() {
-            self.g.finish_reason = Some(fr.to_string());
+        if let Some(fr) = &ch.finish_reason {
+            self.g.finish_reason = Some(fr.clone());
             // The engine is done generating: the last item ends now, not at commit.
             self.close(out);
         }
@@ -1190,11 +1190,10 @@ impl Translator {
 }
 
 impl StreamTranslator for Translator {
-    fn on_event(&mut self, ev: &Event, out: &mut Vec<u8>) {
-        if ev.is_done() || ev.data.trim_ascii().is_empty() {
-            return;
+    fn on_event(&mut self, _: &Event, chunk: Option<&Chunk<'_>>, out: &mut Vec<u8>) {
+        if let Some(c) = chunk {
+            self.on_chunk(c, out);
         }
-        chunk::read(&ev.data, |c| self.on_chunk(c, out));
     }
 
     fn finish(&mut self) -> (Vec<u8>, Option<Kept>) {

@@ -493,19 +493,19 @@ async fn pump(
                 bad_bytes = true;
                 break;
             }
-            if ev.is_done() {
-                saw_done = true;
-            } else {
-                let before = s.cap.bad_chunks;
-                s.cap.feed(&ev.data);
+            saw_done |= ev.is_done();
+            // One read of the chunk feeds the capture and the translator.
+            let Ok(chunk) = capture::read_event(ev) else {
                 // An event we cannot read lost its ids: stop before the
                 // harness sees it, and tell it in its own vocabulary.
-                if s.cap.bad_chunks > before {
-                    unreadable = true;
-                    break;
-                }
+                s.cap.bad_chunks += 1;
+                unreadable = true;
+                break;
+            };
+            if let Some(c) = &chunk {
+                s.cap.add(c);
             }
-            s.translator.on_event(ev, &mut out);
+            s.translator.on_event(ev, chunk.as_ref(), &mut out);
         }
         let sent = out.is_empty() || tx.send(Bytes::from(out)).await.is_ok();
         if bad_bytes {

@@ -24,7 +24,11 @@
 //! excerpts only, not a running SGLang server.
 
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use std::collections::BTreeMap;
+
+use super::lenient::{Leaf, List, Obj};
+use super::sse::Event;
 
 /// Whether the request was a chat or a plain completion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,37 +69,94 @@ pub struct Capture {
     pub usage: Option<serde_json::Value>,
 }
 
-#[derive(Deserialize, Default)]
+/// One engine answer as JSON: a streamed chunk, or a whole answer (the same
+/// fields, with `message` where a chunk has `delta`). Read once per chunk,
+/// for the capture and for the stream's translator (`protocol`) alike.
+///
+/// The fields the capture records are strict: a value of another type makes
+/// the chunk unreadable (an upstream error; the harness never sees it). The
+/// fields only the translators read (`model`, `stop_reason`, a delta's
+/// reasoning and tool calls) are lenient (`wire::lenient`): any value they
+/// hold reads, so they cannot make the capture refuse a chunk. A key given
+/// twice is refused in every field read here, lenient or not (serde's
+/// derive), so the harness never sees a value the store read otherwise.
+/// Fields are declared in the order they always had (a JSON list read as a
+/// struct fills them in this order); the translators' fields come last.
+#[derive(Debug, Deserialize, Default)]
 #[serde(default)]
-struct WireAnswer {
-    id: Option<String>,
-    error: Option<serde_json::Value>,
-    prompt_token_ids: Option<Vec<u32>>,
-    choices: Vec<WireChoice>,
-    usage: Option<serde_json::Value>,
+pub struct Chunk<'a> {
+    pub id: Option<String>,
+    /// The engine failed mid-stream (`null` reads as no error).
+    pub error: Option<serde_json::Value>,
+    pub prompt_token_ids: Option<Vec<u32>>,
+    #[serde(borrow)]
+    pub choices: Vec<Choice<'a>>,
+    pub usage: Option<serde_json::Value>,
+    /// Left unread (only Messages' first chunk echoes it, as any JSON value).
+    #[serde(borrow)]
+    pub model: Option<&'a RawValue>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Debug, Deserialize, Default)]
 #[serde(default)]
-struct WireChoice {
-    index: Option<i64>,
-    token_ids: Option<Vec<u32>>,
-    output_ids: Option<Vec<u32>>,
-    prompt_token_ids: Option<Vec<u32>>,
-    finish_reason: Option<String>,
+pub struct Choice<'a> {
+    pub index: Option<i64>,
+    pub token_ids: Option<Vec<u32>>,
+    pub output_ids: Option<Vec<u32>>,
+    pub prompt_token_ids: Option<Vec<u32>>,
+    pub finish_reason: Option<String>,
     logprobs: Option<WireLogprobs>,
     message: Option<WireMessage>,
-    delta: Option<WireMessage>,
-    text: Option<String>,
+    #[serde(borrow)]
+    pub delta: Option<Delta<'a>>,
+    pub text: Option<String>,
+    /// vLLM's matched stop string (or stop token id).
+    #[serde(borrow)]
+    pub stop_reason: Leaf<'a>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Debug, Deserialize, Default)]
 #[serde(default)]
 struct WireMessage {
     content: Option<String>,
 }
 
-#[derive(Deserialize, Default)]
+/// A streamed choice's delta.
+#[derive(Debug, Deserialize, Default)]
+#[serde(default)]
+pub struct Delta<'a> {
+    pub content: Option<String>,
+    /// vLLM's newer name for the reasoning text.
+    #[serde(borrow)]
+    pub reasoning: Leaf<'a>,
+    /// vLLM's older name for the reasoning text.
+    #[serde(borrow)]
+    pub reasoning_content: Leaf<'a>,
+    #[serde(borrow)]
+    pub tool_calls: List<Obj<ToolCallDelta<'a>>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(default)]
+pub struct ToolCallDelta<'a> {
+    #[serde(borrow)]
+    pub index: Leaf<'a>,
+    #[serde(borrow)]
+    pub id: Leaf<'a>,
+    #[serde(borrow)]
+    pub function: Obj<FunctionDelta<'a>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(default)]
+pub struct FunctionDelta<'a> {
+    #[serde(borrow)]
+    pub name: Leaf<'a>,
+    #[serde(borrow)]
+    pub arguments: Leaf<'a>,
+}
+
+#[derive(Debug, Deserialize, Default)]
 #[serde(default)]
 struct WireLogprobs {
     /// Chat: one entry per generated token; only each entry's `logprob` is kept.
@@ -114,7 +175,7 @@ struct WireTokenLogprob {
 /// null): either chat entries (`{"logprob": x, "token": …, "top_logprobs": …}`,
 /// everything but `logprob` skipped unread) or bare numbers. No intermediate
 /// list of entries: the logprobs are most of a 26 KB answer's bytes.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct LogprobList(Vec<f32>);
 
 impl<'de> Deserialize<'de> for LogprobList {
@@ -184,6 +245,22 @@ impl WireLogprobs {
     fn into_values(self) -> Option<Vec<f32>> {
         self.content.or(self.token_logprobs).map(|l| l.0)
     }
+
+    fn values(&self) -> Option<&[f32]> {
+        self.content
+            .as_ref()
+            .or(self.token_logprobs.as_ref())
+            .map(|l| &l.0[..])
+    }
+}
+
+/// The chunk of one engine SSE event: `None` for `[DONE]` and for an event
+/// without data, an error for data that is not a chunk.
+pub fn read_event(ev: &Event) -> Result<Option<Chunk<'_>>, String> {
+    if ev.is_done() || ev.data.trim_ascii().is_empty() {
+        return Ok(None);
+    }
+    from_json(&ev.data).map(Some)
 }
 
 /// JSON from bytes: one UTF-8 check over the whole text, then a parse that
@@ -196,7 +273,7 @@ pub(crate) fn from_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, St
 
 /// Parses a whole (non-streamed) answer.
 pub fn parse_answer(body: &[u8]) -> Result<Capture, String> {
-    let a: WireAnswer =
+    let a: Chunk =
         from_json(body).map_err(|e| format!("engine answer is not the expected JSON: {e}"))?;
     let choices = a
         .choices
@@ -241,52 +318,54 @@ impl StreamCapture {
         Self::default()
     }
 
-    /// Feeds the data of one SSE event (not `[DONE]`).
+    /// Feeds the data of one SSE event (not `[DONE]`); data that is not a
+    /// chunk is counted in `bad_chunks`.
     pub fn feed(&mut self, data: &[u8]) {
         if data.trim_ascii().is_empty() {
             return;
         }
-        let chunk: WireAnswer = match from_json(data) {
-            Ok(c) => c,
-            Err(_) => {
-                self.bad_chunks += 1;
-                return;
-            }
-        };
-        if let Some(err) = chunk.error {
-            self.engine_error = Some(err);
+        match from_json(data) {
+            Ok(chunk) => self.add(&chunk),
+            Err(_) => self.bad_chunks += 1,
+        }
+    }
+
+    /// Adds one chunk read by [`read_event`] (which the translator reads too).
+    pub fn add(&mut self, chunk: &Chunk<'_>) {
+        if let Some(err) = &chunk.error {
+            self.engine_error = Some(err.clone());
             return;
         }
         if self.id.is_none() {
-            self.id = chunk.id;
+            self.id.clone_from(&chunk.id);
         }
-        if let Some(p) = chunk.prompt_token_ids {
+        if let Some(p) = &chunk.prompt_token_ids {
             self.prompt_ids.get_or_insert_with(Vec::new).extend(p);
         }
         if chunk.usage.is_some() {
-            self.usage = chunk.usage;
+            self.usage.clone_from(&chunk.usage);
         }
-        for (i, c) in chunk.choices.into_iter().enumerate() {
+        for (i, c) in chunk.choices.iter().enumerate() {
             let idx = c.index.unwrap_or(i as i64);
             let slot = self.choices.entry(idx).or_insert_with(|| ChoiceCapture {
                 index: idx,
                 ..Default::default()
             });
-            if let Some(p) = c.prompt_token_ids {
+            if let Some(p) = &c.prompt_token_ids {
                 slot.prompt_ids.get_or_insert_with(Vec::new).extend(p);
             }
-            if let Some(ids) = c.token_ids.or(c.output_ids) {
+            if let Some(ids) = c.token_ids.as_ref().or(c.output_ids.as_ref()) {
                 slot.completion_ids.get_or_insert_with(Vec::new).extend(ids);
             }
-            if let Some(lp) = c.logprobs.and_then(WireLogprobs::into_values) {
+            if let Some(lp) = c.logprobs.as_ref().and_then(WireLogprobs::values) {
                 slot.logprobs.get_or_insert_with(Vec::new).extend(lp);
             }
-            if let Some(fr) = c.finish_reason {
-                slot.finish_reason = Some(fr);
+            if c.finish_reason.is_some() {
+                slot.finish_reason.clone_from(&c.finish_reason);
             }
-            let piece = c.delta.and_then(|d| d.content).or(c.text);
-            if let Some(t) = piece {
-                slot.text.get_or_insert_with(String::new).push_str(&t);
+            let piece = c.delta.as_ref().and_then(|d| d.content.as_ref());
+            if let Some(t) = piece.or(c.text.as_ref()) {
+                slot.text.get_or_insert_with(String::new).push_str(t);
             }
         }
     }
@@ -512,6 +591,77 @@ mod tests {
         assert!(lp[1].is_nan());
         // A logprob that is neither number, null nor object fails the parse.
         assert!(parse_answer(br#"{"choices":[{"logprobs":{"token_logprobs":["x"]}}]}"#).is_err());
+    }
+
+    fn event(data: &[u8]) -> Event {
+        Event {
+            raw: [b"data: ", data, b"\n\n"].concat(),
+            data: data.to_vec(),
+        }
+    }
+
+    #[test]
+    fn one_read_serves_the_capture_and_the_translators() {
+        // The translators' fields read whatever they hold: the capture still
+        // takes the chunk, and each field reads as `Value::as_str` would.
+        let data = br#"{"model":{"a":1},"choices":[{"index":0,"delta":{"content":"a","reasoning":5,
+            "tool_calls":"x"},"stop_reason":[1],"token_ids":[7]}]}"#;
+        let ev = event(data);
+        let chunk = read_event(&ev).unwrap_or_default().unwrap_or_default();
+        assert_eq!(chunk.model.map(RawValue::get), Some(r#"{"a":1}"#));
+        let choice = &chunk.choices[0];
+        assert_eq!(choice.stop_reason, Leaf::Other);
+        let delta = choice
+            .delta
+            .as_ref()
+            .map(|d| (d.reasoning.as_str(), d.tool_calls.0.len()));
+        assert_eq!(delta, Some((None, 0)));
+        let mut s = StreamCapture::new();
+        s.add(&chunk);
+        let cap = s.finish();
+        assert_eq!(cap.choices[0].text.as_deref(), Some("a"));
+        assert_eq!(cap.choices[0].completion_ids, Some(vec![7]));
+        // `[DONE]` and an event without data carry no chunk.
+        assert!(matches!(read_event(&event(b" [DONE]")), Ok(None)));
+        assert!(matches!(read_event(&event(b"")), Ok(None)));
+        // A field the capture records of another type refuses the chunk (the
+        // translators read it leniently once, and no longer see it).
+        for bad in [
+            &br#"{"choices":[{"delta":5}]}"#[..],
+            br#"{"choices":[{"delta":{"content":1}}]}"#,
+            b"5",
+        ] {
+            assert!(
+                read_event(&event(bad)).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn null_error_and_repeated_keys_read_one_way() {
+        // `"error": null` is no error, for the capture and so for the translators
+        // (which once read any `error` key, even null, as the engine failing).
+        let ev = event(br#"{"error":null,"choices":[{"index":0,"delta":{"content":"a"}}]}"#);
+        let chunk = read_event(&ev).unwrap_or_default().unwrap_or_default();
+        assert!(chunk.error.is_none());
+        let mut s = StreamCapture::new();
+        s.add(&chunk);
+        assert!(s.engine_error.is_none());
+        // A key given twice refuses the chunk, in a field the capture records
+        // and in one only the translators read (which once took the last).
+        for twice in [
+            &br#"{"choices":[{"delta":{"content":"a","content":"b"}}]}"#[..],
+            br#"{"choices":[{"delta":{"reasoning":"a","reasoning":"b"}}]}"#,
+            br#"{"model":"a","model":"b"}"#,
+        ] {
+            assert!(
+                read_event(&event(twice)).is_err(),
+                "{}",
+                String::from_utf8_lossy(twice)
+            );
+        }
     }
 
     #[test]

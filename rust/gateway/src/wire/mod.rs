@@ -1,4 +1,5 @@
 //! Engine wire formats: SSE framing and the vLLM-wire answers that carry ids.
 
 pub mod engine;
+pub mod lenient;
 pub mod sse;

@@ -1,4 +1,5 @@
 use super::*;
+use crate::protocol::translate_event;
 use crate::wire::sse::Parser;
 use proptest::prelude::*;
 
@@ -278,7 +279,7 @@ fn stream(c: &Ctx, chunks: &[Value]) -> (Vec<Value>, Vec<Value>, Option<Kept>) {
     let mut p = Parser::new();
     let mut out = Vec::new();
     for ev in p.feed(&raw).unwrap_or_default() {
-        t.on_event(&ev, &mut out);
+        translate_event(t.as_mut(), &ev, &mut out);
     }
     let (held, kept) = t.finish();
     let parse = |b: &[u8]| -> Vec<Value> {
@@ -374,7 +375,7 @@ proptest! {
             framed.extend_from_slice(input);
             framed.extend_from_slice(b"\n\n");
             for ev in p.feed(&framed).unwrap_or_default() {
-                t.on_event(&ev, &mut out);
+                translate_event(t.as_mut(), &ev, &mut out);
             }
             let _ = t.finish();
         }
@@ -390,7 +391,7 @@ proptest! {
         for v in &vals {
             let wrapped = json!({"choices": [{"index": 0, "delta": v, "finish_reason": null}]});
             for ev in p.feed(format!("data: {wrapped}\n\ndata: {v}\n\n").as_bytes()).unwrap_or_default() {
-                t.on_event(&ev, &mut out);
+                translate_event(t.as_mut(), &ev, &mut out);
             }
         }
         let _ = t.finish();
@@ -442,7 +443,11 @@ fn engine_chunk(delta: Value, finish: Value) -> Event {
 /// The frames the translator sends for one engine chunk.
 fn frames(t: &mut dyn StreamTranslator, delta: Value) -> String {
     let mut out = Vec::new();
-    t.on_event(&engine_chunk(delta, Value::Null), &mut out);
+    assert!(translate_event(
+        t,
+        &engine_chunk(delta, Value::Null),
+        &mut out
+    ));
     String::from_utf8(out).unwrap_or_else(|e| panic!("{e}"))
 }
 
@@ -473,5 +478,25 @@ fn per_token_frames_are_pinned() {
             json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1"}}]})
         ),
         "event: response.function_call_arguments.delta\ndata: {\"item_id\":\"fc_00ff_2\",\"output_index\":2,\"delta\":\"{\\\"a\\\": 1\",\"type\":\"response.function_call_arguments.delta\",\"sequence_number\":17}\n\n"
+    );
+}
+
+/// `"error": null` is no error: the chunk translates (the capture records the
+/// call as answered, so the harness is not told it failed).
+#[test]
+fn a_null_error_is_no_error() {
+    let (_, c) = tool_request();
+    let mut t = OpenAiResponses.translator(&c);
+    let mut out = Vec::new();
+    let data = br#"{"error":null,"choices":[{"index":0,"delta":{"content":"Hi"}}]}"#;
+    let ev = Event {
+        raw: [b"data: ", &data[..], b"\n\n"].concat(),
+        data: data.to_vec(),
+    };
+    assert!(translate_event(t.as_mut(), &ev, &mut out));
+    let s = String::from_utf8_lossy(&out);
+    assert!(
+        s.contains("response.output_text.delta") && !s.contains("failed"),
+        "{s}"
     );
 }
