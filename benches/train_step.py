@@ -124,7 +124,7 @@ def _body_only(model: torch.nn.Module, mb: Any) -> torch.Tensor:
     hidden = decoder(
         input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **extra
     ).last_hidden_state
-    rows = hidden[mb.keep] if mb.keep.dtype == torch.bool else hidden[0, mb.keep]
+    rows = hidden.flatten(0, 1)[mb.keep]
     return rows.float().square().mean()
 
 

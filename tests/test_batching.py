@@ -180,11 +180,17 @@ def head_paths(
     return out
 
 
+@pytest.mark.parametrize("mode", ["tree", "padded"])
 @pytest.mark.parametrize("entropy", [False, True])
-def test_fused_head_matches_materialised_logits(tiny: torch.nn.Module, entropy: bool) -> None:
-    # Targets sharing a row (tree), temperature, both the kept-softmax and the
-    # recompute backward: values, entropies and gradients equal the HF head's.
-    [mb] = micro_batches(grpo_like_items(2), 4096, mode="tree")
+def test_fused_head_matches_materialised_logits(
+    tiny: torch.nn.Module, entropy: bool, mode: str
+) -> None:
+    # Targets sharing a row (tree) or rows of a padded batch (the fused head
+    # picks them by flat index, HF's head by mask), temperature, both the
+    # kept-softmax and the recompute backward: values, entropies and gradients
+    # equal the HF head's.
+    [mb] = micro_batches(grpo_like_items(2), 4096, mode=mode)  # type: ignore[arg-type]
+    assert mode == "tree" or mb.input_ids.shape[0] > 1
     out = head_paths(tiny, mb, entropy=entropy, temperature=0.8)
     want = out[MATERIALISED]
     for key in (FUSED_KEPT, FUSED_RECOMPUTED):

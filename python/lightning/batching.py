@@ -73,7 +73,10 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, L] long
     position_ids: torch.Tensor  # [B, L] long
     attention_mask: torch.Tensor | None  # [B, L] (padded) | None (packed, tree: see ``tree``)
-    keep: torch.Tensor  # logits_to_keep: [B, L] bool (padded) or [R] long (packed, tree)
+    # [R] long, sorted: the kept rows of the flattened [B * L] positions. An
+    # index, not a [B, L] mask: selecting rows by a mask on a GPU waits for the
+    # device to count them (a host sync per micro-batch).
+    keep: torch.Tensor
     gather: torch.Tensor  # [K] long: row of the kept logits that predicts each target
     target_tokens: torch.Tensor  # [K] long
     target_ids: torch.Tensor  # [K] long, step-global
@@ -172,7 +175,7 @@ def padded_batches(items: Sequence[SeqItem], budget: int) -> list[MicroBatch]:
                 input_ids=ids,
                 position_ids=torch.arange(width).expand(len(chunk), width).clone(),
                 attention_mask=mask,
-                keep=keep,
+                keep=keep.reshape(-1).nonzero()[:, 0],
                 gather=gather,
                 target_tokens=torch.cat([_target_tokens(i) for i in chunk]),
                 target_ids=torch.cat(
@@ -532,6 +535,17 @@ def _fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linea
     return decoder, head
 
 
+def _logits_to_keep(mb: MicroBatch) -> torch.Tensor:
+    """``mb.keep`` as Hugging Face's ``logits_to_keep``: positions of the one
+    row, or a ``[B, L]`` mask when there are several rows (a 1-D index would
+    keep the same positions in every row)."""
+    b, width = mb.input_ids.shape
+    if b == 1:
+        return mb.keep
+    flat = torch.zeros(b * width, dtype=torch.bool, device=mb.keep.device)
+    return flat.index_fill_(0, mb.keep, True).view(b, width)
+
+
 def forward_logprobs(
     model: torch.nn.Module,
     mb: MicroBatch,
@@ -564,14 +578,14 @@ def forward_logprobs(
         hidden = decoder(
             input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **extra
         ).last_hidden_state  # [B, L, H]
-        rows = hidden[mb.keep] if mb.keep.dtype == torch.bool else hidden[0, mb.keep]  # [R, H]
+        rows = hidden.flatten(0, 1)[mb.keep]  # [R, H]
         return target_logprobs(
             rows, head, mb.gather, mb.target_tokens, temperature=temperature, entropy=entropy
         )
     out = model(
         input_ids=mb.input_ids,
         position_ids=mb.position_ids,
-        logits_to_keep=mb.keep,
+        logits_to_keep=_logits_to_keep(mb),
         use_cache=False,
         **extra,
     )
