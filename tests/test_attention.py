@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import reference
-from lightning.attention import plan_tree, segments, tree_attention
+from lightning.attention import plan_tree, segments, to_device, tree_attention
+
+# A second device for the copies (e.g. cuda); on the CPU they go to "meta".
+DEVICE = torch.device(os.environ.get("LIGHTNING_TEST_DEVICE", "cpu"))
 
 
 @st.composite
@@ -81,3 +86,27 @@ def test_segments_split_at_branches() -> None:
     assert parent_seg.tolist() == [-1, 0, 0, -1, 3, 3]
     with pytest.raises(ValueError, match="after their parent"):
         segments(np.array([1, -1]))
+
+
+def test_to_device_keeps_every_tensor_in_place() -> None:
+    # One copy per dtype, split back into views: shapes, dtypes, None and order
+    # survive (values too, where a second device exists: LIGHTNING_TEST_DEVICE).
+    tensors = [
+        torch.arange(6).reshape(2, 3),
+        None,
+        torch.tensor([[True, False], [False, True]])[None],
+        torch.arange(4, dtype=torch.int32),
+        torch.arange(5),
+        torch.zeros(0, dtype=torch.bool),
+    ]
+    target = DEVICE if DEVICE.type != "cpu" else torch.device("meta")
+    moved = to_device(tensors, target)
+    assert moved[1] is None
+    for t, m in zip(tensors, moved, strict=True):
+        if t is not None:
+            assert m is not None and m.device.type == target.type
+            assert (m.shape, m.dtype) == (t.shape, t.dtype)
+            if target.type != "meta":
+                assert torch.equal(m.cpu(), t)
+    same = to_device(tensors, "cpu")
+    assert all(a is b for a, b in zip(same, tensors, strict=True))

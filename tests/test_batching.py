@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 import lightning
 import reference
 from lightning import batching
-from lightning.attention import to_device
 from lightning.batching import (
     BATCH_MODES,
     SeqItem,
@@ -107,30 +106,6 @@ def test_modes_give_same_gradients(tiny: torch.nn.Module) -> None:
         grads[mode] = torch.cat([p.grad.reshape(-1).cpu() for p in model.parameters()])
     for mode in ("packed", "tree"):
         torch.testing.assert_close(grads[mode], grads["padded"], atol=1e-5, rtol=1e-4)
-
-
-def test_to_device_keeps_every_tensor_in_place() -> None:
-    # One copy per dtype, split back into views: shapes, dtypes, None and order
-    # survive (values too, where a second device exists: LIGHTNING_TEST_DEVICE).
-    tensors = [
-        torch.arange(6).reshape(2, 3),
-        None,
-        torch.tensor([[True, False], [False, True]])[None],
-        torch.arange(4, dtype=torch.int32),
-        torch.arange(5),
-        torch.zeros(0, dtype=torch.bool),
-    ]
-    target = DEVICE if DEVICE.type != "cpu" else torch.device("meta")
-    moved = to_device(tensors, target)
-    assert moved[1] is None
-    for t, m in zip(tensors, moved, strict=True):
-        if t is not None:
-            assert m is not None and m.device.type == target.type
-            assert (m.shape, m.dtype) == (t.shape, t.dtype)
-            if target.type != "meta":
-                assert torch.equal(m.cpu(), t)
-    same = to_device(tensors, "cpu")
-    assert all(a is b for a, b in zip(same, tensors, strict=True))
 
 
 def test_tree_batch_from_packed_tree(tiny: torch.nn.Module) -> None:

@@ -287,8 +287,15 @@ def _window(t: torch.Tensor, span: tuple[int, int, int, int]) -> torch.Tensor:
     """``[B, H, L, d]`` view of ``t`` ``[H, N, d]``: B rows of L nodes, each
     ``stride`` nodes after the last (see ``_Bucket.span``)."""
     first, rows, stride, length = span
-    windows = t.narrow(1, first, rows * stride).unflatten(1, (rows, stride))
-    return windows[:, :, :length].transpose(0, 1)
+    # Narrow and slice only when they cut something: the backward pass of a
+    # slice allocates a zeroed full-size gradient and copies into it, three
+    # tensors a layer, while a whole row of equal sequences is a pure view.
+    if first or rows * stride != t.shape[1]:
+        t = t.narrow(1, first, rows * stride)
+    windows = t.unflatten(1, (rows, stride))
+    if stride != length:
+        windows = windows[:, :, :length]
+    return windows.transpose(0, 1)
 
 
 def _register() -> None:
