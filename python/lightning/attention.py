@@ -262,9 +262,8 @@ def tree_attention(
         if b.span is not None:
             qb, kb, vb = (_window(t, b.span) for t in (q, k, v))
         else:
-            qb = q[:, b.q_index].transpose(0, 1)  # [B, H, Lq, d]
-            kb = k[:, b.k_index].transpose(0, 1)  # [B, Hkv, Lk, d]
-            vb = v[:, b.k_index].transpose(0, 1)
+            qb = _rows(q, b.q_index)  # [B, H, Lq, d]
+            kb, vb = _rows(k, b.k_index), _rows(v, b.k_index)  # [B, Hkv, Lk, d]
         if rep > 1:
             kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
         ob = F.scaled_dot_product_attention(
@@ -280,7 +279,24 @@ def tree_attention(
     flat = torch.cat(outs) if len(outs) > 1 else outs[0]
     if lightning_tree.in_order:
         return flat[None], None
-    return flat[lightning_tree.order][None], None  # [1, N, H, d]
+    # `order` names each slot at most once, so index_select's backward adds one
+    # gradient into each zero: exact, in any order, on every device.
+    return flat.index_select(0, lightning_tree.order)[None], None  # [1, N, H, d]
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[:, index].transpose(0, 1)``: ``[B, H, L, d]`` from ``t`` ``[H, N, d]``
+    and ``index`` ``[B, L]``. The backward pass adds up the gradients of nodes
+    read more than once (a prefix's keys, read by every branch). On the CPU by
+    ``index_select``, whose backward ``index_add_`` took a quarter of the time
+    of advanced indexing's accumulating ``index_put_`` (tiny model, tree body).
+    Elsewhere by advanced indexing: on CUDA its backward sums repeated rows in
+    a fixed order, where ``index_add_``'s atomics would make a step's key and
+    value gradients differ from run to run."""
+    if t.device.type != "cpu":
+        return t[:, index].transpose(0, 1)
+    picked = t.index_select(1, index.reshape(-1))  # [H, B*L, d]
+    return picked.unflatten(1, tuple(index.shape)).transpose(0, 1)
 
 
 def _window(t: torch.Tensor, span: tuple[int, int, int, int]) -> torch.Tensor:
