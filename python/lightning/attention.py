@@ -264,7 +264,11 @@ def tree_attention(
         else:
             qb = _rows(q, b.q_index)  # [B, H, Lq, d]
             kb, vb = _rows(k, b.k_index), _rows(v, b.k_index)  # [B, Hkv, Lk, d]
-        if rep > 1:
+        # Grouped-query heads: SDPA reads each key/value head for its query
+        # heads in place when there is no mask; with a mask CUDA's fused
+        # kernels would fall back to the math one, so the heads are repeated.
+        gqa = rep > 1 and b.mask is None
+        if rep > 1 and not gqa:
             kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
         ob = F.scaled_dot_product_attention(
             qb,
@@ -274,6 +278,7 @@ def tree_attention(
             dropout_p=dropout if module.training else 0.0,
             is_causal=b.mask is None,
             scale=scaling,
+            enable_gqa=gqa,
         )  # [B, H, Lq, d]
         outs.append(ob.transpose(1, 2).reshape(-1, *ob.shape[1:2], ob.shape[3]))  # [B*Lq, H, d]
     flat = torch.cat(outs) if len(outs) > 1 else outs[0]
