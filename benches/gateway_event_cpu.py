@@ -17,8 +17,10 @@ Compare two builds by running it once per binary on the same machine.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,6 +71,8 @@ def main() -> int:
         f"setup:   {CONCURRENCY} streaming connections, {SECONDS:.0f} s a point, median of {ROUNDS}"
     )
     tmp = Path(tempfile.mkdtemp(prefix="lightning-event-cpu-"))
+    # The store grows by GBs a run: gone when the bench exits, however it exits.
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     d = json.loads(request_body())
     d["stream"] = True
     d["stream_options"] = {"include_usage": True}

@@ -18,8 +18,10 @@ commit); run the script once per binary on the same machine.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,6 +115,8 @@ def main() -> int:
     print(f"machine: {machine()}")
     print(f"commit:  {commit()}; gateway binary {binary}")
     tmp = Path(tempfile.mkdtemp(prefix="lightning-callgrind-"))
+    # The store grows by GBs a run: gone when the bench exits, however it exits.
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     body_json = tmp / "body.json"
     body_json.write_bytes(request_body())
     d = json.loads(request_body())

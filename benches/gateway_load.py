@@ -26,9 +26,11 @@ the flush at concurrency 1 really carries. Instructions per call (machine-load i
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -208,6 +210,8 @@ def main() -> int:
         f"setup:   gateway 1 tokio worker pinned to CPU 0, store sync={SYNC}; engine + load generator on CPU 1; {SECONDS:.0f}s per point"
     )
     tmp = Path(tempfile.mkdtemp(prefix="lightning-bench-"))
+    # The store grows by GBs a run: gone when the bench exits, however it exits.
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     body_json = tmp / "body.json"
     body_json.write_bytes(request_body())
     body_stream = tmp / "body_stream.json"

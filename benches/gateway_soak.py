@@ -28,9 +28,11 @@ engine and load generator on CPU 1, store ``sync=full``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
+import shutil
 import sqlite3
 import sys
 import tempfile
@@ -170,6 +172,8 @@ def main() -> int:
         f"{args.soak_connections} connections over the 3 protocols for {args.soak_seconds:.0f} s"
     )
     tmp = Path(tempfile.mkdtemp(prefix="lightning-soak-"))
+    # The store grows by GBs a run: gone when the bench exits, however it exits.
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     files = {}
     for k, b in bodies().items():
         files[k] = tmp / f"{k}.json"
