@@ -49,6 +49,8 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,183 @@ def _split_by_tokens(items: Sequence[SeqItem], parts: int) -> list[list[SeqItem]
         k = min(parts - 1, int((end - len(item.tokens) / 2) * parts // max(total, 1)))
         out[k].append(item)
     return out
+
+
+class _Sum(IntEnum):
+    """Slots of a step's metric sums (one float64 tensor, all-reduced once):
+    weighted sums over trained tokens, then the train-serve gap's terms, then
+    the summed loss of the optimizer steps."""
+
+    CLIPPED = 0  # Σ w · clipped
+    APPROX_KL = 1  # Σ w · approx_kl
+    ENTROPY = 2  # Σ w · entropy
+    WEIGHT = 3  # Σ w
+    IS_WEIGHT = 4  # Σ w · importance weight
+    IS_TRUNCATED = 5  # Σ w · (importance weight truncated)
+    GAP_ABS = 6  # Σ |log μ − log π|
+    GAP_K3 = 7  # Σ k3 of KL(μ‖π)
+    GAP_TOKENS = 8  # tokens with both log-probs known
+    LOSS = 9  # Σ optimizer-step losses
+
+
+@dataclass(frozen=True)
+class _RolloutBatch:
+    """A step's samples in training order (by group, then rollout, then as
+    given) and what the loss needs per rollout (first-appearance order)."""
+
+    samples: list[Any]
+    rollout_ids: list[str]
+    rewards: np.ndarray  # [n_rollouts] float64
+    advantages: torch.Tensor  # [n_rollouts]
+    zero_groups: set[Any]  # groups whose rewards are all equal
+    n_groups: int
+    pieces: np.ndarray  # [n_rollouts] samples per rollout (drift and sub-agents split one)
+
+
+def _rollout_batch(
+    samples: list[Any], rewards: Mapping[str, float], groups: Mapping[str, Any], cfg: TrainerConfig
+) -> _RolloutBatch:
+    rollout_ids: list[str] = list(dict.fromkeys(s.rollout_id for s in samples))
+    sample_group = {s.rollout_id: s.group for s in samples}
+    group_of = {rid: groups.get(rid, sample_group.get(rid) or rid) for rid in rollout_ids}
+    reward_list = []
+    for rid in rollout_ids:
+        if rid in rewards:
+            reward_list.append(float(rewards[rid]))
+        elif cfg.missing_reward is not None:
+            reward_list.append(cfg.missing_reward)
+        else:
+            raise ValueError(
+                f"rollout {rid!r} has samples but no reward; pass it in rewards or set "
+                "missing_reward in the trainer config"
+            )
+    group_keys = [group_of[rid] for rid in rollout_ids]
+    rollout_rank = {rid: k for k, rid in enumerate(rollout_ids)}
+    pieces = np.bincount(
+        np.array([rollout_rank[s.rollout_id] for s in samples], dtype=np.int64),
+        minlength=len(rollout_ids),
+    )
+    zero = zero_advantage_groups(reward_list, group_keys)
+    if cfg.filter_zero_adv_groups:
+        samples = [s for s in samples if group_of[s.rollout_id] not in zero]
+    # Grouped, so that a group's samples sit next to each other (shared
+    # prompts land in one tree).
+    group_rank = {g: k for k, g in enumerate(dict.fromkeys(group_keys))}
+    order = sorted(
+        range(len(samples)),
+        key=lambda i: (
+            group_rank[group_of[samples[i].rollout_id]],
+            rollout_rank[samples[i].rollout_id],
+            i,
+        ),
+    )
+    return _RolloutBatch(
+        samples=[samples[i] for i in order],
+        rollout_ids=rollout_ids,
+        rewards=np.asarray(reward_list, dtype=np.float64),
+        advantages=estimate(reward_list, group_keys, estimator=cfg.estimator, eps=cfg.adv_eps),
+        zero_groups=zero,
+        n_groups=len(set(group_keys)),
+        pieces=pieces,
+    )
+
+
+@dataclass
+class _Targets:
+    """Step-wide per-target tensors ``[N]``, indexed by target id."""
+
+    weight: torch.Tensor  # float32, host
+    advantage: torch.Tensor  # float32, device: the target's rollout's
+    rollout_logp: torch.Tensor  # float32, device: the engine's (NaN: unknown)
+    sample: torch.Tensor  # long, host
+    rollout: torch.Tensor  # long, host
+    old: torch.Tensor  # device: the ratio's denominator (NaN: this pass's own)
+    first: torch.Tensor  # device: the first epoch's log-probs (the gap's, without a recompute)
+    ref: torch.Tensor | None = None  # device: the reference policy's (kl_coef > 0)
+
+    @property
+    def n(self) -> int:
+        return len(self.weight)
+
+
+def _targets(rb: _RolloutBatch, items: Sequence[SeqItem], device: torch.device) -> _Targets:
+    adv_of = dict(zip(rb.rollout_ids, rb.advantages.tolist(), strict=True))
+    rollout_rank = {rid: k for k, rid in enumerate(rb.rollout_ids)}
+    weight, advantage, rollout_lp, sample_id, rollout_idx = [], [], [], [], []
+    for k, (s, item) in enumerate(zip(rb.samples, items, strict=True)):
+        pos = item.positions
+        weight.append(np.asarray(s.weights, dtype=np.float32)[pos])
+        advantage.append(np.full(len(pos), adv_of[s.rollout_id], dtype=np.float32))
+        lp = s.logprobs
+        rollout_lp.append(
+            np.full(len(pos), np.nan, np.float32) if lp is None else np.asarray(lp, np.float32)[pos]
+        )
+        sample_id.append(np.full(len(pos), k))
+        rollout_idx.append(np.full(len(pos), rollout_rank[s.rollout_id]))
+    n = sum(len(i.positions) for i in items)
+    cat = lambda xs, dt: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0)).to(dt)  # noqa: E731
+    unknown = torch.full((n,), float("nan"), device=device)
+    return _Targets(
+        weight=cat(weight, torch.float32),
+        advantage=cat(advantage, torch.float32).to(device),
+        rollout_logp=cat(rollout_lp, torch.float32).to(device),
+        sample=cat(sample_id, torch.long),
+        rollout=cat(rollout_idx, torch.long),
+        old=unknown,
+        first=unknown.clone(),
+    )
+
+
+def _add_gap(sums: torch.Tensor, rollout_lp: torch.Tensor, trainer_lp: torch.Tensor) -> None:
+    """Adds the train-serve gap terms of tokens whose two log-probs are known."""
+    known = ~torch.isnan(rollout_lp) & ~torch.isnan(trainer_lp)
+    d = (rollout_lp - trainer_lp)[known].double()  # log(μ/π)
+    sums[_Sum.GAP_ABS] += d.abs().sum().cpu()
+    sums[_Sum.GAP_K3] += (torch.expm1(-d) + d).sum().cpu()  # k3 of KL(μ‖π)
+    sums[_Sum.GAP_TOKENS] += float(known.sum())
+
+
+def _metrics(
+    rb: _RolloutBatch,
+    sums: torch.Tensor,
+    counts: torch.Tensor,
+    grad_norms: list[float],
+    lr: float,
+    elapsed: float,
+    cfg: TrainerConfig,
+) -> dict[str, Any]:
+    """The step's metrics but its number (see the module's choice 3)."""
+    nan = float("nan")
+    wsum = float(sums[_Sum.WEIGHT])
+    gap_tokens = float(sums[_Sum.GAP_TOKENS])
+    tis = cfg.tis_cap is not None
+    per_w = lambda k: float(sums[k]) / wsum if wsum else nan  # noqa: E731
+    r, a, pieces = rb.rewards, rb.advantages.double().numpy(), rb.pieces
+    return {
+        "reward_mean": float(r.mean()) if len(r) else nan,
+        "reward_std": float(r.std()) if len(r) else nan,
+        "adv_mean": float(a.mean()) if len(a) else nan,
+        "adv_std": float(a.std()) if len(a) else nan,
+        "zero_adv_group_frac": len(rb.zero_groups) / rb.n_groups if rb.n_groups else nan,
+        "loss": float(sums[_Sum.LOSS]) / max(1, len(grad_norms)),
+        "clip_frac": per_w(_Sum.CLIPPED),
+        "approx_kl": per_w(_Sum.APPROX_KL),
+        "entropy": per_w(_Sum.ENTROPY),
+        "grad_norm": float(np.mean(grad_norms)) if grad_norms else nan,
+        "lr": lr,
+        "tokens_per_s": float(counts[1]) / elapsed if elapsed > 0 else nan,
+        "samples": int(counts[0]),
+        "tokens": int(counts[1]),
+        "gap_abs_logprob": float(sums[_Sum.GAP_ABS]) / gap_tokens if gap_tokens else nan,
+        "gap_kl": float(sums[_Sum.GAP_K3]) / gap_tokens if gap_tokens else nan,
+        # Truncated importance weights (``tis_cap``): their mean and the
+        # fraction of trained tokens whose weight the cap cut.
+        "tis_weight_mean": per_w(_Sum.IS_WEIGHT) if tis else nan,
+        "tis_clip_frac": per_w(_Sum.IS_TRUNCATED) if tis else nan,
+        "forward_tokens": int(counts[2]),
+        "samples_per_rollout": float(pieces.mean()) if len(pieces) else nan,
+        "single_sample_rollout_frac": float((pieces == 1).mean()) if len(pieces) else nan,
+    }
 
 
 class Trainer:
@@ -260,74 +439,16 @@ class Trainer:
         cfg = self.config
         t0 = time.perf_counter()
         merged = batch if hasattr(batch, "packed") and hasattr(batch, "samples") else None
-        samples = list(merged.samples if merged is not None else batch)
         packed = (
             merged.packed(across_rollouts=True)
             if merged is not None and cfg.batching == "tree"
             else None
         )
-        # Rollouts in first-appearance order, grouped so that a group's
-        # samples sit next to each other (shared prompts land in one tree).
-        rollout_ids: list[str] = list(dict.fromkeys(s.rollout_id for s in samples))
-        sample_group = {s.rollout_id: s.group for s in samples}
-        group_of = {rid: groups.get(rid, sample_group.get(rid) or rid) for rid in rollout_ids}
-        reward_list = []
-        for rid in rollout_ids:
-            if rid in rewards:
-                reward_list.append(float(rewards[rid]))
-            elif cfg.missing_reward is not None:
-                reward_list.append(cfg.missing_reward)
-            else:
-                raise ValueError(
-                    f"rollout {rid!r} has samples but no reward; pass it in rewards or set "
-                    "missing_reward in the trainer config"
-                )
-        group_keys = [group_of[rid] for rid in rollout_ids]
-        rollout_rank = {rid: k for k, rid in enumerate(rollout_ids)}
-        # Samples per rollout: drift and sub-agents split a rollout into pieces.
-        pieces = np.bincount(
-            np.array([rollout_rank[s.rollout_id] for s in samples], dtype=np.int64),
-            minlength=len(rollout_ids),
+        rb = _rollout_batch(
+            list(merged.samples if merged is not None else batch), rewards, groups, cfg
         )
-        adv = estimate(reward_list, group_keys, estimator=cfg.estimator, eps=cfg.adv_eps)
-        zero = zero_advantage_groups(reward_list, group_keys)
-        n_groups = len(set(group_keys))
-        adv_of = dict(zip(rollout_ids, adv.tolist(), strict=True))
-        if cfg.filter_zero_adv_groups:
-            samples = [s for s in samples if group_of[s.rollout_id] not in zero]
-        group_rank = {g: k for k, g in enumerate(dict.fromkeys(group_keys))}
-        order = sorted(
-            range(len(samples)),
-            key=lambda i: (
-                group_rank[group_of[samples[i].rollout_id]],
-                rollout_rank[samples[i].rollout_id],
-                i,
-            ),
-        )
-        samples = [samples[i] for i in order]
-
-        # Step-wide per-target tensors, indexed by target id.
-        items = seq_items(samples)
-        weight, advantage, rollout_lp, sample_id, rollout_idx = [], [], [], [], []
-        for k, (s, item) in enumerate(zip(samples, items, strict=True)):
-            pos = item.positions
-            weight.append(np.asarray(s.weights, dtype=np.float32)[pos])
-            advantage.append(np.full(len(pos), adv_of[s.rollout_id], dtype=np.float32))
-            lp = s.logprobs
-            rollout_lp.append(
-                np.full(len(pos), np.nan, np.float32)
-                if lp is None
-                else np.asarray(lp, np.float32)[pos]
-            )
-            sample_id.append(np.full(len(pos), k))
-            rollout_idx.append(np.full(len(pos), rollout_rank[s.rollout_id]))
-        n = sum(len(i.positions) for i in items)
-        cat = lambda xs, dt: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0)).to(dt)  # noqa: E731
-        W = cat(weight, torch.float32)  # [N]
-        A = cat(advantage, torch.float32).to(self.device)  # [N]
-        RL = cat(rollout_lp, torch.float32).to(self.device)  # [N]
-        S = cat(sample_id, torch.long)  # [N]
-        R = cat(rollout_idx, torch.long)  # [N]
+        items = seq_items(rb.samples)
+        tg = _targets(rb, items, self.device)
 
         shard = _split_by_tokens(items, self.world)[self.rank] if items else []
         minis = (
@@ -344,103 +465,80 @@ class Trainer:
 
             mini_mbs = fsdp.balance(mini_mbs, self.device)
         all_mbs = [mb for mbs in mini_mbs for mb in mbs]
-        forward_tokens = sum(mb.forward_tokens for mb in all_mbs)
 
-        moves_first = cfg.ppo_epochs > 1 or cfg.mini_batches > 1
-        old = torch.full((n,), float("nan"), device=self.device)
-        pre_update: torch.Tensor | None = None
-        if cfg.old_logprobs == "rollout":
-            old = RL.clone()
-        if cfg.old_logprobs == "recompute" or (moves_first and bool(torch.isnan(old).any())):
-            pre_update = self._logprobs(self.model, all_mbs, n)
-            old = torch.where(torch.isnan(old), pre_update, old)
-        ref = self._ref_logprobs(all_mbs, n) if cfg.kl_coef > 0 else None
-
-        net = self.ddp or self.model
-        # Σ over weighted tokens: [0] w·clipped [1] w·approx_kl [2] w·entropy [3] w
-        # [4] |gap| [5] k3 gap [6] tokens with a known gap [7] loss
-        # [8] w·importance weight [9] w·(importance weight truncated)
-        sums = torch.zeros(10, dtype=torch.float64)
-        first_lp = torch.full((n,), float("nan"), device=self.device)
-        loss_total, grad_norms = 0.0, []
+        pre_update = self._old_logprobs(tg, all_mbs)
+        tg.ref = self._ref_logprobs(all_mbs, tg.n) if cfg.kl_coef > 0 else None
+        sums = torch.zeros(len(_Sum), dtype=torch.float64)
+        grad_norms = []
         for epoch in range(cfg.ppo_epochs):
             for mbs in mini_mbs:
-                mb_ids = (
-                    torch.cat([mb.target_ids for mb in mbs])
-                    if mbs
-                    else torch.zeros(0, dtype=torch.long)
-                )
-                norm = Normalizer.build(
-                    W[mb_ids], S[mb_ids], R[mb_ids], mode=cfg.aggregation, max_len=cfg.max_len
-                )
-                self.optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
-                for mb in mbs:
-                    with self._no_sync():
-                        step_loss += self._micro_step(
-                            net, mb, epoch, norm, old, A, RL, W, S, R, ref, first_lp, sums
-                        )
-                self._sync_grads()
-                gn = torch.nn.utils.clip_grad_norm_(
-                    self.params, cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-                )
-                grad_norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
-                self.optimizer.step()
-                self.scheduler.step()
-                loss_total += step_loss
+                grad_norms.append(self._optimizer_step(mbs, epoch, tg, sums))
 
         # Train-serve gap on pre-update trainer log-probs.
-        trainer_lp = pre_update if pre_update is not None else first_lp
-        mine = torch.cat([mb.target_ids for mb in all_mbs]).to(self.device) if all_mbs else None
-        if mine is not None:
-            t, r = trainer_lp[mine], RL[mine]
-            known = ~torch.isnan(r) & ~torch.isnan(t)
-            d = (r - t)[known].double()  # log(μ/π)
-            sums[4] += d.abs().sum().cpu()
-            sums[5] += (torch.expm1(-d) + d).sum().cpu()  # k3 of KL(μ‖π)
-            sums[6] += float(known.sum())
-        sums[7] = loss_total
+        trainer_lp = pre_update if pre_update is not None else tg.first
+        if all_mbs:
+            mine = torch.cat([mb.target_ids for mb in all_mbs]).to(self.device)
+            _add_gap(sums, tg.rollout_logp[mine], trainer_lp[mine])
         counts = torch.tensor(
-            [len(shard), sum(len(i.tokens) for i in shard), forward_tokens], dtype=torch.float64
+            [
+                len(shard),
+                sum(len(i.tokens) for i in shard),
+                sum(mb.forward_tokens for mb in all_mbs),
+            ],
+            dtype=torch.float64,
         )
         if self.world > 1:
             dist.all_reduce(sums)
             dist.all_reduce(counts)
-        elapsed = time.perf_counter() - t0
         self.step_count += 1
-        wsum = float(sums[3])
-        tis = cfg.tis_cap is not None
-        nan = float("nan")
-        r_arr = np.asarray(reward_list, dtype=np.float64)
-        a_arr = adv.double().numpy()
-        metrics: dict[str, Any] = {
+        lr = float(self.scheduler.get_last_lr()[0])
+        elapsed = time.perf_counter() - t0
+        metrics = {
             "step": self.step_count,
-            "reward_mean": float(r_arr.mean()) if len(r_arr) else nan,
-            "reward_std": float(r_arr.std()) if len(r_arr) else nan,
-            "adv_mean": float(a_arr.mean()) if len(a_arr) else nan,
-            "adv_std": float(a_arr.std()) if len(a_arr) else nan,
-            "zero_adv_group_frac": len(zero) / n_groups if n_groups else nan,
-            "loss": float(sums[7]) / max(1, len(grad_norms)),
-            "clip_frac": float(sums[0]) / wsum if wsum else nan,
-            "approx_kl": float(sums[1]) / wsum if wsum else nan,
-            "entropy": float(sums[2]) / wsum if wsum else nan,
-            "grad_norm": float(np.mean(grad_norms)) if grad_norms else nan,
-            "lr": float(self.scheduler.get_last_lr()[0]),
-            "tokens_per_s": float(counts[1]) / elapsed if elapsed > 0 else nan,
-            "samples": int(counts[0]),
-            "tokens": int(counts[1]),
-            "gap_abs_logprob": float(sums[4] / sums[6]) if sums[6] > 0 else nan,
-            "gap_kl": float(sums[5] / sums[6]) if sums[6] > 0 else nan,
-            # Truncated importance weights (``tis_cap``): their mean and the
-            # fraction of trained tokens whose weight the cap cut.
-            "tis_weight_mean": float(sums[8]) / wsum if wsum and tis else nan,
-            "tis_clip_frac": float(sums[9]) / wsum if wsum and tis else nan,
-            "forward_tokens": int(counts[2]),
-            "samples_per_rollout": float(pieces.mean()) if len(pieces) else nan,
-            "single_sample_rollout_frac": float((pieces == 1).mean()) if len(pieces) else nan,
+            **_metrics(rb, sums, counts, grad_norms, lr, elapsed, cfg),
         }
         self._log(metrics)
         return metrics
+
+    def _old_logprobs(self, tg: _Targets, mbs: Sequence[MicroBatch]) -> torch.Tensor | None:
+        """Fills ``tg.old``; returns the pre-update log-probs when a no-grad pass
+        computed them (see the module's choice 1)."""
+        cfg = self.config
+        moves_first = cfg.ppo_epochs > 1 or cfg.mini_batches > 1
+        if cfg.old_logprobs == "rollout":
+            tg.old = tg.rollout_logp.clone()
+        if cfg.old_logprobs == "recompute" or (moves_first and bool(torch.isnan(tg.old).any())):
+            pre_update = self._logprobs(self.model, mbs, tg.n)
+            tg.old = torch.where(torch.isnan(tg.old), pre_update, tg.old)
+            return pre_update
+        return None
+
+    def _optimizer_step(
+        self, mbs: Sequence[MicroBatch], epoch: int, tg: _Targets, sums: torch.Tensor
+    ) -> float:
+        """One optimizer step over a mini-batch's micro-batches, normalised over
+        the mini-batch; returns the gradient norm before clipping."""
+        cfg = self.config
+        ids = torch.cat([mb.target_ids for mb in mbs]) if mbs else torch.zeros(0, dtype=torch.long)
+        norm = Normalizer.build(
+            tg.weight[ids],
+            tg.sample[ids],
+            tg.rollout[ids],
+            mode=cfg.aggregation,
+            max_len=cfg.max_len,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        net = self.ddp or self.model
+        for mb in mbs:
+            with self._no_sync():
+                sums[_Sum.LOSS] += self._micro_step(net, mb, epoch, norm, tg, sums)
+        self._sync_grads()
+        gn = torch.nn.utils.clip_grad_norm_(
+            self.params, cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
 
     def _micro_step(
         self,
@@ -448,14 +546,7 @@ class Trainer:
         mb: MicroBatch,
         epoch: int,
         norm: Normalizer,
-        old: torch.Tensor,
-        A: torch.Tensor,
-        RL: torch.Tensor,
-        W: torch.Tensor,
-        S: torch.Tensor,
-        R: torch.Tensor,
-        ref: torch.Tensor | None,
-        first_lp: torch.Tensor,
+        tg: _Targets,
         sums: torch.Tensor,
     ) -> float:
         """Forward + backward of one micro-batch; adds its token metrics to ``sums``."""
@@ -472,43 +563,43 @@ class Trainer:
             )
         assert ent is not None
         if epoch == 0:
-            first_lp[dev_ids] = lp.detach()
-        old_mb = old[dev_ids]
+            tg.first[dev_ids] = lp.detach()
+        old_mb = tg.old[dev_ids]
         old_mb = torch.where(torch.isnan(old_mb), lp.detach(), old_mb)
         token_loss, m = policy_loss(
             lp,
             old_mb,
-            A[dev_ids],
+            tg.advantage[dev_ids],
             clip_low=cfg.clip_low,
             clip_high=cfg.clip_high,
             dual_clip=cfg.dual_clip,
-            rollout_logp=RL[dev_ids] if cfg.tis_cap is not None else None,
+            rollout_logp=tg.rollout_logp[dev_ids] if cfg.tis_cap is not None else None,
             tis_cap=cfg.tis_cap,
             ratio_level=cfg.ratio_level,
             tis_level=cfg.tis_level,
-            sample_index=S[ids].to(self.device),
+            sample_index=tg.sample[ids].to(self.device),
         )
-        if ref is not None:
+        if tg.ref is not None:
             token_loss = token_loss + cfg.kl_coef * kl_penalty(
-                lp, ref[dev_ids], estimator=cfg.kl_estimator
+                lp, tg.ref[dev_ids], estimator=cfg.kl_estimator
             )
         if cfg.entropy_coef != 0:
             token_loss = token_loss - cfg.entropy_coef * ent
-        coef = norm.coefficients(W[ids], S[ids], R[ids]).to(self.device)  # [K]
-        loss = (coef.to(token_loss.dtype) * token_loss).sum()
+        coef = norm.coefficients(tg.weight[ids], tg.sample[ids], tg.rollout[ids]).to(self.device)
+        loss = (coef.to(token_loss.dtype) * token_loss).sum()  # coef: [K]
         # DDP averages gradients over ranks; the normaliser is already global,
         # so undo the average.
         (loss * self.world).backward()
-        w = W[ids].to(self.device, torch.float64)
-        sums[:4] += torch.stack(
-            [
-                (w * m["clipped"]).sum(),
-                (w * m["approx_kl"]).sum(),
-                (w * ent.detach()).sum(),
-                w.sum(),
-            ]
-        ).cpu()
-        sums[8:10] += torch.stack([(w * m["is_weight"]).sum(), (w * m["is_truncated"]).sum()]).cpu()
+        w = tg.weight[ids].to(self.device, torch.float64)
+        terms = {
+            _Sum.CLIPPED: m["clipped"],
+            _Sum.APPROX_KL: m["approx_kl"],
+            _Sum.ENTROPY: ent.detach(),
+            _Sum.WEIGHT: torch.ones_like(w),
+            _Sum.IS_WEIGHT: m["is_weight"],
+            _Sum.IS_TRUNCATED: m["is_truncated"],
+        }
+        sums[list(terms)] += torch.stack([(w * t).sum() for t in terms.values()]).cpu()
         return float(loss.detach())
 
     @contextlib.contextmanager
