@@ -792,72 +792,7 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
             records,
             mark_running,
             kept,
-        } => {
-            let mut out = Vec::with_capacity(records.len());
-            let mut stmt = conn.prepare_cached(
-                "INSERT INTO calls(rollout_id, seq, request_id, choice_index, kind, request, prompt_ids,
-                    completion_ids, logprobs, finish_reason, text, status, flags, delivered, retry_count,
-                    weight_version, upstream, http_status, latency_ms, usage, created, protocol, harness_request, response_id)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24)",
-            )?;
-            for (i, c) in records.iter().enumerate() {
-                let seq = next_seq(conn, &mut seqs.calls, "calls", &c.rollout_id)?;
-                // The full request body is stored once per request, on its first choice.
-                let request = if i == 0 { c.request.as_str() } else { "" };
-                let harness_request = (i == 0).then_some(c.harness_request.as_str());
-                stmt.execute(params![
-                    c.rollout_id,
-                    seq,
-                    c.request_id,
-                    c.choice_index,
-                    c.kind,
-                    request,
-                    c.prompt_ids.as_deref().map(ids_to_blob),
-                    c.completion_ids.as_deref().map(ids_to_blob),
-                    c.logprobs.as_deref().map(f32s_to_blob),
-                    c.finish_reason,
-                    c.text,
-                    c.status.as_str(),
-                    c.flags.join(","),
-                    c.delivered as i64,
-                    c.retry_count as i64,
-                    c.weight_version as i64,
-                    c.upstream,
-                    c.http_status as i64,
-                    c.latency_ms,
-                    c.usage,
-                    c.created,
-                    c.protocol,
-                    harness_request,
-                    c.response_id,
-                ])?;
-                out.push(seq);
-            }
-            if mark_running {
-                if let Some(first) = records.first() {
-                    conn.execute(
-                        "UPDATE rollouts SET status = 'running', updated = ?2 WHERE id = ?1 AND status = 'queued'",
-                        params![first.rollout_id, now()],
-                    )?;
-                }
-            }
-            if let (Some(k), Some(first)) = (kept, records.first()) {
-                conn.execute(
-                    "INSERT OR REPLACE INTO kept(id, rollout_id, protocol, request_id, object, state, created)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-                    params![
-                        k.id,
-                        first.rollout_id,
-                        first.protocol,
-                        first.request_id,
-                        k.object.to_string(),
-                        k.state.to_string(),
-                        now()
-                    ],
-                )?;
-            }
-            Ok(OpResult::Seqs(out))
-        }
+        } => insert_call_rows(conn, seqs, &records, mark_running, kept),
         Op::InsertEvent {
             rollout_id,
             kind,
@@ -871,76 +806,11 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
             Ok(OpResult::Seq(seq))
         }
         Op::InsertOnline {
-            mut records,
+            records,
             online,
             kept,
-        } => {
-            let t = now();
-            let prompt = records.first().and_then(|r| r.prompt_ids.clone());
-            let (rollout_id, created) =
-                online_db::resolve_session(conn, &online, prompt.as_deref(), t)?;
-            let tail = online_db::tail_of(&records);
-            for r in records.iter_mut() {
-                r.rollout_id = rollout_id.clone();
-            }
-            // A redacting key keeps no protocol object either: a Responses object
-            // and its state hold the conversation text (so `previous_response_id`
-            // is a 404 telling the harness to resend the conversation).
-            let kept = if online.key.defaults.redact {
-                online_db::redact(&mut records);
-                None
-            } else {
-                kept
-            };
-            apply(
-                conn,
-                seqs,
-                Op::InsertCalls {
-                    records,
-                    mark_running: false,
-                    kept,
-                },
-            )?;
-            online_db::touch_session(conn, &rollout_id, tail, t)?;
-            Ok(OpResult::Online(online_db::Outcome::Session {
-                rollout_id,
-                created,
-            }))
-        }
-        Op::Online(op) => {
-            let fb = match &op {
-                online_db::Op::Feedback(f) => Some(f.clone()),
-                _ => None,
-            };
-            let out = online_db::apply(conn, op, now())?;
-            // A new signal is also an event of the session, so `lightning show`
-            // and `GET /rollouts/{id}/events` list it beside the rewards.
-            if let (
-                Some(f),
-                online_db::Outcome::Feedback(online_db::FeedbackOutcome::Stored {
-                    rollout_id,
-                    after_training,
-                    duplicate: false,
-                }),
-            ) = (fb, &out)
-            {
-                let data = serde_json::json!({
-                    "feedback_id": f.feedback_id, "name": f.name, "value": f.value,
-                    "response_id": f.response_id, "ts": f.ts,
-                    "after_training": after_training, "data": f.data,
-                });
-                apply(
-                    conn,
-                    seqs,
-                    Op::InsertEvent {
-                        rollout_id: rollout_id.clone(),
-                        kind: "feedback".into(),
-                        data: data.to_string(),
-                    },
-                )?;
-            }
-            Ok(OpResult::Online(out))
-        }
+        } => insert_online_calls(conn, seqs, records, &online, kept),
+        Op::Online(op) => apply_online(conn, seqs, op),
         Op::Barrier => Ok(OpResult::Unit),
         Op::Probe => {
             conn.execute(
@@ -950,6 +820,154 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
             Ok(OpResult::Unit)
         }
     }
+}
+
+/// The calls of one engine answer (one per choice), with their rollout's
+/// first move to `running` and the protocol object they keep, if any.
+fn insert_call_rows(
+    conn: &Connection,
+    seqs: &mut SeqCache,
+    records: &[CallRecord],
+    mark_running: bool,
+    kept: Option<Kept>,
+) -> rusqlite::Result<OpResult> {
+    let mut out = Vec::with_capacity(records.len());
+    let mut stmt = conn.prepare_cached(
+        "INSERT INTO calls(rollout_id, seq, request_id, choice_index, kind, request, prompt_ids,
+            completion_ids, logprobs, finish_reason, text, status, flags, delivered, retry_count,
+            weight_version, upstream, http_status, latency_ms, usage, created, protocol, harness_request, response_id)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24)",
+    )?;
+    for (i, c) in records.iter().enumerate() {
+        let seq = next_seq(conn, &mut seqs.calls, "calls", &c.rollout_id)?;
+        // The full request body is stored once per request, on its first choice.
+        let request = if i == 0 { c.request.as_str() } else { "" };
+        let harness_request = (i == 0).then_some(c.harness_request.as_str());
+        stmt.execute(params![
+            c.rollout_id,
+            seq,
+            c.request_id,
+            c.choice_index,
+            c.kind,
+            request,
+            c.prompt_ids.as_deref().map(ids_to_blob),
+            c.completion_ids.as_deref().map(ids_to_blob),
+            c.logprobs.as_deref().map(f32s_to_blob),
+            c.finish_reason,
+            c.text,
+            c.status.as_str(),
+            c.flags.join(","),
+            c.delivered as i64,
+            c.retry_count as i64,
+            c.weight_version as i64,
+            c.upstream,
+            c.http_status as i64,
+            c.latency_ms,
+            c.usage,
+            c.created,
+            c.protocol,
+            harness_request,
+            c.response_id,
+        ])?;
+        out.push(seq);
+    }
+    if mark_running {
+        if let Some(first) = records.first() {
+            conn.execute(
+                "UPDATE rollouts SET status = 'running', updated = ?2 WHERE id = ?1 AND status = 'queued'",
+                params![first.rollout_id, now()],
+            )?;
+        }
+    }
+    if let (Some(k), Some(first)) = (kept, records.first()) {
+        conn.execute(
+            "INSERT OR REPLACE INTO kept(id, rollout_id, protocol, request_id, object, state, created)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            params![
+                k.id,
+                first.rollout_id,
+                first.protocol,
+                first.request_id,
+                k.object.to_string(),
+                k.state.to_string(),
+                now()
+            ],
+        )?;
+    }
+    Ok(OpResult::Seqs(out))
+}
+
+/// An application key's call: its session resolved (or opened), then the
+/// calls inserted into it.
+fn insert_online_calls(
+    conn: &Connection,
+    seqs: &mut SeqCache,
+    mut records: Vec<CallRecord>,
+    online: &OnlineCall,
+    kept: Option<Kept>,
+) -> rusqlite::Result<OpResult> {
+    let t = now();
+    let prompt = records.first().and_then(|r| r.prompt_ids.clone());
+    let (rollout_id, created) = online_db::resolve_session(conn, online, prompt.as_deref(), t)?;
+    let tail = online_db::tail_of(&records);
+    for r in records.iter_mut() {
+        r.rollout_id = rollout_id.clone();
+    }
+    // A redacting key keeps no protocol object either: a Responses object
+    // and its state hold the conversation text (so `previous_response_id`
+    // is a 404 telling the harness to resend the conversation).
+    let kept = if online.key.defaults.redact {
+        online_db::redact(&mut records);
+        None
+    } else {
+        kept
+    };
+    insert_call_rows(conn, seqs, &records, false, kept)?;
+    online_db::touch_session(conn, &rollout_id, tail, t)?;
+    Ok(OpResult::Online(online_db::Outcome::Session {
+        rollout_id,
+        created,
+    }))
+}
+
+/// An online-learning write; a new feedback signal also becomes an event.
+fn apply_online(
+    conn: &Connection,
+    seqs: &mut SeqCache,
+    op: online_db::Op,
+) -> rusqlite::Result<OpResult> {
+    let fb = match &op {
+        online_db::Op::Feedback(f) => Some(f.clone()),
+        _ => None,
+    };
+    let out = online_db::apply(conn, op, now())?;
+    // A new signal is also an event of the session, so `lightning show`
+    // and `GET /rollouts/{id}/events` list it beside the rewards.
+    if let (
+        Some(f),
+        online_db::Outcome::Feedback(online_db::FeedbackOutcome::Stored {
+            rollout_id,
+            after_training,
+            duplicate: false,
+        }),
+    ) = (fb, &out)
+    {
+        let data = serde_json::json!({
+            "feedback_id": f.feedback_id, "name": f.name, "value": f.value,
+            "response_id": f.response_id, "ts": f.ts,
+            "after_training": after_training, "data": f.data,
+        });
+        apply(
+            conn,
+            seqs,
+            Op::InsertEvent {
+                rollout_id: rollout_id.clone(),
+                kind: "feedback".into(),
+                data: data.to_string(),
+            },
+        )?;
+    }
+    Ok(OpResult::Online(out))
 }
 
 fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<(Op, Reply)>, stats: Arc<StoreStats>) {
