@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -19,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning.engine import Engine, SamplingParams
-from lightning.engine.server import RunningServer
+from lightning.engine.server import RequestError, RunningServer, parse_common
 from lightning.models import tiny_model_dir
 
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
@@ -242,6 +243,43 @@ def test_errors_are_openai_shaped(server: RunningServer, client: openai.OpenAI) 
         client.chat.completions.create(model="", messages=MESSAGES, top_p=0)
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "code"}
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "param"),
+    [
+        ({"frequency_penalty": 0.5}, True, "frequency_penalty"),
+        ({"repetition_penalty": 1.2}, False, "repetition_penalty"),
+        ({"logit_bias": {"5": 1}}, True, "logit_bias"),
+        ({"best_of": 2}, False, "best_of"),
+        ({"echo": True}, False, "echo"),
+        ({"suffix": "x"}, False, "suffix"),
+        ({"stop": 5}, True, "stop"),
+        ({"stop": ["a", 1]}, False, "stop"),
+        ({"top_logprobs": 2}, True, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 99}, True, "top_logprobs"),
+        ({"logprobs": 99}, False, "logprobs"),
+    ],
+)
+def test_request_options_the_engine_cannot_honour_are_refused(
+    body: dict[str, object], chat: bool, param: str
+) -> None:
+    # A 400 that names the option, never a silently different sampler.
+    engine = SimpleNamespace(model_name="m", model_path="/m")
+    with pytest.raises(RequestError) as err:
+        parse_common(body, chat=chat, default_max=8, engine=engine)  # type: ignore[arg-type]
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_request_options_read_into_sampling_params() -> None:
+    engine = SimpleNamespace(model_name="m", model_path="/m")
+    body = {"stop": ["a", "b"], "logprobs": True, "top_logprobs": 2, "n": 2, "seed": 7}
+    chat = parse_common(body, chat=True, default_max=8, engine=engine)  # type: ignore[arg-type]
+    assert [p.stop for p in chat.params] == [("a", "b")] * 2
+    assert [(p.logprobs, p.seed, p.max_tokens) for p in chat.params] == [(2, 7, 8), (2, 8, 8)]
+    plain = parse_common({"stop": "z", "logprobs": 3}, chat=False, default_max=None, engine=engine)  # type: ignore[arg-type]
+    assert (plain.params[0].stop, plain.params[0].logprobs) == (("z",), 3)
+    assert parse_common({}, chat=True, default_max=None, engine=engine).params[0].logprobs is None  # type: ignore[arg-type]
 
 
 def test_batched_equals_unbatched(model_dir: Path) -> None:

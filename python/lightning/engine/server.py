@@ -134,27 +134,7 @@ def parse_common(
     body: dict[str, Any], *, chat: bool, default_max: int | None, engine: Engine
 ) -> Parsed:
     check_model(body, engine)
-    for name, neutral in (
-        ("frequency_penalty", 0.0),
-        ("presence_penalty", 0.0),
-        ("repetition_penalty", 1.0),
-    ):
-        value = _get(body, name, (int, float))
-        if value is not None and float(value) != neutral:
-            raise RequestError(
-                f"{name} is not supported by this engine; leave it at {neutral}", param=name
-            )
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias is not supported by this engine", param="logit_bias")
-    if (body.get("best_of") or 1) != 1 or body.get("use_beam_search"):
-        raise RequestError(
-            "best_of and beam search are not supported by this engine", param="best_of"
-        )
-    if not chat and body.get("echo"):
-        raise RequestError("echo is not supported by this engine", param="echo")
-    if not chat and body.get("suffix"):
-        raise RequestError("suffix is not supported by this engine", param="suffix")
-
+    _refuse_unsupported(body, chat=chat)
     max_tokens = _get(body, "max_completion_tokens", (int,)) if chat else None
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,))
@@ -166,39 +146,12 @@ def parse_common(
     n = _get(body, "n", (int,), 1)
     if not 1 <= n <= MAX_N:
         raise RequestError(f"n must be between 1 and {MAX_N}, got {n}", param="n")
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
-    else:
-        raise RequestError(
-            f"stop must be a string or a list of strings, got {stop!r}", param="stop"
-        )
+    stops = _stops(body)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise RequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
     seed = _get(body, "seed", (int,))
-    if chat:
-        want = _get(body, "logprobs", (bool,), False)
-        top = _get(body, "top_logprobs", (int,), 0)
-        if top and not want:
-            raise RequestError("top_logprobs requires logprobs: true", param="top_logprobs")
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise RequestError(
-                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
-                param="top_logprobs",
-            )
-        logprobs = top if want else None
-    else:
-        logprobs = _get(body, "logprobs", (int,))
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(
-                f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}",
-                param="logprobs",
-            )
+    logprobs = _logprobs(body, chat=chat)
     stream = _get(body, "stream", (bool,), False)
     options = _get(body, "stream_options", (dict,))
     if options is not None and not stream:
@@ -235,6 +188,66 @@ def parse_common(
         return_token_ids=bool(body.get("return_token_ids", False)),
         tokens_as_ids=bool(body.get("return_tokens_as_token_ids", False)),
     )
+
+
+def _refuse_unsupported(body: dict[str, Any], *, chat: bool) -> None:
+    """A 400 naming the first sampling option this engine cannot honour (set
+    to anything but its neutral value), rather than sampling otherwise."""
+    for name, neutral in (
+        ("frequency_penalty", 0.0),
+        ("presence_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+    ):
+        value = _get(body, name, (int, float))
+        if value is not None and float(value) != neutral:
+            raise RequestError(
+                f"{name} is not supported by this engine; leave it at {neutral}", param=name
+            )
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias is not supported by this engine", param="logit_bias")
+    if (body.get("best_of") or 1) != 1 or body.get("use_beam_search"):
+        raise RequestError(
+            "best_of and beam search are not supported by this engine", param="best_of"
+        )
+    if not chat and body.get("echo"):
+        raise RequestError("echo is not supported by this engine", param="echo")
+    if not chat and body.get("suffix"):
+        raise RequestError("suffix is not supported by this engine", param="suffix")
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise RequestError(f"stop must be a string or a list of strings, got {stop!r}", param="stop")
+
+
+def _logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
+    """How many top log-probs each token reports (``None``: no log-probs).
+    Chat asks with ``logprobs: true`` and ``top_logprobs``; completions with
+    an integer ``logprobs``."""
+    if chat:
+        want = _get(body, "logprobs", (bool,), False)
+        top = _get(body, "top_logprobs", (int,), 0)
+        if top and not want:
+            raise RequestError("top_logprobs requires logprobs: true", param="top_logprobs")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
+                param="top_logprobs",
+            )
+        return top if want else None
+    logprobs = _get(body, "logprobs", (int,))
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(
+            f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}",
+            param="logprobs",
+        )
+    return logprobs
 
 
 def _message_text(content: Any) -> Any:
