@@ -257,9 +257,6 @@ class Run:
         self._stack.close()
 
     def _setup(self) -> None:
-        from lightning import Gateway, GatewayClient, Tokenizer, UpstreamConfig
-        from lightning.trainer import Trainer
-
         cfg = self.config
         (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
         from lightning.tracking import open_trackers
@@ -270,7 +267,22 @@ class Run:
         self.eval_tasks = read_tasks(cfg.tasks.eval) if cfg.tasks.eval else []
         if cfg.tasks.eval_limit is not None:
             self.eval_tasks = self.eval_tasks[: cfg.tasks.eval_limit]
+        start_weights = self._setup_trainer()
+        upstreams = self._start_engine(start_weights)
+        self.weight_sync = _make_weight_sync(cfg, upstreams)
+        self._stack.callback(self.weight_sync.close)
+        self.weight_sync.setup()
+        self._start_gateway(upstreams)
+        self.runner = self._make_runner()
 
+    def _setup_trainer(self) -> Path | None:
+        """The tokenizer and the trainer (resumed from the latest checkpoint
+        when resuming); returns the weights the engine must start on, when
+        they are not the base model's."""
+        from lightning import Tokenizer
+        from lightning.trainer import Trainer
+
+        cfg = self.config
         self.model_dir = cfg.model.resolve()
         self.tokenizer = Tokenizer.from_dir(str(self.model_dir))
         trainer_cfg = trainer_config(cfg, self.model_dir)
@@ -281,43 +293,48 @@ class Run:
             self.trainer = LeaderTrainer(self.trainer)  # type: ignore[assignment]
         if hasattr(self.trainer, "close"):
             self._stack.callback(self.trainer.close)
-        start_weights: Path | None = None
-        if self.resume and self.state["step"] > 0:
-            ckpt = self.out / "checkpoints" / "latest"
-            self.trainer.load_checkpoint(str(ckpt))
-            # The engine restarts on the weights the run had reached, not on the
-            # base model. (A LoRA checkpoint keeps an adapter there instead, so
-            # the trainer exports merged weights for the engine.)
-            start_weights = ckpt / "model"
-            if not (start_weights / "config.json").exists():
-                start_weights = self.out / "weights" / "resume"
-                self.trainer.export_weights(str(start_weights))
+        if not (self.resume and self.state["step"] > 0):
+            return None
+        ckpt = self.out / "checkpoints" / "latest"
+        self.trainer.load_checkpoint(str(ckpt))
+        # The engine restarts on the weights the run had reached, not on the
+        # base model. (A LoRA checkpoint keeps an adapter there instead, so
+        # the trainer exports merged weights for the engine.)
+        start_weights = ckpt / "model"
+        if not (start_weights / "config.json").exists():
+            start_weights = self.out / "weights" / "resume"
+            self.trainer.export_weights(str(start_weights))
+        return start_weights
 
-        if cfg.engine.kind == "embedded":
-            engine = EmbeddedEngine(
-                start_weights or self.model_dir,
-                host=cfg.engine.host,
-                port=cfg.engine.port,
-                max_batch=cfg.engine.max_batch,
-                dtype=cfg.engine.dtype,
-                threads=cfg.engine.threads,
-                log_path=self.out / "engine.log",
-                chat_template=cfg.engine.chat_template,
-                tool_call_parser=cfg.engine.tool_call_parser,
-                max_model_len=cfg.engine.max_model_len,
-            )
-            self._stack.callback(engine.stop)
-            self._say(f"starting embedded engine on {engine.url} (log: {self.out / 'engine.log'})")
-            engine.wait_ready(cfg.engine.startup_timeout_s)
-            self.engine: EmbeddedEngine | None = engine
-            upstreams = [engine.url]
-        else:
-            self.engine = None
-            upstreams = list(cfg.engine.urls)
-        self.weight_sync = _make_weight_sync(cfg, upstreams)
-        self._stack.callback(self.weight_sync.close)
-        self.weight_sync.setup()
+    def _start_engine(self, start_weights: Path | None) -> list[str]:
+        """Starts the embedded engine when the run has one; returns the
+        engine URLs the gateway forwards to."""
+        cfg = self.config
+        self.engine: EmbeddedEngine | None = None
+        if cfg.engine.kind != "embedded":
+            return list(cfg.engine.urls)
+        engine = EmbeddedEngine(
+            start_weights or self.model_dir,
+            host=cfg.engine.host,
+            port=cfg.engine.port,
+            max_batch=cfg.engine.max_batch,
+            dtype=cfg.engine.dtype,
+            threads=cfg.engine.threads,
+            log_path=self.out / "engine.log",
+            chat_template=cfg.engine.chat_template,
+            tool_call_parser=cfg.engine.tool_call_parser,
+            max_model_len=cfg.engine.max_model_len,
+        )
+        self._stack.callback(engine.stop)
+        self._say(f"starting embedded engine on {engine.url} (log: {self.out / 'engine.log'})")
+        engine.wait_ready(cfg.engine.startup_timeout_s)
+        self.engine = engine
+        return [engine.url]
 
+    def _start_gateway(self, upstreams: list[str]) -> None:
+        from lightning import Gateway, GatewayClient, UpstreamConfig
+
+        cfg = self.config
         self.admin_key = cfg.gateway.admin_key or secrets.token_urlsafe(24)
         db = cfg.gateway.db or str(self.out / "lightning.db")
         version = int(self.state["weight_version"])
@@ -333,6 +350,8 @@ class Run:
         self.client = GatewayClient(self.gateway.url, self.admin_key, store=db)
         self._stack.callback(self.client.close)
 
+    def _make_runner(self) -> Runner:
+        cfg = self.config
         harness: Any
         if cfg.harness.command is not None:
             # "{python}" is resolved where the harness runs (lightning.runner.resolve_argv).
@@ -347,7 +366,7 @@ class Run:
             # A callable harness runs in this process: it reads the same settings
             # from this process's environment that a harness process would get.
             os.environ.update(env)
-        self.runner = Runner(
+        return Runner(
             self.client,
             harness,
             reward_source=cfg.reward.source,
