@@ -411,6 +411,42 @@ struct Reading {
     translator: Box<dyn StreamTranslator>,
 }
 
+/// Why a read's events stopped being forwarded.
+enum Halt {
+    /// An event's bytes are not UTF-8.
+    NotUtf8,
+    /// An event's data is not a chunk we can read: its ids are lost.
+    Unreadable,
+}
+
+impl Reading {
+    /// Captures and translates one read's events (noting `[DONE]` in
+    /// `saw_done`); returns the frames for the harness and, when an event
+    /// cannot be forwarded, why (the events after it are dropped).
+    fn take(&mut self, events: &[sse::Event], saw_done: &mut bool) -> (Vec<u8>, Option<Halt>) {
+        let mut out = Vec::new();
+        for ev in events {
+            // Checked per event: a read may end inside a multi-byte character.
+            if std::str::from_utf8(&ev.raw).is_err() {
+                return (out, Some(Halt::NotUtf8));
+            }
+            *saw_done |= ev.is_done();
+            // One read of the chunk feeds the capture and the translator.
+            let Ok(chunk) = capture::read_event(ev) else {
+                // An event we cannot read lost its ids: stop before the
+                // harness sees it, and tell it in its own vocabulary.
+                self.cap.bad_chunks += 1;
+                return (out, Some(Halt::Unreadable));
+            };
+            if let Some(c) = &chunk {
+                self.cap.add(c);
+            }
+            self.translator.on_event(ev, chunk.as_ref(), &mut out);
+        }
+        (out, None)
+    }
+}
+
 /// Reads the engine's stream: every event is captured and translated, and
 /// the frames one upstream read completes go out together, at once.
 async fn pump(
@@ -484,41 +520,21 @@ async fn pump(
                 return refuse(err, TOO_LARGE);
             }
         };
-        let mut out: Vec<u8> = Vec::new();
-        let mut unreadable = false;
-        let mut bad_bytes = false;
-        for ev in &events {
-            // Checked per event: a read may end inside a multi-byte character.
-            if std::str::from_utf8(&ev.raw).is_err() {
-                bad_bytes = true;
-                break;
-            }
-            saw_done |= ev.is_done();
-            // One read of the chunk feeds the capture and the translator.
-            let Ok(chunk) = capture::read_event(ev) else {
-                // An event we cannot read lost its ids: stop before the
-                // harness sees it, and tell it in its own vocabulary.
-                s.cap.bad_chunks += 1;
-                unreadable = true;
-                break;
-            };
-            if let Some(c) = &chunk {
-                s.cap.add(c);
-            }
-            s.translator.on_event(ev, chunk.as_ref(), &mut out);
-        }
+        let (out, halt) = s.take(&events, &mut saw_done);
+        // What came before a bad event still goes out.
         let sent = out.is_empty() || tx.send(Bytes::from(out)).await.is_ok();
-        if bad_bytes {
-            return refuse(not_utf8(upstream), NOT_UTF8);
-        }
-        if unreadable {
-            return fail(
-                "upstream_bad_stream",
-                format!(
-                    "upstream {} sent a stream event that is not JSON",
-                    upstream.url
-                ),
-            );
+        match halt {
+            Some(Halt::NotUtf8) => return refuse(not_utf8(upstream), NOT_UTF8),
+            Some(Halt::Unreadable) => {
+                return fail(
+                    "upstream_bad_stream",
+                    format!(
+                        "upstream {} sent a stream event that is not JSON",
+                        upstream.url
+                    ),
+                )
+            }
+            None => {}
         }
         if !sent {
             return Pumped {
