@@ -17,32 +17,29 @@ Compare two builds by running it once per binary on the same machine.
 
 from __future__ import annotations
 
-import atexit
-import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_instructions import translated_bodies, upstream
+from gateway_instructions import point_at, translated_bodies, upstream
 from gateway_load import (
     ADMIN,
     TARGET,
+    bench_dir,
     build,
     commit,
     cpu_seconds,
     gateway_args,
     load,
     machine,
-    request_body,
     stop_servers,
+    stream_body,
     wait_http,
 )
 
@@ -70,14 +67,9 @@ def main() -> int:
     print(
         f"setup:   {CONCURRENCY} streaming connections, {SECONDS:.0f} s a point, median of {ROUNDS}"
     )
-    tmp = Path(tempfile.mkdtemp(prefix="lightning-event-cpu-"))
-    # The store grows by GBs a run: gone when the bench exits, however it exits.
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    d = json.loads(request_body())
-    d["stream"] = True
-    d["stream_options"] = {"include_usage": True}
+    tmp = bench_dir("lightning-event-cpu-")
     chat = tmp / "body_stream.json"
-    chat.write_bytes(json.dumps(d, separators=(",", ":")).encode())
+    chat.write_bytes(stream_body())
     bodies = {"chat": ("/v1/chat/completions", chat), **translated_bodies(tmp)}
     ups = [upstream(200), upstream(400)]
     port = 19500 + os.getpid() % 400
@@ -96,11 +88,7 @@ def main() -> int:
         token, rid = r["token"], r["rollout_id"]
         for _ in range(ROUNDS):
             for events, (_, up_port) in zip((200, 400), ups, strict=True):
-                httpx.post(
-                    url + "/admin/upstreams",
-                    headers=admin,
-                    json={"upstreams": [{"url": f"http://127.0.0.1:{up_port}/v1"}]},
-                ).raise_for_status()
+                point_at(url, up_port)
                 time.sleep(0.2)
                 for proto, (path, body) in bodies.items():
                     cpu = cpu_per_call(gw.pid, f"{url}/rollouts/{rid}{path}", body, token)

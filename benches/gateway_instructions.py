@@ -18,13 +18,10 @@ commit); run the script once per binary on the same machine.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gateway_load import (
     ADMIN,
     TARGET,
+    bench_dir,
     build,
     commit,
     gateway_args,
@@ -41,6 +39,7 @@ from gateway_load import (
     request_body,
     spawn,
     stop_servers,
+    stream_body,
     wait_http,
 )
 
@@ -109,21 +108,25 @@ def upstream(tokens: int) -> tuple[subprocess.Popen[str], int]:
     return p, int(p.stdout.readline().split()[1])
 
 
+def point_at(gateway: str, engine_port: int) -> None:
+    """Swaps the gateway's upstream list for the static engine on `engine_port`."""
+    httpx.post(
+        gateway + "/admin/upstreams",
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        json={"upstreams": [{"url": f"http://127.0.0.1:{engine_port}/v1"}]},
+    ).raise_for_status()
+
+
 def main() -> int:
     build()
     binary = Path(sys.argv[1]) if len(sys.argv) > 1 else TARGET / "lightning-gateway"
     print(f"machine: {machine()}")
     print(f"commit:  {commit()}; gateway binary {binary}")
-    tmp = Path(tempfile.mkdtemp(prefix="lightning-callgrind-"))
-    # The store grows by GBs a run: gone when the bench exits, however it exits.
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    tmp = bench_dir("lightning-callgrind-")
     body_json = tmp / "body.json"
     body_json.write_bytes(request_body())
-    d = json.loads(request_body())
-    d["stream"] = True
-    d["stream_options"] = {"include_usage": True}
     body_stream = tmp / "body_stream.json"
-    body_stream.write_bytes(json.dumps(d, separators=(",", ":")).encode())
+    body_stream.write_bytes(stream_body())
     ups = [upstream(200), upstream(400)]
     port = 19000 + os.getpid() % 1000
     cmd = [
@@ -148,11 +151,7 @@ def main() -> int:
                 gw.pid, f"{url}/rollouts/{rid}{path}", body, token, tmp / f"{proto}200.out"
             )
         # The same streams with 400 events: point the gateway at the second engine.
-        httpx.post(
-            url + "/admin/upstreams",
-            headers={"Authorization": f"Bearer {ADMIN}"},
-            json={"upstreams": [{"url": f"http://127.0.0.1:{ups[1][1]}/v1"}]},
-        ).raise_for_status()
+        point_at(url, ups[1][1])
         res["stream400"] = measure(gw.pid, call, body_stream, token, tmp / "stream400.out")
         for proto, (path, body) in translated.items():
             res[f"{proto}400"] = measure(

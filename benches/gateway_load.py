@@ -91,6 +91,22 @@ def commit() -> str:
         return "unknown"
 
 
+def bench_dir(prefix: str) -> Path:
+    """A temporary directory for a bench's store and request bodies, removed
+    when the bench exits, however it exits: the store grows by GBs a run."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    return tmp
+
+
+def stream_body() -> bytes:
+    """``request_body()`` as a streamed call that asks for usage at the end."""
+    d = json.loads(request_body())
+    d["stream"] = True
+    d["stream_options"] = {"include_usage": True}
+    return json.dumps(d, separators=(",", ":")).encode()
+
+
 def request_body() -> bytes:
     # ≈4 KB of messages, the size of a short agent turn with a system prompt.
     system = "You are a careful coding agent. " * 40
@@ -209,16 +225,11 @@ def main() -> int:
     print(
         f"setup:   gateway 1 tokio worker pinned to CPU 0, store sync={SYNC}; engine + load generator on CPU 1; {SECONDS:.0f}s per point"
     )
-    tmp = Path(tempfile.mkdtemp(prefix="lightning-bench-"))
-    # The store grows by GBs a run: gone when the bench exits, however it exits.
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    tmp = bench_dir("lightning-bench-")
     body_json = tmp / "body.json"
     body_json.write_bytes(request_body())
     body_stream = tmp / "body_stream.json"
-    d = json.loads(request_body())
-    d["stream"] = True
-    d["stream_options"] = {"include_usage": True}
-    body_stream.write_bytes(json.dumps(d, separators=(",", ":")).encode())
+    body_stream.write_bytes(stream_body())
     print(
         f"request: {len(request_body())} bytes; answer: 1000 prompt ids + 200 completion ids + 200 logprobs"
     )

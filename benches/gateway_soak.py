@@ -28,14 +28,11 @@ engine and load generator on CPU 1, store ``sync=full``.
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import re
-import shutil
 import sqlite3
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,6 +44,7 @@ import httpx
 from gateway_load import (
     ADMIN,
     TARGET,
+    bench_dir,
     build,
     commit,
     cpu_seconds,
@@ -171,9 +169,7 @@ def main() -> int:
         f"{args.connections} streaming connections x {args.seconds:.0f} s per protocol, then "
         f"{args.soak_connections} connections over the 3 protocols for {args.soak_seconds:.0f} s"
     )
-    tmp = Path(tempfile.mkdtemp(prefix="lightning-soak-"))
-    # The store grows by GBs a run: gone when the bench exits, however it exits.
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    tmp = bench_dir("lightning-soak-")
     files = {}
     for k, b in bodies().items():
         files[k] = tmp / f"{k}.json"
