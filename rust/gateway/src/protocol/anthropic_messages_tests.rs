@@ -944,26 +944,18 @@ fn frames(t: &mut dyn StreamTranslator, delta: Value) -> String {
 #[test]
 fn per_token_frames_are_pinned() {
     let mut t = AnthropicMessages.translator(&ctx(true));
-    frames(t.as_mut(), json!({"role": "assistant", "content": ""}));
-    frames(t.as_mut(), json!({"reasoning": "so"}));
+    let [thought, text, arguments] =
+        crate::protocol::per_token_frames(|d| frames(t.as_mut(), d), "reasoning");
     assert_eq!(
-        frames(t.as_mut(), json!({"reasoning": " \"hm\"\n"})),
+        thought,
         "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"thinking_delta\",\"thinking\":\" \\\"hm\\\"\\n\"}}\n\n"
     );
-    frames(t.as_mut(), json!({"content": "Hi"}));
     assert_eq!(
-        frames(t.as_mut(), json!({"content": " thére\t"})),
+        text,
         "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"text_delta\",\"text\":\" thére\\t\"}}\n\n"
     );
-    frames(
-        t.as_mut(),
-        json!({"tool_calls": [{"index": 0, "id": "call_9", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
-    );
     assert_eq!(
-        frames(
-            t.as_mut(),
-            json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1"}}]})
-        ),
+        arguments,
         "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":2,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"a\\\": 1\"}}\n\n"
     );
 }

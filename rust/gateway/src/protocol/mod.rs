@@ -52,6 +52,34 @@ pub mod anthropic_messages;
 pub mod openai;
 pub mod openai_responses;
 
+/// The engine deltas both translating adapters' per-token tests stream: a
+/// role, two reasoning pieces under `reasoning_key` (vLLM's `reasoning` or
+/// its older `reasoning_content`), two text pieces (a quote, a newline, a
+/// tab, a non-ASCII letter), a tool call opening and its first arguments.
+/// `frames` sends one delta through the adapter; returns the frames of the
+/// second reasoning piece, the second text piece and the arguments.
+#[cfg(test)]
+pub(crate) fn per_token_frames(
+    mut frames: impl FnMut(Value) -> String,
+    reasoning_key: &str,
+) -> [String; 3] {
+    let reasoning =
+        |text: &str| Value::Object(Map::from_iter([(reasoning_key.into(), text.into())]));
+    frames(serde_json::json!({"role": "assistant", "content": ""}));
+    frames(reasoning("so"));
+    let thought = frames(reasoning(" \"hm\"\n"));
+    frames(serde_json::json!({"content": "Hi"}));
+    let text = frames(serde_json::json!({"content": " thére\t"}));
+    frames(
+        serde_json::json!({"tool_calls": [{"index": 0, "id": "call_9", "type": "function",
+        "function": {"name": "f", "arguments": ""}}]}),
+    );
+    let arguments = frames(
+        serde_json::json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1"}}]}),
+    );
+    [thought, text, arguments]
+}
+
 /// The property tests' config: `cases` per property, a fixed seed under
 /// `CI=true` (so `make test` in CI is reproducible; `PROPTEST_RNG_SEED` picks
 /// another), random otherwise, and shrinking capped at 10 s so a failure

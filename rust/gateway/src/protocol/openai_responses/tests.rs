@@ -457,26 +457,18 @@ fn frames(t: &mut dyn StreamTranslator, delta: Value) -> String {
 fn per_token_frames_are_pinned() {
     let (_, c) = tool_request();
     let mut t = OpenAiResponses.translator(&c);
-    frames(t.as_mut(), json!({"role": "assistant", "content": ""}));
-    frames(t.as_mut(), json!({"reasoning_content": "so"}));
+    let [thought, text, arguments] =
+        crate::protocol::per_token_frames(|d| frames(t.as_mut(), d), "reasoning_content");
     assert_eq!(
-        frames(t.as_mut(), json!({"reasoning_content": " \"hm\"\n"})),
+        thought,
         "event: response.reasoning_text.delta\ndata: {\"item_id\":\"rs_00ff_0\",\"output_index\":0,\"content_index\":0,\"delta\":\" \\\"hm\\\"\\n\",\"type\":\"response.reasoning_text.delta\",\"sequence_number\":5}\n\n"
     );
-    frames(t.as_mut(), json!({"content": "Hi"}));
     assert_eq!(
-        frames(t.as_mut(), json!({"content": " thére\t"})),
+        text,
         "event: response.output_text.delta\ndata: {\"item_id\":\"msg_00ff_1\",\"output_index\":1,\"content_index\":0,\"delta\":\" thére\\t\",\"logprobs\":[],\"type\":\"response.output_text.delta\",\"sequence_number\":12}\n\n"
     );
-    frames(
-        t.as_mut(),
-        json!({"tool_calls": [{"index": 0, "id": "call_9", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
-    );
     assert_eq!(
-        frames(
-            t.as_mut(),
-            json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1"}}]})
-        ),
+        arguments,
         "event: response.function_call_arguments.delta\ndata: {\"item_id\":\"fc_00ff_2\",\"output_index\":2,\"delta\":\"{\\\"a\\\": 1\",\"type\":\"response.function_call_arguments.delta\",\"sequence_number\":17}\n\n"
     );
 }
