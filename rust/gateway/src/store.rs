@@ -797,14 +797,7 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
             rollout_id,
             kind,
             data,
-        } => {
-            let seq = next_seq(conn, &mut seqs.events, "events", &rollout_id)?;
-            conn.execute(
-                "INSERT INTO events(rollout_id, seq, type, data, created) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![rollout_id, seq, kind, data, now()],
-            )?;
-            Ok(OpResult::Seq(seq))
-        }
+        } => insert_event(conn, seqs, &rollout_id, &kind, &data).map(OpResult::Seq),
         Op::InsertOnline {
             records,
             online,
@@ -820,6 +813,22 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
             Ok(OpResult::Unit)
         }
     }
+}
+
+/// One event of a rollout, under the rollout's next event number (returned).
+fn insert_event(
+    conn: &Connection,
+    seqs: &mut SeqCache,
+    rollout_id: &str,
+    kind: &str,
+    data: &str,
+) -> rusqlite::Result<i64> {
+    let seq = next_seq(conn, &mut seqs.events, "events", rollout_id)?;
+    conn.execute(
+        "INSERT INTO events(rollout_id, seq, type, data, created) VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![rollout_id, seq, kind, data, now()],
+    )?;
+    Ok(seq)
 }
 
 /// The calls of one engine answer (one per choice), with their rollout's
@@ -957,15 +966,7 @@ fn apply_online(
             "response_id": f.response_id, "ts": f.ts,
             "after_training": after_training, "data": f.data,
         });
-        apply(
-            conn,
-            seqs,
-            Op::InsertEvent {
-                rollout_id: rollout_id.clone(),
-                kind: "feedback".into(),
-                data: data.to_string(),
-            },
-        )?;
+        insert_event(conn, seqs, rollout_id, "feedback", &data.to_string())?;
     }
     Ok(OpResult::Online(out))
 }
