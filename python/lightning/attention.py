@@ -137,11 +137,13 @@ def plan_tree(parent: np.ndarray, depth: np.ndarray) -> TreePlan:
     offset = 0
     for members in _bucket(lq, lk):
         members = members[np.argsort(starts[members], kind="stable")]  # node order: views
-        bucket, slots = _make_bucket(members, starts, lq, lk, paths, depth)
         span = _span(members, starts, lq, lk, parent_seg, len(parent))
         if span is not None:
             empty = torch.zeros(0, dtype=torch.long)
             bucket = _Bucket(empty, empty, None, span)
+        else:
+            bucket = _make_bucket(members, starts, lq, lk, paths, depth)
+        slots = _slots(members, starts, lq)
         placed[slots[:, 0]] = offset + slots[:, 1]
         offset += len(members) * int(lq[members].max())
         buckets.append(bucket)
@@ -205,19 +207,17 @@ def _make_bucket(
     lk: np.ndarray,
     paths: Sequence[np.ndarray],
     depth: np.ndarray,
-) -> tuple[_Bucket, np.ndarray]:
+) -> _Bucket:
     b, mq, mk = len(members), int(lq[members].max()), int(lk[members].max())
     q_index = np.zeros((b, mq), dtype=np.int64)
     k_index = np.zeros((b, mk), dtype=np.int64)
     q_depth = np.zeros((b, mq), dtype=np.int64)  # padding queries see key 0 only
-    slots = []
     for row, s in enumerate(members.tolist()):
         n, a = int(lq[s]), int(starts[s])
         q_index[row, :n] = np.arange(a, a + n)
         k_index[row, : lk[s]] = paths[s]
         # Key slot j holds the path node at depth (first depth of the path) + j.
         q_depth[row, :n] = depth[a : a + n] - depth[paths[s][0]]
-        slots.append(np.stack([np.arange(a, a + n), row * mq + np.arange(n)], axis=1))
     uniform = bool((lq[members] == mq).all() and (lk[members] == mk).all())
     mask: torch.Tensor | None
     if uniform and mq == mk:
@@ -226,8 +226,21 @@ def _make_bucket(
         mask = torch.from_numpy(np.arange(mk)[None, :] <= q_depth[0][:, None])[None, None]
     else:
         mask = torch.from_numpy(np.arange(mk)[None, None, :] <= q_depth[:, :, None])[:, None]
-    bucket = _Bucket(torch.from_numpy(q_index), torch.from_numpy(k_index), mask)
-    return bucket, np.concatenate(slots)
+    return _Bucket(torch.from_numpy(q_index), torch.from_numpy(k_index), mask)
+
+
+def _slots(members: np.ndarray, starts: np.ndarray, lq: np.ndarray) -> np.ndarray:
+    """``[n, 2]``: each node of the bucket's segments and its slot in the
+    bucket's ``[B * Lq]`` output (row ``r`` of segment ``s`` starts at ``r * Lq``)."""
+    mq = int(lq[members].max())
+    return np.concatenate(
+        [
+            np.stack([np.arange(a, a + n), row * mq + np.arange(n)], axis=1)
+            for row, (a, n) in enumerate(
+                zip(starts[members].tolist(), lq[members].tolist(), strict=True)
+            )
+        ]
+    )
 
 
 def tree_attention(
