@@ -37,8 +37,14 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from lightning.attention import use_tree_attention
-from lightning.batching import BATCH_MODES, SeqItem, _fused_head, forward_logprobs, micro_batches
+from lightning.batching import (
+    BATCH_MODES,
+    SeqItem,
+    _fused_head,
+    forward_logprobs,
+    kept_hidden,
+    micro_batches,
+)
 from lightning.models import smollm2_dir, tiny_model_dir
 
 # A model big enough to keep a GPU busy: Llama-3.2-1B's shape (hidden 2048, 16
@@ -114,17 +120,7 @@ def machine(device: torch.device) -> str:
 def _body_only(model: torch.nn.Module, mb: Any) -> torch.Tensor:
     """The decoder's forward on one micro-batch, reduced over the kept rows."""
     decoder, _ = _fused_head(model)  # type: ignore[misc]
-    extra: dict[str, Any] = {"attention_mask": mb.attention_mask}
-    if mb.tree is not None:
-        use_tree_attention(model)
-        extra = {
-            "attention_mask": torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=mb.input_ids.device),
-            "lightning_tree": mb.tree,
-        }
-    hidden = decoder(
-        input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **extra
-    ).last_hidden_state
-    rows = hidden.flatten(0, 1)[mb.keep]
+    rows = kept_hidden(model, decoder, mb)
     return rows.float().square().mean()
 
 

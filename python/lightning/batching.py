@@ -46,6 +46,7 @@ __all__ = [
     "MicroBatch",
     "SeqItem",
     "forward_logprobs",
+    "kept_hidden",
     "micro_batches",
     "packed_batches",
     "padded_batches",
@@ -546,6 +547,29 @@ def _logits_to_keep(mb: MicroBatch) -> torch.Tensor:
     return flat.index_fill_(0, mb.keep, True).view(b, width)
 
 
+def _layout_kwargs(model: torch.nn.Module, mb: MicroBatch) -> dict[str, Any]:
+    """The forward's attention arguments for ``mb``'s layout: padded rows'
+    mask, or (packed, tree) the tree plan, switching ``model`` to tree attention."""
+    if mb.tree is None:
+        return {"attention_mask": mb.attention_mask}
+    use_tree_attention(model)
+    # A prepared (empty) 4-D mask makes HF skip building an [N, N] mask.
+    empty = torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=mb.input_ids.device)
+    return {"attention_mask": empty, "lightning_tree": mb.tree}
+
+
+def kept_hidden(model: torch.nn.Module, decoder: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """``[R, H]``: ``model``'s ``decoder`` run on ``mb``, at the kept rows
+    (the positions whose next-token distribution a target reads)."""
+    hidden = decoder(
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        use_cache=False,
+        **_layout_kwargs(model, mb),
+    ).last_hidden_state  # [B, L, H]
+    return hidden.flatten(0, 1)[mb.keep]
+
+
 def forward_logprobs(
     model: torch.nn.Module,
     mb: MicroBatch,
@@ -562,32 +586,23 @@ def forward_logprobs(
     ``fuse_head=False`` materialises the ``[K, V]`` logits through the model's own
     forward (also used for ``entropy_grad`` and heads that are not a plain linear
     layer). Runs under whatever autocast context the caller set."""
-    extra: dict[str, Any] = {}
-    if mb.tree is not None:
-        use_tree_attention(model)
-        # A prepared (empty) 4-D mask makes HF skip building an [N, N] mask.
-        extra = {
-            "attention_mask": torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=mb.input_ids.device),
-            "lightning_tree": mb.tree,
-        }
-    else:
-        extra = {"attention_mask": mb.attention_mask}
     fused = _fused_head(model) if fuse_head and not entropy_grad else None
     if fused is not None:
         decoder, head = fused
-        hidden = decoder(
-            input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **extra
-        ).last_hidden_state  # [B, L, H]
-        rows = hidden.flatten(0, 1)[mb.keep]  # [R, H]
         return target_logprobs(
-            rows, head, mb.gather, mb.target_tokens, temperature=temperature, entropy=entropy
+            kept_hidden(model, decoder, mb),
+            head,
+            mb.gather,
+            mb.target_tokens,
+            temperature=temperature,
+            entropy=entropy,
         )
     out = model(
         input_ids=mb.input_ids,
         position_ids=mb.position_ids,
         logits_to_keep=_logits_to_keep(mb),
         use_cache=False,
-        **extra,
+        **_layout_kwargs(model, mb),
     )
     # Normalise each kept row once, then pick (row, token) pairs: a target
     # shares its row with others in a tree, and indexing pairs avoids copying
