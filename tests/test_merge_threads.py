@@ -43,7 +43,8 @@ for v in m.divergences:
 d.update(repr(m.stats).encode())
 for across in (False, True):
     t = m.packed(across_rollouts=across)
-    for a in (t.tokens, t.parent, t.depth, t.weights, t.logprobs, t.gen_offsets, t.gen_call, t.tree_offsets):
+    for a in (t.tokens, t.parent, t.depth, t.weights, t.logprobs, t.gen_offsets, t.gen_call,
+              t.tree_offsets, t.rollout, t.group, t.weight_version):
         d.update(np.ascontiguousarray(a).tobytes())
     d.update(repr(t.tree_keys).encode())
 print(len(m.samples), len(m.divergences), d.hexdigest())

@@ -3,6 +3,8 @@
 //! A call's full sequence is `S = prompt ++ completion`; "position" and "depth"
 //! below always mean an index into such a sequence (the position id a model sees).
 
+use rayon::prelude::*;
+
 use crate::error::CoreError;
 
 /// One recorded model call, owning its data (what the store reads back).
@@ -265,47 +267,51 @@ pub struct PackedTree {
 }
 
 impl PackedTree {
-    /// An empty forest with room for `tokens` tokens, `gens` generator
-    /// entries and `trees` trees.
-    pub fn with_capacity(tokens: usize, gens: usize, trees: usize) -> Self {
-        let mut gen_offsets = Vec::with_capacity(tokens + 1);
-        gen_offsets.push(0);
+    /// A forest of `tokens` tokens and `gens` generator entries, every value
+    /// zero (to be written in place), with room for `trees` trees.
+    pub fn zeroed(tokens: usize, gens: usize, trees: usize) -> Self {
         let mut tree_offsets = Vec::with_capacity(trees + 1);
         tree_offsets.push(0);
         PackedTree {
-            tokens: Vec::with_capacity(tokens),
-            parent: Vec::with_capacity(tokens),
-            depth: Vec::with_capacity(tokens),
-            weights: Vec::with_capacity(tokens),
-            logprobs: Vec::with_capacity(tokens),
-            gen_offsets,
-            gen_call: Vec::with_capacity(gens),
+            tokens: vec![0; tokens],
+            parent: vec![0; tokens],
+            depth: vec![0; tokens],
+            weights: vec![0.0; tokens],
+            logprobs: vec![0.0; tokens],
+            gen_offsets: vec![0; tokens + 1],
+            gen_call: vec![0; gens],
             tree_offsets,
             tree_keys: Vec::with_capacity(trees),
             tree_call: Vec::with_capacity(trees),
         }
     }
 
-    /// The first generating call of each token (input index), -1 for context.
-    pub fn first_generator(&self) -> Vec<i32> {
+    /// Per token, `by_call` at its first generating call (an input index into
+    /// `by_call`), `context` where no call generated it. Computed in parallel.
+    pub fn by_first_generator<T: Copy + Send + Sync>(&self, by_call: &[T], context: T) -> Vec<T> {
         self.gen_offsets
-            .windows(2)
+            .par_windows(2)
             .map(|w| {
                 if w[0] < w[1] {
-                    self.gen_call[w[0] as usize]
+                    by_call[self.gen_call[w[0] as usize] as usize]
                 } else {
-                    -1
+                    context
                 }
             })
             .collect()
     }
 
-    /// Index of the tree each token belongs to.
-    pub fn token_tree(&self) -> Vec<u32> {
-        let mut out = Vec::with_capacity(self.tokens.len());
-        for (t, w) in self.tree_offsets.windows(2).enumerate() {
-            out.resize(out.len() + (w[1] - w[0]) as usize, t as u32);
+    /// Per token, `by_tree` at the tree it belongs to. Computed in parallel.
+    pub fn by_tree(&self, by_tree: &[i32]) -> Vec<i32> {
+        let mut out = vec![0; self.tokens.len()];
+        let mut parts = Vec::with_capacity(by_tree.len());
+        let mut rest = &mut out[..];
+        for (w, &v) in self.tree_offsets.windows(2).zip(by_tree) {
+            let (part, tail) = rest.split_at_mut((w[1] - w[0]) as usize);
+            parts.push((part, v));
+            rest = tail;
         }
+        parts.into_par_iter().for_each(|(part, v)| part.fill(v));
         out
     }
 }

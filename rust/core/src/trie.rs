@@ -324,18 +324,6 @@ impl TrieRef<'_, '_, '_> {
         (count, first, lp)
     }
 
-    /// Append `node`'s tokens below `limit` to `out`.
-    #[inline]
-    fn extend_tokens(&self, node: usize, limit: usize, out: &mut Vec<u32>) {
-        let n = &self.nodes[node];
-        let end = (n.end as usize).min(limit);
-        if (n.start as usize) < end {
-            for piece in self.calls[n.src as usize].pieces(n.start as usize, end) {
-                out.extend_from_slice(piece);
-            }
-        }
-    }
-
     /// Root-to-leaf paths in DFS order (children in creation order), cut at
     /// `limit` tokens. A node is trained in the first sample that contains it;
     /// samples left with nothing to train after the cut are marked `keep: false`.
@@ -448,9 +436,23 @@ impl TrieRef<'_, '_, '_> {
         (tokens, gens)
     }
 
-    /// Append this trie as one tree of `out`, cut at `limit` tokens.
-    fn pack_into(&self, limit: usize, out: &mut PackedTree) {
-        // (node, next child, index of the node's last token in `out`)
+    /// Write this trie as one tree into `out` (exactly `packed_size(limit)`
+    /// tokens and generator entries), cut at `limit` tokens.
+    fn pack_into(&self, limit: usize, out: TreeSlot<'_>) {
+        let TreeSlot {
+            first_token,
+            first_gen,
+            tokens,
+            parent,
+            depth,
+            weights,
+            logprobs,
+            gen_ends,
+            gen_call,
+        } = out;
+        // Next token and generator entry of this tree to write.
+        let (mut at, mut g_at) = (0usize, 0usize);
+        // (node, next child, global index of the node's last token)
         let mut stack: Vec<(usize, usize, i64)> = vec![(ROOT, 0, -1)];
         while let Some(&mut (node, ref mut next, _)) = stack.last_mut() {
             let children = &self.nodes[node].children;
@@ -462,37 +464,112 @@ impl TrieRef<'_, '_, '_> {
             *next += 1;
             let parent_last = stack.last().map_or(-1, |s| s.2);
             let n = &self.nodes[ch];
-            if n.start as usize >= limit {
+            let (start, end) = (n.start as usize, (n.end as usize).min(limit));
+            if start >= end {
                 continue;
             }
-            let end = (n.end as usize).min(limit) as u32;
-            let first = out.tokens.len() as i64;
-            self.extend_tokens(ch, limit, &mut out.tokens);
-            for (i, d) in (n.start..end).enumerate() {
-                out.parent.push(if i == 0 {
-                    parent_last
-                } else {
-                    first + i as i64 - 1
-                });
-                out.depth.push(d as i64);
+            let len = end - start;
+            let first = (first_token + at) as i64;
+            let mut k = at;
+            for piece in self.calls[n.src as usize].pieces(start, end) {
+                tokens[k..k + piece.len()].copy_from_slice(piece);
+                k += piece.len();
+            }
+            parent[at] = parent_last;
+            for (i, p) in parent[at + 1..at + len].iter_mut().enumerate() {
+                *p = first + i as i64;
+            }
+            for (d, out) in (start..end).zip(&mut depth[at..at + len]) {
+                *out = d as i64;
+            }
+            for (i, d) in (n.start..end as u32).enumerate() {
                 let mut count = 0u32;
                 let mut lp = f32::NAN;
                 for g in &n.gens {
                     if g.from <= d && d < g.to {
                         count += 1;
-                        out.gen_call.push(g.call as i32);
+                        gen_call[g_at] = g.call as i32;
+                        g_at += 1;
                         if lp.is_nan() {
                             lp = self.calls[g.call as usize].logprob_at(d as usize);
                         }
                     }
                 }
-                out.weights.push(count as f32);
-                out.logprobs.push(lp);
-                out.gen_offsets.push(out.gen_call.len() as i64);
+                weights[at + i] = count as f32;
+                logprobs[at + i] = lp;
+                gen_ends[at + i] = (first_gen + g_at) as i64;
             }
-            let last = out.tokens.len() as i64 - 1;
-            stack.push((ch, 0, last));
+            at += len;
+            stack.push((ch, 0, first + len as i64 - 1));
         }
+        debug_assert_eq!((at, g_at), (tokens.len(), gen_call.len()));
+    }
+}
+
+/// One tree's disjoint part of a [`PackedTree`]'s arrays, and where that part
+/// starts in the whole forest (parents and generator offsets are global
+/// indices), so the trees of a forest are written in parallel.
+struct TreeSlot<'o> {
+    first_token: usize,
+    first_gen: usize,
+    tokens: &'o mut [u32],
+    parent: &'o mut [i64],
+    depth: &'o mut [i64],
+    weights: &'o mut [f32],
+    logprobs: &'o mut [f32],
+    /// The tree's part of `gen_offsets[1..]`: where each token's generators end.
+    gen_ends: &'o mut [i64],
+    gen_call: &'o mut [i32],
+}
+
+impl<'o> TreeSlot<'o> {
+    /// The whole of `out` as one slot.
+    fn all(out: &'o mut PackedTree) -> Self {
+        TreeSlot {
+            first_token: 0,
+            first_gen: 0,
+            tokens: &mut out.tokens,
+            parent: &mut out.parent,
+            depth: &mut out.depth,
+            weights: &mut out.weights,
+            logprobs: &mut out.logprobs,
+            gen_ends: &mut out.gen_offsets[1..],
+            gen_call: &mut out.gen_call,
+        }
+    }
+
+    /// The first `tokens` tokens and `gens` generator entries, and the rest.
+    fn split(self, tokens: usize, gens: usize) -> (Self, Self) {
+        let (t, t_rest) = self.tokens.split_at_mut(tokens);
+        let (p, p_rest) = self.parent.split_at_mut(tokens);
+        let (d, d_rest) = self.depth.split_at_mut(tokens);
+        let (w, w_rest) = self.weights.split_at_mut(tokens);
+        let (l, l_rest) = self.logprobs.split_at_mut(tokens);
+        let (e, e_rest) = self.gen_ends.split_at_mut(tokens);
+        let (g, g_rest) = self.gen_call.split_at_mut(gens);
+        let head = TreeSlot {
+            first_token: self.first_token,
+            first_gen: self.first_gen,
+            tokens: t,
+            parent: p,
+            depth: d,
+            weights: w,
+            logprobs: l,
+            gen_ends: e,
+            gen_call: g,
+        };
+        let rest = TreeSlot {
+            first_token: self.first_token + tokens,
+            first_gen: self.first_gen + gens,
+            tokens: t_rest,
+            parent: p_rest,
+            depth: d_rest,
+            weights: w_rest,
+            logprobs: l_rest,
+            gen_ends: e_rest,
+            gen_call: g_rest,
+        };
+        (head, rest)
     }
 }
 
@@ -873,17 +950,34 @@ pub fn pack(
 }
 
 /// One forest from `trees` (each a trie, its first call and its key), cut at
-/// `limit` tokens, allocated once at its exact size: growing six token-long
-/// vectors by doubling copied each several times and faulted in twice the pages.
+/// `limit` tokens. Each tree's size is known before it is written, so the
+/// arrays are allocated once at their exact size (zeroed: fresh pages from the
+/// kernel, faulted in by the writer) and the trees are written in parallel,
+/// each into its own part: the output does not depend on the thread count.
 fn lay_out(trees: &[(TrieRef<'_, '_, '_>, i32, &str)], limit: usize) -> PackedTree {
-    let (tokens, gens) = trees
-        .iter()
+    let sizes: Vec<(usize, usize)> = trees
+        .par_iter()
         .map(|(t, _, _)| t.packed_size(limit))
-        .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
-    let mut out = PackedTree::with_capacity(tokens, gens, trees.len());
-    for (trie, first_call, key) in trees {
-        trie.pack_into(limit, &mut out);
-        out.tree_offsets.push(out.tokens.len() as i64);
+        .collect();
+    let (tokens, gens) = sizes
+        .iter()
+        .fold((0, 0), |(a, b), &(x, y)| (a + x, b + y));
+    let mut out = PackedTree::zeroed(tokens, gens, trees.len());
+    let mut slots = Vec::with_capacity(trees.len());
+    let mut rest = TreeSlot::all(&mut out);
+    for &(t, g) in &sizes {
+        let (slot, tail) = rest.split(t, g);
+        slots.push(slot);
+        rest = tail;
+    }
+    trees
+        .par_iter()
+        .zip(slots)
+        .for_each(|((trie, _, _), slot)| trie.pack_into(limit, slot));
+    let mut at = 0;
+    for ((_, first_call, key), &(t, _)) in trees.iter().zip(&sizes) {
+        at += t as i64;
+        out.tree_offsets.push(at);
         out.tree_call.push(*first_call);
         out.tree_keys.push(key.to_string());
     }
@@ -1216,14 +1310,14 @@ mod tests {
         assert_eq!(p.gen_call, vec![0, 2, 1]);
         assert_eq!(p.tree_keys, vec!["g".to_string()]);
         assert_eq!(p.tree_call, vec![0]);
-        assert_eq!(p.first_generator(), vec![-1, -1, 0, 1]);
-        assert_eq!(p.token_tree(), vec![0; 4]);
+        assert_eq!(p.by_first_generator(&[10, 11, 12], -1), vec![-1, -1, 10, 11]);
+        assert_eq!(p.by_tree(&[7]), vec![7; 4]);
         assert_eq!(p.tree_offsets, vec![0, 4]);
         let per_rollout = pack(&calls, None, false).unwrap();
         assert_eq!(per_rollout.tokens.len(), 9);
         assert_eq!(per_rollout.tree_keys, ["r1", "r2", "r3"]);
         assert_eq!(per_rollout.tree_call, vec![0, 1, 2]);
-        assert_eq!(per_rollout.token_tree(), vec![0, 0, 0, 1, 1, 1, 2, 2, 2]);
+        assert_eq!(per_rollout.by_tree(&[0, 1, 2]), vec![0, 0, 0, 1, 1, 1, 2, 2, 2]);
         let cut = pack(&calls, Some(2), true).unwrap();
         assert_eq!(cut.tokens, vec![1, 2]);
         // The output was sized exactly up front, cut or not.

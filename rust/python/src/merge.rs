@@ -930,25 +930,14 @@ impl PyMergeResult {
                 } else {
                     plan.pack(&views, max_tokens)?
                 };
-                let first = t.first_generator();
                 let tree_group: Vec<i32> = t
                     .tree_call
                     .iter()
                     .map(|&c| index.group[c as usize])
                     .collect();
-                let group: Vec<i32> = t
-                    .token_tree()
-                    .iter()
-                    .map(|&k| tree_group[k as usize])
-                    .collect();
-                let rollout: Vec<i32> = first
-                    .iter()
-                    .map(|&c| if c < 0 { -1 } else { index.rollout[c as usize] })
-                    .collect();
-                let version: Vec<i64> = first
-                    .iter()
-                    .map(|&c| if c < 0 { -1 } else { index.version[c as usize] })
-                    .collect();
+                let group = t.by_tree(&tree_group);
+                let rollout = t.by_first_generator(&index.rollout, -1);
+                let version = t.by_first_generator(&index.version, -1);
                 Ok::<_, lightning_core::CoreError>((t, rollout, group, version))
             })
             .map_err(|e| core_error(py, e))?;
