@@ -18,7 +18,12 @@ added p50 <= fsync p50 + 0.15 ms). Two probes: a 4 KB append (the issue's),
 and an append of the bytes one call's commit sent to the disk in that point
 (``write_bytes`` of the gateway's ``/proc/PID/io`` per call: WAL frames for
 the row, its overflow pages, the index and the header page), which is what
-the flush at concurrency 1 really carries. Instructions per call (machine-load independent) come from
+the flush at concurrency 1 really carries. Then the concurrency-1 latency is
+taken apart, round-robin in the same run: the engine alone, a bare HTTP hop
+(``examples/bare_proxy.rs``), the gateway without a flush per commit
+(``sync=normal``) and as benchmarked: what any HTTP gateway costs here, what
+this one's own work costs, and what the flush costs in place. Instructions
+per call (machine-load independent) come from
 ``benches/gateway_instructions.py`` (callgrind; too slow to run here).
 
     python benches/gateway_load.py            # GATEWAY_BENCH_SECONDS=3 per point
@@ -62,7 +67,7 @@ def build() -> None:
         "--bin",
         "lightning-gateway",
     ]
-    cmd += ["--example", "static_upstream", "--example", "load"]
+    cmd += ["--example", "static_upstream", "--example", "load", "--example", "bare_proxy"]
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
@@ -218,6 +223,93 @@ def wait_http(url: str) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def start_gateway(
+    port: int, up_port: int, db: Path, sync: str = SYNC
+) -> tuple[subprocess.Popen[str], str, str, str]:
+    """A gateway on CPU 0 in front of the engine, with one rollout: the
+    process, its URL, the rollout's id and its token."""
+    env = dict(os.environ, RUST_LOG="warn")
+    upstream = f"http://127.0.0.1:{up_port}/v1"
+    gw = spawn("0", gateway_args(TARGET / "lightning-gateway", port, upstream, db, sync), env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/healthz")
+        r = httpx.post(
+            url + "/rollouts", headers={"Authorization": f"Bearer {ADMIN}"}, json={"task": "bench"}
+        ).json()
+    except BaseException:
+        stop_servers(gw)
+        raise
+    return gw, url, r["rollout_id"], r["token"]
+
+
+def floor_at_concurrency_1(
+    tmp: Path, up_port: int, gw_url: str, rid: str, token: str, bodies: dict[str, Path]
+) -> int:
+    """Where the added latency at concurrency 1 goes, each step measured in
+    the same run, round-robin so that drift lands on every column: the engine
+    alone; a bare HTTP hop (``examples/bare_proxy.rs``: the gateway's server
+    and client stack, nothing else, on the same core); the gateway without a
+    flush per commit (``sync=normal``: in WAL mode every write, fsync only at
+    checkpoints); the gateway as benchmarked (``sync=full``). The hop is what any HTTP gateway costs here;
+    the flush is what durability costs. Returns the calls answered through
+    the ``sync=full`` gateway (they are in its store)."""
+    rounds = int(os.environ.get("GATEWAY_BENCH_FLOOR_ROUNDS", "3"))
+    bare_port = 18000 + (os.getpid() + 2) % 1000
+    bare = spawn(
+        "0",
+        [str(TARGET / "examples" / "bare_proxy"), str(bare_port), f"http://127.0.0.1:{up_port}"],
+    )
+    off_port = 18000 + (os.getpid() + 1) % 1000
+    try:
+        off, off_url, off_rid, off_token = start_gateway(
+            off_port, up_port, tmp / "normal.db", "normal"
+        )
+    except BaseException:
+        stop_servers(bare)
+        raise
+    try:
+        assert bare.stdout is not None
+        bare.stdout.readline()  # READY
+        targets = {
+            "engine": (f"http://127.0.0.1:{up_port}", None),
+            "bare hop": (f"http://127.0.0.1:{bare_port}", None),
+            "sync=normal": (f"{off_url}/rollouts/{off_rid}", off_token),
+            "sync=full": (f"{gw_url}/rollouts/{rid}", token),
+        }
+        print(
+            f"\nwhere the added p50 at concurrency 1 goes (median of {rounds} round-robin rounds, "
+            f"{SECONDS:.0f}s each; ms)"
+        )
+        print(f"{'mode':<7} | " + " ".join(f"{k:>10}" for k in targets) + " | "
+              f"{'hop':>7} {'gw work':>8} {'flush':>7} | {'floor':>7} {'added':>7}")  # fmt: skip
+        answered = 0
+        for mode, body in bodies.items():
+            p50: dict[str, list[float]] = {k: [] for k in targets}
+            for _ in range(rounds):
+                for k, (base, tok) in targets.items():
+                    run = load(f"{base}/v1/chat/completions", 1, body, tok)
+                    p50[k].append(run["p50_ms"])
+                    answered += int(run["requests"]) if k == "sync=full" else 0
+            m = {k: sorted(v)[len(v) // 2] for k, v in p50.items()}
+            hop = m["bare hop"] - m["engine"]
+            work = m["sync=normal"] - m["bare hop"]
+            flush = m["sync=full"] - m["sync=normal"]
+            fsync = fsync_p50_ms(tmp)
+            print(
+                f"{mode:<7} | " + " ".join(f"{m[k]:>10.3f}" for k in targets) + " | "
+                f"{hop:>7.3f} {work:>8.3f} {flush:>7.3f} | {hop + fsync:>7.3f} {m['sync=full'] - m['engine']:>7.3f}"
+            )
+        print(
+            "hop = bare hop - engine; gw work = sync=normal - bare hop (routing, auth, parsing, records, SQLite\n"
+            "writes); flush = sync=full - sync=normal; floor = hop + the 4 KB fsync probe (what any gateway that\n"
+            "forwards over HTTP and flushes before answering costs here); added = sync=full - engine."
+        )
+    finally:
+        stop_servers(off, bare)
+    return answered
+
+
 def main() -> int:
     build()
     print(f"machine: {machine()}")
@@ -236,24 +328,15 @@ def main() -> int:
 
     upstream = spawn("1", [str(TARGET / "examples" / "static_upstream"), "0"])
     assert upstream.stdout is not None
-    up_port = int(upstream.stdout.readline().split()[1])
     db = tmp / "bench.db"
-    env = dict(os.environ, RUST_LOG="warn")
     gw_port = 18000 + os.getpid() % 1000
-    gw = spawn(
-        "0",
-        gateway_args(TARGET / "lightning-gateway", gw_port, f"http://127.0.0.1:{up_port}/v1", db),
-        env=env,
-    )
-    gw_url = f"http://127.0.0.1:{gw_port}"
     try:
-        wait_http(gw_url + "/healthz")
-        r = httpx.post(
-            gw_url + "/rollouts",
-            headers={"Authorization": f"Bearer {ADMIN}"},
-            json={"task": "bench"},
-        ).json()
-        token, rid = r["token"], r["rollout_id"]
+        up_port = int(upstream.stdout.readline().split()[1])
+        gw, gw_url, rid, token = start_gateway(gw_port, up_port, db)
+    except BaseException:
+        stop_servers(upstream)
+        raise
+    try:
         rss0 = rss_mb(gw.pid)
         print(f"gateway RSS at start: {rss0:.1f} MB\n")
         hdr = f"{'mode':<7}{'conc':>5} | {'direct rps':>10} {'p50 ms':>8} {'p99 ms':>8} | {'gateway rps':>11} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} | {'+p50 ms':>8} {'+p99 ms':>8} | {'gw CPU':>6} {'RSS MB':>7} | {'rps ratio':>9}"
@@ -295,6 +378,9 @@ def main() -> int:
             for mode, added in added_c1.items():
                 verdict = "met" if added <= target else f"missed by {added - target:.3f} ms"
                 print(f"  {mode:<7} added p50 at concurrency 1: {added:.3f} ms ({verdict})")
+        total_ok += floor_at_concurrency_1(
+            tmp, up_port, gw_url, rid, token, {"json": body_json, "stream": body_stream}
+        )
         with sqlite3.connect(db) as con:
             stored = con.execute("SELECT COUNT(*) FROM calls WHERE status = 'ok'").fetchone()[0]
         print(

@@ -203,22 +203,26 @@ def main() -> None:
             f"{'layout':8} {'fwd tokens':>10} {'fewer tok':>9} {clock + ' s':>8} {'wall s':>7} "
             f"{'vs padded':>9} {'vs before':>9} {'body s':>7} {'body vs padded':>14}"
         )
-        base: dict[str, tuple[int, float]] = {}
-        for mode in ("before", *BATCH_MODES):  # baselines first
-            step = [run(model, items, mode, args.budget, amp, "step") for _ in range(args.repeat)]
-            n, t, wall = step[0][0], min(r[1] for r in step), min(r[2] for r in step)
-            body_t = float("nan")
-            if not args.no_body and mode != "before":
-                body = [run(model, items, mode, args.budget, amp, "body")]
-                body_t = min(r[1] for r in body)
-            base.setdefault(mode, (n, t))
-            if mode == "padded":
-                base["padded_body"] = (n, body_t)
-            pad = base.get("padded", (n, t))
-            pad_body = base.get("padded_body", (n, body_t))[1]
+        # Repeats go round-robin over the layouts, so a slow minute of a shared
+        # machine lands on every layout rather than on whichever ran then.
+        modes = ("before", *BATCH_MODES)  # baselines first
+        steps: dict[str, list[tuple[int, float, float]]] = {m: [] for m in modes}
+        bodies: dict[str, list[float]] = {m: [] for m in modes if m != "before"}
+        for _ in range(args.repeat):
+            for mode in modes:
+                steps[mode].append(run(model, items, mode, args.budget, amp, "step"))
+            for mode in bodies if not args.no_body else ():
+                bodies[mode].append(run(model, items, mode, args.budget, amp, "body")[1])
+        n_pad, t_pad = steps["padded"][0][0], min(r[1] for r in steps["padded"])
+        t_before = min(r[1] for r in steps["before"])
+        pad_body = min(bodies["padded"], default=float("nan"))
+        for mode in modes:
+            n, t = steps[mode][0][0], min(r[1] for r in steps[mode])
+            wall = min(r[2] for r in steps[mode])
+            body_t = min(bodies.get(mode, []), default=float("nan"))
             print(
-                f"{mode:8} {n:>10} {pad[0] / n:>8.2f}x {t:>8.2f} {wall:>7.2f} {pad[1] / t:>8.2f}x "
-                f"{base['before'][1] / t:>8.2f}x {body_t:>7.2f} {pad_body / body_t:>13.2f}x",
+                f"{mode:8} {n:>10} {n_pad / n:>8.2f}x {t:>8.2f} {wall:>7.2f} {t_pad / t:>8.2f}x "
+                f"{t_before / t:>8.2f}x {body_t:>7.2f} {pad_body / body_t:>13.2f}x",
                 flush=True,
             )
         del model

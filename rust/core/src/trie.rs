@@ -959,9 +959,7 @@ fn lay_out(trees: &[(TrieRef<'_, '_, '_>, i32, &str)], limit: usize) -> PackedTr
         .par_iter()
         .map(|(t, _, _)| t.packed_size(limit))
         .collect();
-    let (tokens, gens) = sizes
-        .iter()
-        .fold((0, 0), |(a, b), &(x, y)| (a + x, b + y));
+    let (tokens, gens) = sizes.iter().fold((0, 0), |(a, b), &(x, y)| (a + x, b + y));
     let mut out = PackedTree::zeroed(tokens, gens, trees.len());
     let mut slots = Vec::with_capacity(trees.len());
     let mut rest = TreeSlot::all(&mut out);
@@ -1310,14 +1308,20 @@ mod tests {
         assert_eq!(p.gen_call, vec![0, 2, 1]);
         assert_eq!(p.tree_keys, vec!["g".to_string()]);
         assert_eq!(p.tree_call, vec![0]);
-        assert_eq!(p.by_first_generator(&[10, 11, 12], -1), vec![-1, -1, 10, 11]);
+        assert_eq!(
+            p.by_first_generator(&[10, 11, 12], -1),
+            vec![-1, -1, 10, 11]
+        );
         assert_eq!(p.by_tree(&[7]), vec![7; 4]);
         assert_eq!(p.tree_offsets, vec![0, 4]);
         let per_rollout = pack(&calls, None, false).unwrap();
         assert_eq!(per_rollout.tokens.len(), 9);
         assert_eq!(per_rollout.tree_keys, ["r1", "r2", "r3"]);
         assert_eq!(per_rollout.tree_call, vec![0, 1, 2]);
-        assert_eq!(per_rollout.by_tree(&[0, 1, 2]), vec![0, 0, 0, 1, 1, 1, 2, 2, 2]);
+        assert_eq!(
+            per_rollout.by_tree(&[0, 1, 2]),
+            vec![0, 0, 0, 1, 1, 1, 2, 2, 2]
+        );
         let cut = pack(&calls, Some(2), true).unwrap();
         assert_eq!(cut.tokens, vec![1, 2]);
         // The output was sized exactly up front, cut or not.
