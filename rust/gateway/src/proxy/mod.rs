@@ -170,13 +170,7 @@ async fn load_history(st: &Arc<State>, rollout: &str, key: &str) -> Result<Value
 }
 
 async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
-    let Call {
-        st,
-        meta,
-        proto,
-        ctx,
-        stream,
-    } = c;
+    let (st, meta) = (&c.st, &c.meta);
     let path = match meta.kind {
         Kind::Chat => "/chat/completions",
         Kind::Completion => "/completions",
@@ -191,10 +185,10 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
         body.clone()
     };
     let sent = tokio::select! {
-        s = send_with_retries(&st, &meta.rollout.id, path, body, plain) => s,
+        s = send_with_retries(st, &meta.rollout.id, path, body, plain) => s,
         _ = reply.closed() => {
-            let records = build_records(&meta, None, CallStatus::Aborted, false, None, 0, ms(meta.started));
-            let _ = commit(&st, records, &meta.rollout, None).await;
+            let records = build_records(meta, None, CallStatus::Aborted, false, None, 0, ms(meta.started));
+            let _ = commit(st, records, &meta.rollout, None).await;
             return;
         }
     };
@@ -206,7 +200,7 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
         } => (resp, upstream, sent),
         Sent::Failed { err, upstream } => {
             let records = build_records(
-                &meta,
+                meta,
                 None,
                 CallStatus::UpstreamError,
                 false,
@@ -214,18 +208,50 @@ async fn run_call(c: Call, mut reply: Reply, guard: InFlight) {
                 err.status,
                 ms(meta.started),
             );
-            let res = commit(&st, records, &meta.rollout, None).await;
+            let res = commit(st, records, &meta.rollout, None).await;
             let _ = reply.send(res.and(Err(err)));
             return;
         }
     };
-    let status = resp.status();
-    if stream && status == StatusCode::OK {
-        let translator = proto.translator(&ctx);
-        stream_call(st, meta, resp, upstream, sent_at, reply, guard, translator).await;
+    if c.stream && resp.status() == StatusCode::OK {
+        let translator = c.proto.translator(&c.ctx);
+        stream_call(
+            c.st, c.meta, resp, upstream, sent_at, reply, guard, translator,
+        )
+        .await;
         return;
     }
-    // Whole answer: read it, record it, then answer.
+    let answered = Answered {
+        resp,
+        upstream,
+        sent_at,
+    };
+    whole_call(c, answered, reply, guard).await;
+}
+
+/// What the engine sent back, and when the request went out.
+struct Answered {
+    resp: Response<Incoming>,
+    upstream: Arc<Upstream>,
+    sent_at: Instant,
+}
+
+/// A whole (not streamed) answer: read it, record it, then answer the harness
+/// in its protocol.
+async fn whole_call(c: Call, a: Answered, mut reply: Reply, guard: InFlight) {
+    let Call {
+        st,
+        meta,
+        proto,
+        ctx,
+        ..
+    } = c;
+    let Answered {
+        resp,
+        upstream,
+        sent_at,
+    } = a;
+    let status = resp.status();
     let deadline = sent_at + Duration::from_secs_f64(st.cfg.upstream_timeout_s);
     let (parts, incoming) = resp.into_parts();
     let limited = Limited::new(incoming, st.cfg.max_upstream_answer_bytes);
