@@ -11,6 +11,8 @@ projection), which shows how much of the step follows the forward token count
 and how much is the head's fixed cost (trained tokens × vocabulary × hidden).
 Times are process CPU seconds (all threads): on a shared machine they move far
 less with other tenants' load than wall time, which is printed beside them.
+With ``--repeat N`` the runs go round-robin over the layouts and each prints its
+best of N.
 
     python benches/train_step.py                       # tiny model, full batch
     python benches/train_step.py --model smollm2 --tasks 1
