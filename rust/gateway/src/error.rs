@@ -102,11 +102,19 @@ impl fmt::Display for ApiError {
 }
 
 impl ApiError {
+    /// The code of [`ApiError::store_unavailable`].
+    pub const STORE_UNAVAILABLE: &'static str = "store_unavailable";
+
     /// 503 while the store cannot write: the harness retries later.
     pub fn store_unavailable(message: impl Into<String>) -> Self {
-        let mut e = Self::new(503, "server_error", "store_unavailable", message);
+        let mut e = Self::new(503, "server_error", Self::STORE_UNAVAILABLE, message);
         e.retry_after = Some(1);
         e
+    }
+
+    /// This is the store's refusal to write ([`ApiError::store_unavailable`]).
+    pub fn is_store_unavailable(&self) -> bool {
+        self.code == Self::STORE_UNAVAILABLE
     }
 }
 

@@ -384,9 +384,7 @@ fn not_utf8(upstream: &Upstream) -> ApiError {
 /// still answered, unrecorded; any other store error still fails the call.
 fn served_unrecorded(st: &State, res: Result<(), ApiError>) -> Result<(), ApiError> {
     match res {
-        Err(e)
-            if e.code == "store_unavailable" && st.cfg.on_store_failure == StoreFailure::Serve =>
-        {
+        Err(e) if e.is_store_unavailable() && st.cfg.on_store_failure == StoreFailure::Serve => {
             tracing::warn!("call served unrecorded: the store cannot write");
             st.metrics.calls_unrecorded.fetch_add(1, Ordering::Relaxed);
             Ok(())
