@@ -628,6 +628,29 @@ pub struct SampleMut<'o> {
     pub call_index: &'o mut [i32],
 }
 
+impl SampleMut<'_> {
+    /// The first `len` positions of every buffer, and the rest.
+    fn split(self, len: usize) -> (Self, Self) {
+        let (t, t_rest) = self.tokens.split_at_mut(len);
+        let (w, w_rest) = self.weights.split_at_mut(len);
+        let (p, p_rest) = self.logprobs.split_at_mut(len);
+        let (c, c_rest) = self.call_index.split_at_mut(len);
+        let head = SampleMut {
+            tokens: t,
+            weights: w,
+            logprobs: p,
+            call_index: c,
+        };
+        let rest = SampleMut {
+            tokens: t_rest,
+            weights: w_rest,
+            logprobs: p_rest,
+            call_index: c_rest,
+        };
+        (head, rest)
+    }
+}
+
 /// Where a planned sample goes: its rollout, group, length and what it lost.
 #[derive(Debug, Clone, Copy)]
 pub struct SampleInfo<'a> {
@@ -710,56 +733,23 @@ impl MergePlan {
     /// Write every kept sample back to back into buffers of `stats.sample_tokens`,
     /// rollouts in parallel. `calls` must be the calls planned from.
     pub fn write(&self, calls: &[CallView<'_>], out: SampleMut<'_>) {
-        let SampleMut {
-            mut tokens,
-            mut weights,
-            mut logprobs,
-            mut call_index,
-        } = out;
         // Disjoint output ranges per rollout, then one task per rollout.
         let mut parts = Vec::with_capacity(self.rollouts.len());
+        let mut rest = out;
         for r in &self.rollouts {
-            let (t, t_rest) = std::mem::take(&mut tokens).split_at_mut(r.tokens);
-            let (w, w_rest) = std::mem::take(&mut weights).split_at_mut(r.tokens);
-            let (p, p_rest) = std::mem::take(&mut logprobs).split_at_mut(r.tokens);
-            let (c, c_rest) = std::mem::take(&mut call_index).split_at_mut(r.tokens);
-            parts.push((
-                r,
-                SampleMut {
-                    tokens: t,
-                    weights: w,
-                    logprobs: p,
-                    call_index: c,
-                },
-            ));
-            (tokens, weights, logprobs, call_index) = (t_rest, w_rest, p_rest, c_rest);
+            let (part, tail) = rest.split(r.tokens);
+            parts.push((r, part));
+            rest = tail;
         }
-        parts.into_par_iter().for_each(|(r, out)| {
+        parts.into_par_iter().for_each(|(r, mut rest)| {
             let trie = TrieRef {
                 calls,
                 nodes: &r.nodes,
             };
-            let SampleMut {
-                mut tokens,
-                mut weights,
-                mut logprobs,
-                mut call_index,
-            } = out;
             for l in r.samples.iter().filter(|l| l.keep) {
-                let (t, t_rest) = std::mem::take(&mut tokens).split_at_mut(l.len);
-                let (w, w_rest) = std::mem::take(&mut weights).split_at_mut(l.len);
-                let (p, p_rest) = std::mem::take(&mut logprobs).split_at_mut(l.len);
-                let (c, c_rest) = std::mem::take(&mut call_index).split_at_mut(l.len);
-                trie.write(
-                    l,
-                    SampleMut {
-                        tokens: t,
-                        weights: w,
-                        logprobs: p,
-                        call_index: c,
-                    },
-                );
-                (tokens, weights, logprobs, call_index) = (t_rest, w_rest, p_rest, c_rest);
+                let (sample, tail) = rest.split(l.len);
+                trie.write(l, sample);
+                rest = tail;
             }
         });
     }
