@@ -588,27 +588,28 @@ fn a_failed_stream_ends_with_an_error_event() {
         "{s}"
     );
     // An engine error inside the stream ends it the same way.
-    let mut t = AnthropicMessages.translator(&ctx(true));
-    let mut out = Vec::new();
-    let evs = Parser::new()
-        .feed(b"data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\n")
-        .unwrap_or_default();
-    assert!(translate_event(t.as_mut(), &evs[0], &mut out));
-    assert!(String::from_utf8_lossy(&out).contains("boom"));
+    let (mut t, s) = first_event(b"data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\n");
+    assert!(s.contains("boom"), "{s}");
     assert!(t.finish().0.is_empty());
     // `"error": null` is no error (the capture records the call as answered).
-    let mut t = AnthropicMessages.translator(&ctx(true));
-    let mut out = Vec::new();
-    let evs = Parser::new()
-        .feed(b"data: {\"error\": null, \"choices\": [{\"delta\": {\"content\": \"Hi\"}}]}\n\n")
-        .unwrap_or_default();
-    assert!(translate_event(t.as_mut(), &evs[0], &mut out));
-    let s = String::from_utf8_lossy(&out).to_string();
+    let (mut t, s) = first_event(
+        b"data: {\"error\": null, \"choices\": [{\"delta\": {\"content\": \"Hi\"}}]}\n\n",
+    );
     assert!(
         s.contains("text_delta") && !s.contains("event: error"),
         "{s}"
     );
     assert!(!t.finish().0.is_empty());
+}
+
+/// A fresh stream translator fed the first event of `sse` (which it must
+/// forward), and the frames it wrote for it.
+fn first_event(sse: &[u8]) -> (Box<dyn StreamTranslator>, String) {
+    let mut t = AnthropicMessages.translator(&ctx(true));
+    let mut out = Vec::new();
+    let evs = Parser::new().feed(sse).unwrap_or_default();
+    assert!(translate_event(t.as_mut(), &evs[0], &mut out));
+    (t, String::from_utf8_lossy(&out).into_owned())
 }
 
 /// `model` is echoed in `message_start` as the engine sent it, any JSON value.

@@ -593,6 +593,17 @@ mod tests {
         assert!(parse_answer(br#"{"choices":[{"logprobs":{"token_logprobs":["x"]}}]}"#).is_err());
     }
 
+    /// Every one of `bodies`, as an event's data, is refused by `read_event`.
+    fn assert_unreadable(bodies: &[&[u8]]) {
+        for &body in bodies {
+            assert!(
+                read_event(&event(body)).is_err(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
     fn event(data: &[u8]) -> Event {
         Event {
             raw: [b"data: ", data, b"\n\n"].concat(),
@@ -626,17 +637,11 @@ mod tests {
         assert!(matches!(read_event(&event(b"")), Ok(None)));
         // A field the capture records of another type refuses the chunk (the
         // translators read it leniently once, and no longer see it).
-        for bad in [
-            &br#"{"choices":[{"delta":5}]}"#[..],
+        assert_unreadable(&[
+            br#"{"choices":[{"delta":5}]}"#,
             br#"{"choices":[{"delta":{"content":1}}]}"#,
             b"5",
-        ] {
-            assert!(
-                read_event(&event(bad)).is_err(),
-                "{}",
-                String::from_utf8_lossy(bad)
-            );
-        }
+        ]);
     }
 
     #[test]
@@ -651,17 +656,11 @@ mod tests {
         assert!(s.engine_error.is_none());
         // A key given twice refuses the chunk, in a field the capture records
         // and in one only the translators read (which once took the last).
-        for twice in [
-            &br#"{"choices":[{"delta":{"content":"a","content":"b"}}]}"#[..],
+        assert_unreadable(&[
+            br#"{"choices":[{"delta":{"content":"a","content":"b"}}]}"#,
             br#"{"choices":[{"delta":{"reasoning":"a","reasoning":"b"}}]}"#,
             br#"{"model":"a","model":"b"}"#,
-        ] {
-            assert!(
-                read_event(&event(twice)).is_err(),
-                "{}",
-                String::from_utf8_lossy(twice)
-            );
-        }
+        ]);
     }
 
     #[test]
