@@ -9,12 +9,22 @@ Both merges run on the same data in this process. `merge_calls` is fed numpy
 uint32 arrays and Python lists; the baseline gets Python lists (its natural,
 best input). Each list is built separately (`.tolist()` per call), so its ints
 are distinct objects, as when ids are decoded from JSON. Times are the best of
---repeats runs. Run: `.venv/bin/python benches/merge.py` (or `make bench`).
+--repeats runs. Each run drops the previous run's result first, so from the
+second run on a merge writes into the arrays the last one returned to the pool
+(see `lightning.release_merge_buffers`), as a training step does; one more run
+after emptying the pool shows the first merge of a process, on fresh memory.
+
+Two ceilings are printed: the machine's streaming read bandwidth (one compare
+over two large arrays), and the floor on this input as laid out (one array per
+call): comparing every prompt once with its rollout's previous call, plus writing
+the samples once into warm memory. Run: `.venv/bin/python benches/merge.py` (or
+`make bench`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import platform
@@ -28,7 +38,7 @@ import numpy as np
 
 import lightning
 from lightning import Call, merge_calls
-from lightning._core import _common_prefix_u32
+from lightning._core import _common_prefix_pairs_u32, _common_prefix_u32
 
 Row = tuple[str, list[int], list[int], list[float]]
 
@@ -118,6 +128,44 @@ def compare_ceiling(n_tokens: int, repeats: int) -> float:
     return n_tokens / t
 
 
+def read_floor(
+    raw: list[tuple[str, str, np.ndarray, np.ndarray, np.ndarray]], repeats: int
+) -> tuple[float, int]:
+    """Seconds for the least reading any prefix merge does on this input as laid
+    out (one array per call): every call's prompt compared once with its
+    rollout's previous call (that call's prompt, then its completion), one
+    thread, no trie, no output. The big-array rate of `compare_ceiling` assumes
+    one long stream; here every compare starts a new array."""
+    by_rollout: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for rid, _, p, c, _ in raw:
+        by_rollout.setdefault(rid, []).append((p, c))
+    a: list[np.ndarray] = []
+    b: list[np.ndarray] = []
+    for calls in by_rollout.values():
+        for (prev_p, prev_c), (p, _) in itertools.pairwise(calls):
+            a += [p[: len(prev_p)], p[len(prev_p) : len(prev_p) + len(prev_c)]]
+            b += [prev_p, prev_c]
+    runs = [_common_prefix_pairs_u32(a, b) for _ in range(repeats)]
+    return min(t for _, t in runs), runs[0][0]
+
+
+def write_floor(sample_tokens: int, repeats: int) -> float:
+    """CPU seconds to write the samples' four 4-byte fields once into memory that
+    is already faulted in (numpy fill, one thread): the least a merge that
+    writes its samples adds to its reading."""
+    arrays = [
+        np.zeros(sample_tokens, dtype) for dtype in (np.uint32, np.float32, np.float32, np.int32)
+    ]
+    for a in arrays:
+        a.fill(1)  # fault the pages in before timing
+
+    def fill() -> None:
+        for a in arrays:
+            a.fill(2)
+
+    return best(fill, repeats)[0]
+
+
 def machine() -> str:
     cpu = "?"
     try:
@@ -188,8 +236,14 @@ def main() -> None:
     w_np_merge, _ = best(lambda: merge_and_samples(np_calls), args.repeats, time.perf_counter)
     t_ls_build, ls_calls = best(build_lists, args.repeats)
     t_ls_merge, _ = best(lambda: merge_and_samples(ls_calls), args.repeats)
+    # The first merge of a process writes into fresh memory: with the pool of
+    # dropped results' arrays emptied, that is what one run costs.
+    lightning.release_merge_buffers()
+    t_np_fresh, fresh = best(lambda: merge_and_samples(np_calls), 1)
     compare = compare_ceiling(args.ceiling_tokens, max(args.repeats, 5))
     ceiling = 2 * compare  # read every input token once: 4 bytes per token
+    t_read, compared = read_floor(raw, max(args.repeats, 5))
+    t_write = write_floor(res.stats.sample_tokens, max(args.repeats, 5))
 
     # Same answer as the baseline (linear data: one sample per rollout).
     assert len(rows) == len(res.samples) == args.rollouts
@@ -210,6 +264,7 @@ def main() -> None:
     )
     report("python linear prefix merge (lists)", t_base)
     report("merge_calls, numpy input (+ samples)", t_np_merge)
+    report("  same, first merge (fresh memory)", t_np_fresh)
     report("merge_calls, numpy input (plan only)", t_np_plan)
     report("  same, wall clock (+ samples)", w_np_merge)
     report("  same, wall clock (plan only)", w_np_plan)
@@ -221,14 +276,20 @@ def main() -> None:
         f"{args.ceiling_tokens:,}-token arrays, best wall clock) = {compare / 1e6:,.0f} M "
         f"compares/s;\n  ceiling (every input token read once, 4 B): {ceiling / 1e6:,.0f} M tok/s"
     )
+    print(
+        f"  floor on this input: compare each prompt with its rollout's previous call "
+        f"({compared:,} tokens, one array per call, next arrays prefetched, one thread) "
+        f"{t_read * 1e3:.1f} ms;\n  write the samples' 4 fields once "
+        f"({res.stats.sample_tokens:,} tokens, warm memory, one thread) {t_write * 1e3:.1f} ms"
+    )
 
-    tm = res._timings
     print("\nwhere the time goes (numpy input; CPU time unless noted)")
     print(f"  Call() construction (zero-copy)  {t_np_build * 1e3:9.1f} ms")
     print(f"  Call() construction from lists   {t_ls_build * 1e3:9.1f} ms")
-    print("  merge_calls phases (wall clock, last run):")
+    print("  merge_calls phases (wall clock; a run with reused arrays, the first merge):")
     for k in ("borrow", "plan", "allocate", "write", "output"):
-        print(f"    {k:<30} {tm[k] * 1e3:9.1f} ms")
+        print(f"    {k:<30} {res._timings[k] * 1e3:9.1f} ms {fresh._timings[k] * 1e3:9.1f} ms")
+    del fresh
 
     # What training reads (the trainer packs a step's calls; it never writes samples).
     t_pack, packed = best(lambda: res.packed(), args.repeats)
@@ -253,7 +314,9 @@ def main() -> None:
     print(
         f"\ntarget >= 50x with numpy input (samples written, CPU time): {ratio:.1f}x -> "
         f"{'met' if ratio >= 50 else 'NOT met'}; plan only {t_base / t_np_plan:.1f}x; "
-        f"ceiling {t_base * ceiling / call_tokens:.0f}x"
+        f"bandwidth ceiling {t_base * ceiling / call_tokens:.0f}x;\n"
+        f"floor on this input: plan only {t_base / t_read:.1f}x (compares), "
+        f"samples written {t_base / (t_read + t_write):.1f}x (compares + writes)"
     )
 
 

@@ -249,6 +249,75 @@ def test_packed_matches_reference(ref: list[RefCall], max_tokens: int | None, ac
     assert got.tree_offsets.tolist() == want.tree_offsets
 
 
+def spoil(res: lightning.MergeResult, tree: lightning.PackedTree) -> None:
+    """Overwrite every output array of a result with junk, so a later result written
+    into the same (pooled) memory would show any element it failed to write."""
+    for s in res.samples:
+        s.tokens[:] = 0xFFFF_FFFF
+        s.weights[:] = -3.0
+        s.logprobs[:] = 7.0
+        s.call_index[:] = -9
+    for name in ("tokens", "parent", "depth", "weights", "logprobs", "gen_offsets", "gen_call"):
+        getattr(tree, name)[:] = 0x7777
+    for name in ("rollout", "group", "weight_version"):
+        getattr(tree, name)[:] = 0x7777
+
+
+@settings(max_examples=100, deadline=None)
+@given(traces(), traces(), st.none() | st.integers(1, 20), st.booleans())
+def test_reused_arrays_never_show_an_earlier_result(
+    first: list[RefCall], ref: list[RefCall], max_tokens: int | None, across: bool
+) -> None:
+    # The first result's arrays, spoiled, go back to the pool when it is dropped;
+    # the second result is written into them and must still equal the reference.
+    lightning.release_merge_buffers()
+    old = merge_calls(to_calls(first, True))
+    spoil(old, old.packed(across_rollouts=across))
+    del old
+    res = merge_calls(to_calls(ref, True), max_tokens)
+    tree = res.packed(across_rollouts=across)
+    want = reference.pack(ref, max_tokens, across)
+    assert tree.tokens.tolist() == want.tokens
+    assert tree.parent.tolist() == want.parent
+    assert tree.depth.tolist() == want.depth
+    assert tree.weights.tolist() == want.weights
+    assert same_floats(tree.logprobs, want.logprobs)
+    offsets = tree.gen_offsets.tolist()
+    assert [tree.gen_call[a:b].tolist() for a, b in itertools.pairwise(offsets)] == want.gens
+    context = tree.weights == 0
+    assert (tree.rollout[context] == -1).all() and (tree.weight_version[context] == -1).all()
+    assert set(tree.rollout[~context].tolist()) <= set(range(len(tree.rollout_ids)))
+    assert set(tree.group.tolist()) <= set(range(-1, len(tree.groups)))
+    samples = reference.merge(ref, max_tokens).samples
+    assert len(res.samples) == len(samples)
+    for s, w in zip(res.samples, samples, strict=True):
+        assert s.tokens.tolist() == w.tokens
+        assert s.weights.tolist() == w.weights
+        assert s.call_index.tolist() == w.call_index
+        assert same_floats(s.logprobs, w.logprobs)
+
+
+def test_dropped_results_leave_their_arrays_for_the_next() -> None:
+    calls = [Call("r", list(range(1000)), [5, 6], logprobs=[-0.1, -0.2])]
+    lightning.release_merge_buffers()
+    res = merge_calls(calls)
+    tree, samples = res.packed(), res.samples
+    assert lightning.release_merge_buffers() == 0  # all still in use
+    del res, samples
+    # The samples' four arrays of 1,002 elements (4 bytes each) are free now.
+    assert lightning.release_merge_buffers() == 4 * 1002 * 4
+    view = tree.tokens[:10]
+    del tree
+    # The tree's other token-length arrays are free; `view` keeps `tokens`:
+    # parent, depth and weight_version (8 bytes a token), weights, logprobs, rollout
+    # and group (4), gen_offsets (1,003 x 8) and gen_call (2 generated tokens x 4).
+    assert lightning.release_merge_buffers() == 1002 * (3 * 8 + 4 * 4) + 1003 * 8 + 2 * 4
+    assert view.tolist() == list(range(10))
+    del view
+    assert lightning.release_merge_buffers() == 1002 * 4
+    assert lightning.release_merge_buffers() == 0
+
+
 # The issue's invariants, checked directly (without the reference).
 
 

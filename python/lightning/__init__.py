@@ -36,6 +36,7 @@ from lightning._core import (
     classify_drift,
     merge_calls,
     pack_sequences,
+    release_merge_buffers,
 )
 from lightning.client import (
     AppKey,
@@ -88,4 +89,5 @@ __all__ = [
     "classify_drift",
     "merge_calls",
     "pack_sequences",
+    "release_merge_buffers",
 ]

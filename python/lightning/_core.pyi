@@ -299,8 +299,24 @@ def merge_calls(
     rollout that disagree on ``group`` (with each other or their rollout record).
     """
 
+def release_merge_buffers() -> int:
+    """Free the arrays that dropped merge results left for reuse; returns the bytes
+    released.
+
+    A ``MergeResult``'s samples and ``PackedTree`` arrays are written into arrays of
+    results the process no longer holds (at most 32 arrays, about two results'
+    worth), so each training step's batch is written into memory that is already
+    faulted in. Results still alive keep theirs. Call this when a process is done
+    merging and wants that memory back."""
+
 def _common_prefix_u32(a: npt.NDArray[np.uint32], b: npt.NDArray[np.uint32]) -> int:
     """Common-prefix length with the merge's compare loop (for benches/merge.py)."""
+
+def _common_prefix_pairs_u32(
+    a: Sequence[npt.NDArray[np.uint32]], b: Sequence[npt.NDArray[np.uint32]]
+) -> tuple[int, float]:
+    """Sum of the common-prefix lengths of ``a[i]`` and ``b[i]`` and the seconds the
+    compares took, on one thread (for benches/merge.py's read floor)."""
 
 # --- gateway ---
 

@@ -2,10 +2,12 @@
 //!
 //! Trace types (`trace`), radix-trie sample merging (`trie`), tokenizers
 //! (`tokenizer`), chat templates (`template`), token-exact chat encoding and
-//! splicing (`retokenize`) and drift classification (`drift`). No I/O, no
+//! splicing (`retokenize`), drift classification (`drift`) and the output
+//! arrays' source (`arrays`: fresh, or a pool of a dropped result's). No I/O, no
 //! Python: everything here is a function from values (file contents, not
 //! paths) to values, so it can be tested and fuzzed in isolation.
 
+pub mod arrays;
 pub mod drift;
 pub mod error;
 pub mod retokenize;
@@ -14,6 +16,7 @@ pub mod tokenizer;
 pub mod trace;
 pub mod trie;
 
+pub use arrays::{AnyVec, ArrayPool, Arrays, Fresh, Plain};
 pub use error::CoreError;
 pub use trace::{
     Call, CallView, Divergence, DivergenceKind, MergeStats, Merged, PackedTree, Sample,

@@ -5,6 +5,7 @@
 
 use rayon::prelude::*;
 
+use crate::arrays::{Arrays, Plain};
 use crate::error::CoreError;
 
 /// One recorded model call, owning its data (what the store reads back).
@@ -267,19 +268,22 @@ pub struct PackedTree {
 }
 
 impl PackedTree {
-    /// A forest of `tokens` tokens and `gens` generator entries, every value
-    /// zero (to be written in place), with room for `trees` trees.
-    pub fn zeroed(tokens: usize, gens: usize, trees: usize) -> Self {
+    /// A forest of `tokens` tokens and `gens` generator entries, its arrays
+    /// taken from `arrays` (their values unspecified, to be written in place;
+    /// `gen_offsets[0]` is 0), with room for `trees` trees.
+    pub fn alloc(tokens: usize, gens: usize, trees: usize, arrays: &impl Arrays) -> Self {
         let mut tree_offsets = Vec::with_capacity(trees + 1);
         tree_offsets.push(0);
+        let mut gen_offsets = arrays.take(tokens + 1);
+        gen_offsets[0] = 0;
         PackedTree {
-            tokens: vec![0; tokens],
-            parent: vec![0; tokens],
-            depth: vec![0; tokens],
-            weights: vec![0.0; tokens],
-            logprobs: vec![0.0; tokens],
-            gen_offsets: vec![0; tokens + 1],
-            gen_call: vec![0; gens],
+            tokens: arrays.take(tokens),
+            parent: arrays.take(tokens),
+            depth: arrays.take(tokens),
+            weights: arrays.take(tokens),
+            logprobs: arrays.take(tokens),
+            gen_offsets,
+            gen_call: arrays.take(gens),
             tree_offsets,
             tree_keys: Vec::with_capacity(trees),
             tree_call: Vec::with_capacity(trees),
@@ -287,23 +291,31 @@ impl PackedTree {
     }
 
     /// Per token, `by_call` at its first generating call (an input index into
-    /// `by_call`), `context` where no call generated it. Computed in parallel.
-    pub fn by_first_generator<T: Copy + Send + Sync>(&self, by_call: &[T], context: T) -> Vec<T> {
-        self.gen_offsets
-            .par_windows(2)
-            .map(|w| {
-                if w[0] < w[1] {
+    /// `by_call`), `context` where no call generated it. Computed in parallel
+    /// into an array from `arrays`.
+    pub fn by_first_generator<T: Plain>(
+        &self,
+        by_call: &[T],
+        context: T,
+        arrays: &impl Arrays,
+    ) -> Vec<T> {
+        let mut out = arrays.take(self.tokens.len());
+        out.par_iter_mut()
+            .zip(self.gen_offsets.par_windows(2))
+            .for_each(|(o, w)| {
+                *o = if w[0] < w[1] {
                     by_call[self.gen_call[w[0] as usize] as usize]
                 } else {
                     context
                 }
-            })
-            .collect()
+            });
+        out
     }
 
-    /// Per token, `by_tree` at the tree it belongs to. Computed in parallel.
-    pub fn by_tree(&self, by_tree: &[i32]) -> Vec<i32> {
-        let mut out = vec![0; self.tokens.len()];
+    /// Per token, `by_tree` at the tree it belongs to. Computed in parallel
+    /// into an array from `arrays`.
+    pub fn by_tree(&self, by_tree: &[i32], arrays: &impl Arrays) -> Vec<i32> {
+        let mut out = arrays.take(self.tokens.len());
         let mut parts = Vec::with_capacity(by_tree.len());
         let mut rest = &mut out[..];
         for (w, &v) in self.tree_offsets.windows(2).zip(by_tree) {

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
+use crate::arrays::{Arrays, Fresh};
 use crate::error::CoreError;
 use crate::trace::{CallView, Divergence, DivergenceKind, MergeStats, Merged, PackedTree, Sample};
 
@@ -689,11 +690,12 @@ impl MergePlan {
     /// tries this plan already built, instead of inserting every call again.
     /// `calls` must be the calls planned from; the output equals `pack`'s, as the
     /// plan's rollouts are the same groups in the same order with the same
-    /// insertion order.
+    /// insertion order. Its arrays come from `arrays`.
     pub fn pack(
         &self,
         calls: &[CallView<'_>],
         max_tokens: Option<usize>,
+        arrays: &impl Arrays,
     ) -> Result<PackedTree, CoreError> {
         let limit = check(calls, max_tokens)?;
         let trees: Vec<_> = self
@@ -707,7 +709,7 @@ impl MergePlan {
                 (trie, r.first_call as i32, calls[r.first_call].rollout_id)
             })
             .collect();
-        Ok(lay_out(&trees, limit))
+        Ok(lay_out(&trees, limit, arrays))
     }
 
     /// The kept samples, in output order. `calls` must be the calls planned from.
@@ -905,11 +907,12 @@ enum TreeKey<'a> {
 
 /// The packed-tree form: one tree per rollout, or with `across_rollouts` one
 /// tree per group (calls without a group stay in their rollout's tree), in order
-/// of first appearance.
+/// of first appearance. Its arrays come from `arrays`.
 pub fn pack(
     calls: &[CallView<'_>],
     max_tokens: Option<usize>,
     across_rollouts: bool,
+    arrays: &impl Arrays,
 ) -> Result<PackedTree, CoreError> {
     let limit = check(calls, max_tokens)?;
     let trees = group_by(calls, |c| match (across_rollouts, c.group) {
@@ -936,21 +939,25 @@ pub fn pack(
             (trie.as_ref(), members[0] as i32, k)
         })
         .collect();
-    Ok(lay_out(&laid, limit))
+    Ok(lay_out(&laid, limit, arrays))
 }
 
 /// One forest from `trees` (each a trie, its first call and its key), cut at
 /// `limit` tokens. Each tree's size is known before it is written, so the
-/// arrays are allocated once at their exact size (zeroed: fresh pages from the
-/// kernel, faulted in by the writer) and the trees are written in parallel,
-/// each into its own part: the output does not depend on the thread count.
-fn lay_out(trees: &[(TrieRef<'_, '_, '_>, i32, &str)], limit: usize) -> PackedTree {
+/// arrays are taken once at their exact size from `arrays` and the trees are
+/// written in parallel, each into its own part (every element of it): the
+/// output depends neither on the thread count nor on the arrays' old contents.
+fn lay_out(
+    trees: &[(TrieRef<'_, '_, '_>, i32, &str)],
+    limit: usize,
+    arrays: &impl Arrays,
+) -> PackedTree {
     let sizes: Vec<(usize, usize)> = trees
         .par_iter()
         .map(|(t, _, _)| t.packed_size(limit))
         .collect();
     let (tokens, gens) = sizes.iter().fold((0, 0), |(a, b), &(x, y)| (a + x, b + y));
-    let mut out = PackedTree::zeroed(tokens, gens, trees.len());
+    let mut out = PackedTree::alloc(tokens, gens, trees.len(), arrays);
     let mut slots = Vec::with_capacity(trees.len());
     let mut rest = TreeSlot::all(&mut out);
     for &(t, g) in &sizes {
@@ -993,7 +1000,7 @@ pub fn pack_sequences(seqs: &[&[u32]]) -> PackedTree {
         trie.insert(c);
     }
     // No rollouts here: the one tree has no first call to name.
-    lay_out(&[(trie.as_ref(), -1, "")], usize::MAX)
+    lay_out(&[(trie.as_ref(), -1, "")], usize::MAX, &Fresh)
 }
 
 /// Child lookup over a [`PackedTree`]: finds the node of every position of a
@@ -1059,6 +1066,7 @@ impl TreeIndex {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::arrays::{AnyVec, ArrayPool};
 
     fn call<'a>(
         rollout: &'a str,
@@ -1088,7 +1096,7 @@ mod tests {
                 ..call("b", &[1, 2], &[4], None)
             },
         ];
-        let tree = pack(&calls, None, true).unwrap();
+        let tree = pack(&calls, None, true, &Fresh).unwrap();
         assert_eq!(tree.tree_keys, vec!["g0", "g1"]);
         let index = TreeIndex::new(&tree);
         assert_eq!(index.locate(&[1, 2, 3]).unwrap(), vec![0, 1, 2]);
@@ -1289,7 +1297,7 @@ mod tests {
         for c in &mut calls {
             c.group = Some("g");
         }
-        let p = pack(&calls, None, true).unwrap();
+        let p = pack(&calls, None, true, &Fresh).unwrap();
         assert_eq!(p.tokens, vec![1, 2, 3, 4]);
         assert_eq!(p.parent, vec![-1, 0, 1, 1]);
         assert_eq!(p.depth, vec![0, 1, 2, 2]);
@@ -1299,20 +1307,20 @@ mod tests {
         assert_eq!(p.tree_keys, vec!["g".to_string()]);
         assert_eq!(p.tree_call, vec![0]);
         assert_eq!(
-            p.by_first_generator(&[10, 11, 12], -1),
+            p.by_first_generator(&[10, 11, 12], -1, &Fresh),
             vec![-1, -1, 10, 11]
         );
-        assert_eq!(p.by_tree(&[7]), vec![7; 4]);
+        assert_eq!(p.by_tree(&[7], &Fresh), vec![7; 4]);
         assert_eq!(p.tree_offsets, vec![0, 4]);
-        let per_rollout = pack(&calls, None, false).unwrap();
+        let per_rollout = pack(&calls, None, false, &Fresh).unwrap();
         assert_eq!(per_rollout.tokens.len(), 9);
         assert_eq!(per_rollout.tree_keys, ["r1", "r2", "r3"]);
         assert_eq!(per_rollout.tree_call, vec![0, 1, 2]);
         assert_eq!(
-            per_rollout.by_tree(&[0, 1, 2]),
+            per_rollout.by_tree(&[0, 1, 2], &Fresh),
             vec![0, 0, 0, 1, 1, 1, 2, 2, 2]
         );
-        let cut = pack(&calls, Some(2), true).unwrap();
+        let cut = pack(&calls, Some(2), true, &Fresh).unwrap();
         assert_eq!(cut.tokens, vec![1, 2]);
         // The output was sized exactly up front, cut or not.
         for t in [&p, &per_rollout, &cut] {
@@ -1335,18 +1343,54 @@ mod tests {
             call("r1", &[1, 2, 9], &[7], None),
             call("r2", &[1, 2, 5, 8], &[9, 10], Some(&lp)),
         ];
+        // A pool full of stale arrays, longer and shorter than the output.
+        let pool = ArrayPool::new(64);
+        let refill = || {
+            for len in [2, 9, 40] {
+                for _ in 0..4 {
+                    pool.give(AnyVec::U32(vec![0xdead_beef; len]));
+                    pool.give(AnyVec::I32(vec![-7; len]));
+                    pool.give(AnyVec::I64(vec![i64::MIN; len]));
+                    pool.give(AnyVec::F32(vec![f32::NAN; len]));
+                }
+            }
+        };
+        // NaN marks untrained logprobs: compare those bit for bit.
+        let bits = |t: &PackedTree| t.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let strip = |t: &PackedTree| PackedTree {
+            logprobs: Vec::new(),
+            ..t.clone()
+        };
         for max_tokens in [None, Some(1), Some(3), Some(5), Some(100)] {
             let p = plan(&calls, max_tokens).unwrap();
-            let from_plan = p.pack(&calls, max_tokens).unwrap();
-            let built = pack(&calls, max_tokens, false).unwrap();
-            // NaN marks untrained logprobs: compare those bit for bit.
-            let bits = |t: &PackedTree| t.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let from_plan = p.pack(&calls, max_tokens, &Fresh).unwrap();
+            let built = pack(&calls, max_tokens, false, &Fresh).unwrap();
             assert_eq!(bits(&from_plan), bits(&built), "{max_tokens:?}");
-            let strip = |t: &PackedTree| PackedTree {
-                logprobs: Vec::new(),
-                ..t.clone()
-            };
             assert_eq!(strip(&from_plan), strip(&built), "{max_tokens:?}");
+            // Written into stale arrays, every output is the same.
+            for across in [false, true] {
+                let fresh = pack(&calls, max_tokens, across, &Fresh).unwrap();
+                refill();
+                let reused = if across {
+                    pack(&calls, max_tokens, true, &pool).unwrap()
+                } else {
+                    p.pack(&calls, max_tokens, &pool).unwrap()
+                };
+                assert_eq!(bits(&reused), bits(&fresh), "{max_tokens:?} {across}");
+                assert_eq!(strip(&reused), strip(&fresh), "{max_tokens:?} {across}");
+                let by_call = [10i64, 11, 12, 13, 14, 15];
+                refill();
+                assert_eq!(
+                    reused.by_first_generator(&by_call, -1, &pool),
+                    fresh.by_first_generator(&by_call, -1, &Fresh)
+                );
+                let by_tree: Vec<i32> = (0..fresh.tree_call.len() as i32).collect();
+                refill();
+                assert_eq!(
+                    reused.by_tree(&by_tree, &pool),
+                    fresh.by_tree(&by_tree, &Fresh)
+                );
+            }
             assert_eq!(from_plan.tree_keys, ["r1", "r2"]);
             // Both were sized exactly up front (cuts and shared nodes included).
             for t in [&from_plan, &built] {
@@ -1355,7 +1399,7 @@ mod tests {
             }
         }
         let p = plan(&calls, None).unwrap();
-        assert!(p.pack(&calls, Some(0)).is_err());
+        assert!(p.pack(&calls, Some(0), &Fresh).is_err());
     }
 
     #[test]

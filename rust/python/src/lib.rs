@@ -7,6 +7,7 @@
 
 use pyo3::prelude::*;
 
+mod arrays;
 mod errors;
 mod gateway;
 mod merge;
@@ -17,6 +18,7 @@ mod tokenizer;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
+    arrays::register(m)?;
     merge::register(m)?;
     gateway::register(m)?;
     tokenizer::register(m)?;

@@ -19,8 +19,10 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PySlice};
 
+use crate::arrays::{pooled, POOL};
 use crate::errors::{core_error, invalid_call};
 use crate::tokenizer::PyTokenizer;
+use lightning_core::Arrays;
 
 const U32_RANGE: &str = "outside the uint32 token-id range [0, 4294967295]";
 
@@ -356,10 +358,6 @@ fn py_repr(s: Option<&str>) -> String {
     s.map_or_else(|| "None".to_string(), |s| format!("{s:?}"))
 }
 
-fn busy_output<E: std::fmt::Display>(e: E) -> PyErr {
-    pyo3::exceptions::PyRuntimeError::new_err(format!("merge output buffer unavailable: {e}"))
-}
-
 /// One training sequence: a root-to-leaf path of a rollout's trie. `weights` is
 /// the number of calls that generated each token in the one sample where it is
 /// trained (0 for context); `logprobs` is the rollout logprob wherever some call
@@ -659,7 +657,7 @@ pub struct PyPackedTree {
 
 impl PyPackedTree {
     /// A tree of plain sequences (`pack_sequences`): no rollouts, groups or versions.
-    fn from_core(py: Python<'_>, t: PackedTree) -> Self {
+    fn from_core(py: Python<'_>, t: PackedTree) -> PyResult<Self> {
         let n = t.tokens.len();
         let none = TokenOrigin {
             rollout: vec![-1; n],
@@ -672,25 +670,26 @@ impl PyPackedTree {
         Self::new(py, t, none)
     }
 
-    fn new(py: Python<'_>, t: PackedTree, o: TokenOrigin) -> Self {
-        PyPackedTree {
-            tokens: t.tokens.into_pyarray(py).unbind(),
-            parent: t.parent.into_pyarray(py).unbind(),
-            depth: t.depth.into_pyarray(py).unbind(),
-            weights: t.weights.into_pyarray(py).unbind(),
-            logprobs: t.logprobs.into_pyarray(py).unbind(),
-            gen_offsets: t.gen_offsets.into_pyarray(py).unbind(),
-            gen_call: t.gen_call.into_pyarray(py).unbind(),
+    /// The token-length arrays go to numpy as pooled arrays (see `arrays`).
+    fn new(py: Python<'_>, t: PackedTree, o: TokenOrigin) -> PyResult<Self> {
+        Ok(PyPackedTree {
+            tokens: pooled(py, t.tokens)?.unbind(),
+            parent: pooled(py, t.parent)?.unbind(),
+            depth: pooled(py, t.depth)?.unbind(),
+            weights: pooled(py, t.weights)?.unbind(),
+            logprobs: pooled(py, t.logprobs)?.unbind(),
+            gen_offsets: pooled(py, t.gen_offsets)?.unbind(),
+            gen_call: pooled(py, t.gen_call)?.unbind(),
             tree_offsets: t.tree_offsets.into_pyarray(py).unbind(),
             tree_keys: t.tree_keys,
-            rollout: o.rollout.into_pyarray(py).unbind(),
-            group: o.group.into_pyarray(py).unbind(),
-            weight_version: o.weight_version.into_pyarray(py).unbind(),
+            rollout: pooled(py, o.rollout)?.unbind(),
+            group: pooled(py, o.group)?.unbind(),
+            weight_version: pooled(py, o.weight_version)?.unbind(),
             call_rollout: o.call_rollout.into_pyarray(py).unbind(),
             rollout_ids: o.rollout_ids,
             groups: o.groups,
             index: OnceLock::new(),
-        }
+        })
     }
 }
 
@@ -802,48 +801,30 @@ impl PyMergeResult {
         let calls: Vec<Bound<'_, PyCall>> = self.calls.iter().map(|c| c.bind(py).clone()).collect();
         let views = views(&calls)?;
         let t0 = Instant::now();
-        // One numpy buffer per field for all samples: numpy asks the kernel for
-        // huge pages on large allocations, so writing the output costs few faults.
+        // One buffer per field for all samples, from the pool of dropped
+        // results' arrays (see `arrays`): reused memory costs no page faults.
         let n = self.plan.stats.sample_tokens;
+        let (mut tokens, mut weights) = (POOL.take(n), POOL.take(n));
+        let (mut logprobs, mut call_index) = (POOL.take(n), POOL.take(n));
+        let t1 = Instant::now();
+        // `plan.write` writes every element (the kept samples tile
+        // [0, sample_tokens) exactly), so the buffers' old contents never show.
+        py.detach(|| {
+            let out = SampleMut {
+                tokens: &mut tokens,
+                weights: &mut weights,
+                logprobs: &mut logprobs,
+                call_index: &mut call_index,
+            };
+            self.plan.write(&views, out)
+        });
         let buffers = SampleBuffers {
-            // SAFETY: `plan.write` below writes every element of all four buffers
-            // (the kept samples tile [0, sample_tokens) exactly) before any is read.
-            tokens: unsafe { PyArray1::<u32>::new(py, n, false) }.unbind(),
-            weights: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
-            logprobs: unsafe { PyArray1::<f32>::new(py, n, false) }.unbind(),
-            call_index: unsafe { PyArray1::<i32>::new(py, n, false) }.unbind(),
+            tokens: pooled(py, tokens)?.unbind(),
+            weights: pooled(py, weights)?.unbind(),
+            logprobs: pooled(py, logprobs)?.unbind(),
+            call_index: pooled(py, call_index)?.unbind(),
             call_versions: Arc::clone(&self.index.version),
         };
-        let t1 = Instant::now();
-        {
-            let mut tokens = buffers
-                .tokens
-                .bind(py)
-                .try_readwrite()
-                .map_err(busy_output)?;
-            let mut weights = buffers
-                .weights
-                .bind(py)
-                .try_readwrite()
-                .map_err(busy_output)?;
-            let mut logprobs = buffers
-                .logprobs
-                .bind(py)
-                .try_readwrite()
-                .map_err(busy_output)?;
-            let mut call_index = buffers
-                .call_index
-                .bind(py)
-                .try_readwrite()
-                .map_err(busy_output)?;
-            let out = SampleMut {
-                tokens: tokens.as_slice_mut().map_err(busy_output)?,
-                weights: weights.as_slice_mut().map_err(busy_output)?,
-                logprobs: logprobs.as_slice_mut().map_err(busy_output)?,
-                call_index: call_index.as_slice_mut().map_err(busy_output)?,
-            };
-            py.detach(|| self.plan.write(&views, out));
-        }
         let t2 = Instant::now();
         let buffers = Arc::new(buffers);
         let mut start = 0;
@@ -926,18 +907,18 @@ impl PyMergeResult {
                 // Per rollout, the plan's tries are the trees: lay them out
                 // rather than build them again.
                 let t = if across_rollouts {
-                    lightning_core::pack(&views, max_tokens, true)?
+                    lightning_core::pack(&views, max_tokens, true, &POOL)?
                 } else {
-                    plan.pack(&views, max_tokens)?
+                    plan.pack(&views, max_tokens, &POOL)?
                 };
                 let tree_group: Vec<i32> = t
                     .tree_call
                     .iter()
                     .map(|&c| index.group[c as usize])
                     .collect();
-                let group = t.by_tree(&tree_group);
-                let rollout = t.by_first_generator(&index.rollout, -1);
-                let version = t.by_first_generator(&index.version, -1);
+                let group = t.by_tree(&tree_group, &POOL);
+                let rollout = t.by_first_generator(&index.rollout, -1, &POOL);
+                let version = t.by_first_generator(&index.version, -1, &POOL);
                 Ok::<_, lightning_core::CoreError>((t, rollout, group, version))
             })
             .map_err(|e| core_error(py, e))?;
@@ -954,7 +935,7 @@ impl PyMergeResult {
             rollout_ids,
             groups: self.index.groups.clone(),
         };
-        Ok(PyPackedTree::new(py, t, origin))
+        PyPackedTree::new(py, t, origin)
     }
 
     /// Seconds spent borrowing inputs and planning (GIL released), and, once
@@ -1215,6 +1196,57 @@ fn _common_prefix_u32(
     Ok(py.detach(|| lightning_core::trie::lcp(a, b)))
 }
 
+/// Total common-prefix length of each pair `(a[i], b[i])` and the seconds the
+/// compares took, on one thread with the GIL released. `benches/merge.py` pairs
+/// every call's prompt with its rollout's previous call: the least reading any
+/// prefix merge does on input laid out as one array per call (no trie, no
+/// output). While one pair is compared, the first cache lines of the next are
+/// prefetched, so the floor is not inflated by a memory stall at every array's
+/// start (which the hardware prefetcher cannot foresee).
+#[pyfunction]
+fn _common_prefix_pairs_u32(
+    py: Python<'_>,
+    a: Vec<numpy::PyReadonlyArray1<'_, u32>>,
+    b: Vec<numpy::PyReadonlyArray1<'_, u32>>,
+) -> PyResult<(usize, f64)> {
+    if a.len() != b.len() {
+        return Err(invalid_call(
+            py,
+            format!("{} arrays against {}", a.len(), b.len()),
+        ));
+    }
+    let pairs = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| Ok((x.as_slice()?, y.as_slice()?)))
+        .collect::<PyResult<Vec<(&[u32], &[u32])>>>()?;
+    Ok(py.detach(|| {
+        let t = Instant::now();
+        let mut n = 0;
+        for (i, (x, y)) in pairs.iter().enumerate() {
+            if let Some((nx, ny)) = pairs.get(i + 1) {
+                prefetch_start(nx);
+                prefetch_start(ny);
+            }
+            n += lightning_core::trie::lcp(x, y);
+        }
+        (n, t.elapsed().as_secs_f64())
+    }))
+}
+
+/// Hint the first four cache lines of `x` into the cache.
+#[inline]
+fn prefetch_start(x: &[u32]) {
+    #[cfg(target_arch = "x86_64")]
+    for k in (0..x.len().min(64)).step_by(16) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch is a hint that never faults; the address is inside `x`.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(x.as_ptr().add(k).cast::<i8>()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+}
+
 /// The packed tree of plain token sequences: one forest in which every shared
 /// prefix appears once (the training layout for samples that come without
 /// their calls). Empty sequences are skipped; the GIL is released while packing.
@@ -1231,11 +1263,12 @@ fn pack_sequences(py: Python<'_>, sequences: &Bound<'_, PyAny>) -> PyResult<PyPa
         .map(|a| a.as_slice().map_err(|e| invalid_call(py, e.to_string())))
         .collect::<PyResult<Vec<&[u32]>>>()?;
     let packed = py.detach(|| lightning_core::pack_sequences(&slices));
-    Ok(PyPackedTree::from_core(py, packed))
+    PyPackedTree::from_core(py, packed)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_common_prefix_u32, m)?)?;
+    m.add_function(wrap_pyfunction!(_common_prefix_pairs_u32, m)?)?;
     m.add_class::<PyCall>()?;
     m.add_class::<PySample>()?;
     m.add_class::<PyDivergence>()?;

@@ -18,10 +18,10 @@
 //!
 //! SGLang: the reader also accepts a per-choice `prompt_token_ids` on chat
 //! choices (seen in SGLang's `ChatCompletionResponseChoice` in forks that add
-//! it) and `output_ids` in place of `token_ids`; its native `/generate`
-//! answer (`output_ids`, `meta_info.output_token_logprobs`) is read by
-//! [`parse_sglang_generate`]. These SGLang shapes were checked against source
-//! excerpts only, not a running SGLang server.
+//! it) and `output_ids` in place of `token_ids`. The gateway speaks to SGLang
+//! through these OpenAI endpoints only, never its native `/generate`. These
+//! SGLang shapes were checked against source excerpts only, not a running
+//! SGLang server.
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -385,60 +385,6 @@ impl StreamCapture {
     }
 }
 
-/// SGLang's native `/generate` answer (one object, or a list for batched input):
-/// `output_ids`, `meta_info.output_token_logprobs: [[logprob, id, text?], ...]`,
-/// `meta_info.finish_reason.type`, `meta_info.prompt_tokens`.
-pub fn parse_sglang_generate(body: &[u8], input_ids: Option<Vec<u32>>) -> Result<Capture, String> {
-    let v: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| format!("SGLang answer is not JSON: {e}"))?;
-    let items = match v {
-        serde_json::Value::Array(a) => a,
-        other => vec![other],
-    };
-    let mut choices = Vec::new();
-    for (i, it) in items.iter().enumerate() {
-        let ids = it.get("output_ids").and_then(|x| x.as_array()).map(|a| {
-            a.iter()
-                .filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
-                .collect::<Vec<u32>>()
-        });
-        let meta = it.get("meta_info");
-        let logprobs = meta
-            .and_then(|m| m.get("output_token_logprobs"))
-            .and_then(|x| x.as_array())
-            .map(|a| {
-                a.iter()
-                    .map(|e| {
-                        e.get(0)
-                            .and_then(|x| x.as_f64())
-                            .map(|x| x as f32)
-                            .unwrap_or(f32::NAN)
-                    })
-                    .collect::<Vec<f32>>()
-            });
-        let finish = meta
-            .and_then(|m| m.get("finish_reason"))
-            .and_then(|f| f.get("type").or(Some(f)))
-            .and_then(|x| x.as_str())
-            .map(str::to_string);
-        choices.push(ChoiceCapture {
-            index: i as i64,
-            prompt_ids: None,
-            completion_ids: ids,
-            logprobs,
-            finish_reason: finish,
-            text: it.get("text").and_then(|x| x.as_str()).map(str::to_string),
-        });
-    }
-    Ok(Capture {
-        // The harness never sees `/generate`'s own ids; the adapter answers with its own.
-        id: None,
-        prompt_ids: input_ids,
-        choices,
-        usage: None,
-    })
-}
-
 /// Consistency flags for a capture: what is missing or contradicts itself.
 /// `no_ids`: engine sent no completion ids (text only); `no_prompt_ids`;
 /// `no_logprobs`; `logprobs_count_mismatch`: logprob count != id count;
@@ -676,7 +622,6 @@ mod tests {
             let mut s = StreamCapture::new();
             s.feed(body);
             let _ = s.finish();
-            let _ = parse_sglang_generate(body, None);
         }
     }
 }
