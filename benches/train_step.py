@@ -229,17 +229,17 @@ def main() -> None:
             )
         if not args.no_body:
             # Amdahl's bound, from this run: what lies outside the body (the
-            # head over the trained tokens, the loss, the optimizer) is the same
+            # head's forward and backward over the trained tokens) is the same
             # work in every layout, so no layout can beat padded by more than
             # padded's step over that part, however cheap its body.
             rest = t_pad - pad_body
             tree_rest = min(r[1] for r in steps["tree"]) - min(bodies["tree"])
             print(
                 f"bound: outside the body padded took {rest:.2f} s ({rest / t_pad:.0%} of its "
-                f"step; tree's run {tree_rest:.2f} s): the head over {trained} trained tokens x "
-                f"{cfg.vocab_size} vocabulary x {cfg.hidden_size} hidden, the loss and the "
-                f"optimizer, the same in every layout. With a free body a layout could be "
-                f"at most {t_pad / rest:.2f}x padded here.",
+                f"step; tree's run {tree_rest:.2f} s): the head's forward and backward over "
+                f"{trained} trained tokens x {cfg.vocab_size} vocabulary x {cfg.hidden_size} "
+                f"hidden, the same in every layout. With a free body a layout could be at "
+                f"most {t_pad / rest:.2f}x padded here.",
                 flush=True,
             )
         del model
