@@ -264,14 +264,16 @@ def spoil(res: lightning.MergeResult, tree: lightning.PackedTree) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(traces(), traces(), st.none() | st.integers(1, 20), st.booleans())
+@given(traces(), traces(), st.booleans(), st.none() | st.integers(1, 20), st.booleans())
 def test_reused_arrays_never_show_an_earlier_result(
-    first: list[RefCall], ref: list[RefCall], max_tokens: int | None, across: bool
+    other: list[RefCall], ref: list[RefCall], same: bool, max_tokens: int | None, across: bool
 ) -> None:
     # The first result's arrays, spoiled, go back to the pool when it is dropped;
     # the second result is written into them and must still equal the reference.
+    # With the same calls first every array is reused at its exact size; with
+    # other calls, those of up to twice the size asked for.
     lightning.release_merge_buffers()
-    old = merge_calls(to_calls(first, True))
+    old = merge_calls(to_calls(ref if same else other, True))
     spoil(old, old.packed(across_rollouts=across))
     del old
     res = merge_calls(to_calls(ref, True), max_tokens)

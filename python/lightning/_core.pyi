@@ -305,9 +305,10 @@ def release_merge_buffers() -> int:
 
     A ``MergeResult``'s samples and ``PackedTree`` arrays are written into arrays of
     results the process no longer holds (at most 32 arrays, about two results'
-    worth), so each training step's batch is written into memory that is already
-    faulted in. Results still alive keep theirs. Call this when a process is done
-    merging and wants that memory back."""
+    worth; one is reused only for a result of at least half its size), so each
+    training step's batch is written into memory that is already faulted in.
+    Results still alive keep theirs. Call this when a process is done merging and
+    wants that memory back."""
 
 def _common_prefix_u32(a: npt.NDArray[np.uint32], b: npt.NDArray[np.uint32]) -> int:
     """Common-prefix length with the merge's compare loop (for benches/merge.py)."""

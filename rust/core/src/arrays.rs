@@ -135,14 +135,16 @@ impl ArrayPool {
 }
 
 impl Arrays for ArrayPool {
-    /// The smallest kept array of type `T` that holds `len` elements (its old
-    /// contents, any elements past its old length zeroed), else a fresh one.
+    /// The smallest kept array of type `T` that holds `len` elements and no
+    /// more than twice that (its old contents, any elements past its old length
+    /// zeroed), else a fresh one. The bound keeps a small result from taking,
+    /// and then pinning for as long as it lives, an array sized for a large one.
     fn take<T: Plain>(&self, len: usize) -> Vec<T> {
         let found = {
             let mut kept = self.kept();
             let best = (0..kept.len())
                 .filter_map(|i| T::peek(&kept[i]).map(|v| (i, v.capacity())))
-                .filter(|&(_, cap)| cap >= len)
+                .filter(|&(_, cap)| cap >= len && cap <= len.saturating_mul(2))
                 .min_by_key(|&(_, cap)| cap);
             best.map(|(i, _)| kept.swap_remove(i))
         };
@@ -174,14 +176,21 @@ mod tests {
         let v: Vec<u32> = pool.take(6);
         assert_eq!(v, vec![7; 6]);
         assert!(v.capacity() >= 10 && v.capacity() < 100);
-        // Longer than it was: the new elements are zero, the old ones kept.
+        // Over twice the length asked for: left in the pool.
         let w: Vec<u32> = pool.take(20);
-        assert_eq!(w.len(), 20);
-        assert!(w.capacity() >= 100);
+        assert_eq!((w, pool.bytes()), (vec![0; 20], 100 * 4 + 5 * 4));
         // No f32 array holds 6 elements; no i64 array at all.
         assert_eq!(pool.take::<f32>(6), vec![0.0; 6]);
         assert_eq!(pool.take::<i64>(2), vec![0, 0]);
-        assert_eq!(pool.bytes(), 5 * 4);
+        assert_eq!(pool.bytes(), 100 * 4 + 5 * 4);
+        // Longer than it was: the new elements are zero, the old ones kept.
+        let pool = ArrayPool::new(8);
+        let mut shorter = vec![9u32; 100];
+        shorter.truncate(60);
+        pool.give(AnyVec::U32(shorter));
+        let x: Vec<u32> = pool.take(80);
+        assert_eq!((&x[..60], &x[60..]), (&[9; 60][..], &[0; 20][..]));
+        assert_eq!(x.capacity(), 100);
     }
 
     #[test]

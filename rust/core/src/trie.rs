@@ -1343,10 +1343,10 @@ mod tests {
             call("r1", &[1, 2, 9], &[7], None),
             call("r2", &[1, 2, 5, 8], &[9, 10], Some(&lp)),
         ];
-        // A pool full of stale arrays, longer and shorter than the output.
-        let pool = ArrayPool::new(64);
+        // A pool full of stale arrays of every length up to the output's.
+        let pool = ArrayPool::new(1024);
         let refill = || {
-            for len in [2, 9, 40] {
+            for len in 1..=40 {
                 for _ in 0..4 {
                     pool.give(AnyVec::U32(vec![0xdead_beef; len]));
                     pool.give(AnyVec::I32(vec![-7; len]));

@@ -52,8 +52,8 @@ pub fn pooled<T: Plain + Element>(py: Python<'_>, v: Vec<T>) -> PyResult<Bound<'
 
 /// Free the arrays that earlier merge results left for reuse; returns the bytes
 /// released. Results still alive keep theirs. The pool holds at most about two
-/// results' arrays; call this when a process is done merging and wants the
-/// memory back.
+/// results' arrays, and hands one out only for a result of at least half its
+/// size; call this when a process is done merging and wants the memory back.
 #[pyfunction]
 fn release_merge_buffers() -> usize {
     POOL.clear()
