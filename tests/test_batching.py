@@ -176,6 +176,22 @@ def test_fused_head_matches_materialised_logits(
             torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("entropy", [False, True])
+def test_fused_head_without_grad_gives_the_same_values(
+    tiny: torch.nn.Module, entropy: bool
+) -> None:
+    # Old and reference log-probabilities are computed under no_grad, where the
+    # head keeps nothing for a backward pass: the same values either way.
+    [mb] = micro_batches(grpo_like_items(3), 4096, mode="tree")
+    with torch.no_grad():
+        lp, ent = forward_logprobs(tiny, mb, entropy=entropy)
+    want_lp, want_ent = forward_logprobs(tiny, mb, entropy=entropy)
+    assert want_lp.requires_grad and not lp.requires_grad
+    torch.testing.assert_close(lp, want_lp.detach(), atol=0, rtol=0)
+    if entropy:
+        torch.testing.assert_close(ent, want_ent, atol=0, rtol=0)
+
+
 def test_fused_head_under_autocast_matches_the_models_own_head(tiny: torch.nn.Module) -> None:
     # Under bf16 autocast the fused head's backward re-enters autocast (its
     # GEMMs run in bf16, as the model's own head's do): both backward paths

@@ -376,6 +376,7 @@ class _TargetLogprob(torch.autograd.Function):
         tokens: torch.Tensor,  # [K] long
         inv_temp: float,
         want_entropy: bool,
+        for_backward: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         r, v = h.shape[0], weight.shape[0]
         step = max(1, _CHUNK_ELEMENTS // max(v, 1))
@@ -387,7 +388,9 @@ class _TargetLogprob(torch.autograd.Function):
         lse = torch.empty(r, dtype=torch.float32, device=h.device)
         ent = torch.empty(r if want_entropy else 0, dtype=torch.float32, device=h.device)
         logp = torch.empty(rows.shape[0], dtype=torch.float32, device=h.device)
-        keep = r * v <= _KEEP_SOFTMAX_ELEMENTS
+        # Without a backward pass to come (old or reference log-probabilities,
+        # computed under no_grad) nothing is kept.
+        keep = for_backward and r * v <= _KEEP_SOFTMAX_ELEMENTS
         # Kept: exp(logits - row max), unnormalised, and 1 / its row sum; the
         # backward pass folds the normalisation into its per-row scale. One exp
         # and five passes over each [c, V] chunk (logsumexp, then a normalised
@@ -449,7 +452,7 @@ class _TargetLogprob(torch.autograd.Function):
             gh = (d.to(weight.dtype) @ weight).to(h.dtype) if need_h else None
             gw = (d.T @ h.float()).to(weight.dtype) if need_w else None
             gb = d.sum(0).to(bias.dtype) if (need_b and bias is not None) else None
-            return gh, gw, gb, None, None, None, None
+            return gh, gw, gb, None, None, None, None, None
         step, inv_temp = ctx.step, ctx.inv_temp
         gh = torch.empty_like(h) if need_h else None
         gw = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
@@ -472,6 +475,7 @@ class _TargetLogprob(torch.autograd.Function):
             gh,
             gw.to(weight.dtype) if gw is not None else None,
             gb.to(bias.dtype) if gb is not None else None,
+            None,
             None,
             None,
             None,
@@ -503,8 +507,16 @@ def target_logprobs(
     materialising the ``[K, V]`` logits, and the detached entropy of each
     target's distribution ``[K]`` when asked."""
     order = torch.argsort(rows, stable=True)
+    for_backward = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     logp_sorted, ent_rows = _TargetLogprob.apply(
-        hidden, head.weight, head.bias, rows[order], tokens[order], 1.0 / temperature, entropy
+        hidden,
+        head.weight,
+        head.bias,
+        rows[order],
+        tokens[order],
+        1.0 / temperature,
+        entropy,
+        for_backward,
     )
     logp = torch.empty_like(logp_sorted).index_copy(0, order, logp_sorted)
     return logp, (ent_rows[rows] if entropy else None)
