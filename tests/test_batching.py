@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 from typing import Any
 
@@ -190,6 +191,49 @@ def test_fused_head_without_grad_gives_the_same_values(
     torch.testing.assert_close(lp, want_lp.detach(), atol=0, rtol=0)
     if entropy:
         torch.testing.assert_close(ent, want_ent, atol=0, rtol=0)
+
+
+def test_kept_softmax_buffer_is_shared_safely() -> None:
+    # On the CPU the kept softmax lives in one reused buffer. Two forwards
+    # before either backward (the second gets its own), backwards in either
+    # order, a graph dropped without a backward: every gradient equals the one
+    # computed alone, and the buffer is free again afterwards.
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden = 50, 8
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    inputs = [torch.randn(n, hidden, generator=gen) for n in (5, 7)]
+
+    def loss_of(h: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(h.shape[0])
+        tokens = rows * 3 % vocab
+        lp, _ = batching.target_logprobs(h, head, rows, tokens)
+        return (lp * torch.linspace(-1, 1, len(lp))).sum()
+
+    def grads(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = h.clone().requires_grad_(True)
+        head.zero_grad()
+        loss_of(leaf).backward()
+        assert head.weight.grad is not None and leaf.grad is not None
+        return leaf.grad, head.weight.grad.clone()
+
+    want = [grads(h) for h in inputs]
+    assert not batching._KEPT.held()
+    for order in ((0, 1), (1, 0)):
+        leaves = [h.clone().requires_grad_(True) for h in inputs]
+        losses = [loss_of(leaf) for leaf in leaves]
+        assert batching._KEPT.held()
+        for i in order:
+            head.zero_grad()
+            losses[i].backward()
+            torch.testing.assert_close(leaves[i].grad, want[i][0], atol=0, rtol=0)
+            torch.testing.assert_close(head.weight.grad, want[i][1], atol=0, rtol=0)
+        assert not batching._KEPT.held()
+    dropped = loss_of(inputs[0].clone().requires_grad_(True))
+    assert batching._KEPT.held()
+    del dropped
+    gc.collect()
+    assert not batching._KEPT.held()
+    assert torch.equal(grads(inputs[1])[0], want[1][0])
 
 
 def test_fused_head_under_autocast_matches_the_models_own_head(tiny: torch.nn.Module) -> None:

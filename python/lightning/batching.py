@@ -26,6 +26,8 @@ never materialised, which on a large vocabulary is most of the step.
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -359,6 +361,48 @@ _CHUNK_ELEMENTS = 1 << 23
 _KEEP_SOFTMAX_ELEMENTS = 1 << 28
 
 
+class _KeptBuffer:
+    """One float32 buffer for the kept softmax, reused from micro-batch to
+    micro-batch on the CPU. Each fresh ``[R, V]`` tensor there is new pages the
+    kernel zero-fills as they are first written: about a fifth of the head's
+    forward + backward CPU time on the tiny model. (CUDA's caching allocator
+    already reuses memory, so other devices allocate as before.)
+
+    One forward holds the buffer at a time; a second one gets a fresh tensor.
+    The holder's backward pass gives it back once it has read it, or, when the
+    forward's graph is dropped without a backward pass, its finaliser does. The
+    buffer stays allocated between steps: at most ``_KEEP_SOFTMAX_ELEMENTS``
+    floats (1 GiB), the size of one micro-batch's kept softmax at its peak."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffer: torch.Tensor | None = None
+        self._holder: object | None = None
+
+    def take(self, n: int, device: torch.device) -> tuple[torch.Tensor, object | None]:
+        """``n`` floats, and the token that gives them back (None: not pooled)."""
+        if device.type == "cpu":
+            with self._lock:
+                if self._holder is None:
+                    if self._buffer is None or self._buffer.numel() < n:
+                        self._buffer = None  # free the smaller one first
+                        self._buffer = torch.empty(n, dtype=torch.float32)
+                    self._holder = object()
+                    return self._buffer[:n], self._holder
+        return torch.empty(n, dtype=torch.float32, device=device), None
+
+    def give(self, token: object | None) -> None:
+        with self._lock:
+            if token is not None and self._holder is token:
+                self._holder = None
+
+    def held(self) -> bool:
+        return self._holder is not None
+
+
+_KEPT = _KeptBuffer()
+
+
 class _TargetLogprob(torch.autograd.Function):
     """``log softmax(h W^T + b)[row, token]`` per target, computed chunk by
     chunk over rows, with the row entropies (detached). The gradient with
@@ -395,7 +439,10 @@ class _TargetLogprob(torch.autograd.Function):
         # backward pass folds the normalisation into its per-row scale. One exp
         # and five passes over each [c, V] chunk (logsumexp, then a normalised
         # softmax copied into place, took two exps and eleven).
-        probs = torch.empty((r, v) if keep else (0, 0), dtype=torch.float32, device=h.device)
+        flat, ctx.kept_token = _KEPT.take(r * v if keep else 0, h.device)
+        if ctx.kept_token is not None:
+            weakref.finalize(ctx, _KEPT.give, ctx.kept_token)
+        probs = flat.view(r if keep else 0, v if keep else 0)
         inv_sum = torch.empty(r if keep else 0, dtype=torch.float32, device=h.device)
         for c, a in enumerate(range(0, r, step)):
             logits = _chunk_logits(h[a : a + step], weight, bias, inv_temp)  # [c, V]
@@ -452,6 +499,8 @@ class _TargetLogprob(torch.autograd.Function):
             gh = (d.to(weight.dtype) @ weight).to(h.dtype) if need_h else None
             gw = (d.T @ h.float()).to(weight.dtype) if need_w else None
             gb = d.sum(0).to(bias.dtype) if (need_b and bias is not None) else None
+            del d
+            _KEPT.give(ctx.kept_token)  # read for the last time above
             return gh, gw, gb, None, None, None, None, None
         step, inv_temp = ctx.step, ctx.inv_temp
         gh = torch.empty_like(h) if need_h else None
