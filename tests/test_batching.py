@@ -233,6 +233,17 @@ def test_kept_softmax_buffer_is_shared_safely() -> None:
     del dropped
     gc.collect()
     assert not batching._KEPT.held()
+    # Nothing kept, nothing held: under no_grad, or past the kept-softmax bound.
+    with torch.no_grad():
+        loss_of(inputs[0])
+    keep_bound = batching._KEEP_SOFTMAX_ELEMENTS
+    try:
+        batching._KEEP_SOFTMAX_ELEMENTS = 0
+        recomputed = loss_of(inputs[0].clone().requires_grad_(True))
+        assert not batching._KEPT.held()
+        recomputed.backward()
+    finally:
+        batching._KEEP_SOFTMAX_ELEMENTS = keep_bound
     assert torch.equal(grads(inputs[1])[0], want[1][0])
 
 

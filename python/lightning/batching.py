@@ -439,10 +439,14 @@ class _TargetLogprob(torch.autograd.Function):
         # backward pass folds the normalisation into its per-row scale. One exp
         # and five passes over each [c, V] chunk (logsumexp, then a normalised
         # softmax copied into place, took two exps and eleven).
-        flat, ctx.kept_token = _KEPT.take(r * v if keep else 0, h.device)
-        if ctx.kept_token is not None:
-            weakref.finalize(ctx, _KEPT.give, ctx.kept_token)
-        probs = flat.view(r if keep else 0, v if keep else 0)
+        ctx.kept_token = None
+        if keep:
+            flat, ctx.kept_token = _KEPT.take(r * v, h.device)
+            if ctx.kept_token is not None:
+                weakref.finalize(ctx, _KEPT.give, ctx.kept_token)
+            probs = flat.view(r, v)
+        else:
+            probs = torch.empty((0, 0), dtype=torch.float32, device=h.device)
         inv_sum = torch.empty(r if keep else 0, dtype=torch.float32, device=h.device)
         for c, a in enumerate(range(0, r, step)):
             logits = _chunk_logits(h[a : a + step], weight, bias, inv_temp)  # [c, V]

@@ -37,13 +37,10 @@ pub fn pooled<T: Plain + Element>(py: Python<'_>, v: Vec<T>) -> PyResult<Bound<'
             data: Some(T::wrap(v)),
         },
     )?;
-    let data = owner
-        .get()
-        .data
-        .as_ref()
-        .and_then(T::peek)
-        .map(|v| v.as_slice());
-    let view = ArrayView1::from(data.unwrap_or_default());
+    let Some(data) = owner.get().data.as_ref().and_then(T::peek) else {
+        unreachable!("an array wrapped as T reads back as T");
+    };
+    let view = ArrayView1::from(data.as_slice());
     // SAFETY: the vector is owned by `owner`, which becomes the array's base
     // object, so it outlives the array; it is never resized or moved out of
     // `owner` until `owner` is dropped, so its buffer stays where the array points.

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use lightning_core::{Call, CallView, MergePlan, PackedTree, SampleMut, TreeIndex};
+use lightning_core::{Arrays, Call, CallView, MergePlan, PackedTree, SampleMut, TreeIndex};
 use numpy::{
     dtype, Element, IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray,
     PyUntypedArrayMethods,
@@ -22,7 +22,6 @@ use pyo3::types::{PyDict, PyList, PySlice};
 use crate::arrays::{pooled, POOL};
 use crate::errors::{core_error, invalid_call};
 use crate::tokenizer::PyTokenizer;
-use lightning_core::Arrays;
 
 const U32_RANGE: &str = "outside the uint32 token-id range [0, 4294967295]";
 
