@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -212,6 +213,17 @@ def same_floats(a: np.ndarray, b: list[float]) -> bool:
     return np.array_equal(a, np.array(b, dtype=np.float32), equal_nan=True)
 
 
+def assert_samples_equal(got: Sequence[lightning.Sample], want: Sequence[Any]) -> None:
+    """Samples against `reference.merge`'s, field by field."""
+    assert len(got) == len(want)
+    for s, w in zip(got, want, strict=True):
+        assert (s.rollout_id, s.group, s.truncated) == (w.rollout_id, w.group, w.truncated)
+        assert s.tokens.tolist() == w.tokens
+        assert s.weights.tolist() == w.weights
+        assert s.call_index.tolist() == w.call_index
+        assert same_floats(s.logprobs, w.logprobs)
+
+
 @settings(max_examples=200, deadline=None)
 @given(traces(), st.none() | st.integers(1, 20), st.booleans())
 def test_merge_matches_reference(
@@ -219,24 +231,15 @@ def test_merge_matches_reference(
 ) -> None:
     got = merge_calls(to_calls(ref, as_numpy), max_tokens)
     want = reference.merge(ref, max_tokens)
-    assert len(got.samples) == len(want.samples)
-    for s, w in zip(got.samples, want.samples, strict=True):
-        assert (s.rollout_id, s.group, s.truncated) == (w.rollout_id, w.group, w.truncated)
-        assert s.tokens.tolist() == w.tokens
-        assert s.weights.tolist() == w.weights
-        assert s.call_index.tolist() == w.call_index
-        assert same_floats(s.logprobs, w.logprobs)
+    assert_samples_equal(got.samples, want.samples)
     divs = [(d.rollout_id, d.call_index, d.position, d.left_call_index) for d in got.divergences]
     assert divs == want.divergences
     assert all(d.kind == "unclassified" for d in got.divergences)
     assert got.stats.as_dict() == {**want.stats, "skipped_calls": 0}
 
 
-@settings(max_examples=150, deadline=None)
-@given(traces(), st.none() | st.integers(1, 20), st.booleans())
-def test_packed_matches_reference(ref: list[RefCall], max_tokens: int | None, across: bool) -> None:
-    got = merge_calls(to_calls(ref, True), max_tokens).packed(across_rollouts=across)
-    want = reference.pack(ref, max_tokens, across)
+def assert_packed_equal(got: lightning.PackedTree, want: Any) -> None:
+    """A packed tree against `reference.pack`'s, array by array."""
     assert got.tokens.tolist() == want.tokens
     assert got.parent.tolist() == want.parent
     assert got.depth.tolist() == want.depth
@@ -247,6 +250,13 @@ def test_packed_matches_reference(ref: list[RefCall], max_tokens: int | None, ac
     assert gens == want.gens
     assert got.tree_keys == want.tree_keys
     assert got.tree_offsets.tolist() == want.tree_offsets
+
+
+@settings(max_examples=150, deadline=None)
+@given(traces(), st.none() | st.integers(1, 20), st.booleans())
+def test_packed_matches_reference(ref: list[RefCall], max_tokens: int | None, across: bool) -> None:
+    got = merge_calls(to_calls(ref, True), max_tokens).packed(across_rollouts=across)
+    assert_packed_equal(got, reference.pack(ref, max_tokens, across))
 
 
 def spoil(res: lightning.MergeResult, tree: lightning.PackedTree) -> None:
@@ -278,25 +288,12 @@ def test_reused_arrays_never_show_an_earlier_result(
     del old
     res = merge_calls(to_calls(ref, True), max_tokens)
     tree = res.packed(across_rollouts=across)
-    want = reference.pack(ref, max_tokens, across)
-    assert tree.tokens.tolist() == want.tokens
-    assert tree.parent.tolist() == want.parent
-    assert tree.depth.tolist() == want.depth
-    assert tree.weights.tolist() == want.weights
-    assert same_floats(tree.logprobs, want.logprobs)
-    offsets = tree.gen_offsets.tolist()
-    assert [tree.gen_call[a:b].tolist() for a, b in itertools.pairwise(offsets)] == want.gens
+    assert_packed_equal(tree, reference.pack(ref, max_tokens, across))
     context = tree.weights == 0
     assert (tree.rollout[context] == -1).all() and (tree.weight_version[context] == -1).all()
     assert set(tree.rollout[~context].tolist()) <= set(range(len(tree.rollout_ids)))
     assert set(tree.group.tolist()) <= set(range(-1, len(tree.groups)))
-    samples = reference.merge(ref, max_tokens).samples
-    assert len(res.samples) == len(samples)
-    for s, w in zip(res.samples, samples, strict=True):
-        assert s.tokens.tolist() == w.tokens
-        assert s.weights.tolist() == w.weights
-        assert s.call_index.tolist() == w.call_index
-        assert same_floats(s.logprobs, w.logprobs)
+    assert_samples_equal(res.samples, reference.merge(ref, max_tokens).samples)
 
 
 def test_dropped_results_leave_their_arrays_for_the_next() -> None:
