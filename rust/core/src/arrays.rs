@@ -80,9 +80,9 @@ impl Arrays for Fresh {
 }
 
 /// Arrays that results no longer need, kept for the next result. It holds at
-/// most `slots` arrays; when a returned array does not fit, the smallest kept
-/// one goes back to the allocator. So what it retains is bounded by the
-/// `slots` largest arrays recently returned (about two results' worth when
+/// most `slots` arrays; when one more comes back to a full pool, the smallest
+/// of them all goes back to the allocator. So what it retains is bounded by
+/// the `slots` largest arrays recently returned (about two results' worth when
 /// `slots` is twice the arrays of one result).
 #[derive(Debug)]
 pub struct ArrayPool {
