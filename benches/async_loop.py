@@ -49,9 +49,9 @@ def _tasks(out: Path, seed: int) -> tuple[Path, Path]:
 def run_mode(
     k: int, args: argparse.Namespace, tasks: tuple[Path, Path], out: Path
 ) -> dict[str, Any]:
-    from lightning.async_loop import RolloutPipeline
     from lightning.config import RunConfig
-    from lightning.loop import Run
+    from lightning.run.loop import Run
+    from lightning.run.staleness import RolloutPipeline
 
     overrides: dict[str, Any] = {
         "model.builtin": args.model,

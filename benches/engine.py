@@ -36,7 +36,7 @@ import torch
 
 from lightning.engine import Engine, SamplingParams
 from lightning.engine.server import RunningServer
-from lightning.models import smollm2_dir
+from lightning.model_cache import smollm2_dir
 
 
 def machine() -> str:

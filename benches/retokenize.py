@@ -31,7 +31,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 import lightning
-from lightning.models import smollm2_dir
+from lightning.model_cache import smollm2_dir
 
 WORDS = (
     "the a agent tool call file read write error return value list python rust token "

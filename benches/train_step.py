@@ -39,7 +39,8 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from lightning.batching import (
+from lightning.model_cache import smollm2_dir, tiny_model_dir
+from lightning.rl.batching import (
     BATCH_MODES,
     SeqItem,
     _fused_head,
@@ -47,7 +48,6 @@ from lightning.batching import (
     kept_hidden,
     micro_batches,
 )
-from lightning.models import smollm2_dir, tiny_model_dir
 
 # A model big enough to keep a GPU busy: Llama-3.2-1B's shape (hidden 2048, 16
 # layers, 32 query / 8 key-value heads) with SmolLM2's vocabulary, so the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Seeded arithmetic tasks for the demo, cleaned by ``lightning.data``.
+"""Seeded arithmetic tasks for the demo, cleaned by ``lightning.run.tasks``.
 
     python examples/arith_tasks.py --n 400 --seed 0 --out runs/tasks
         → runs/tasks/raw.jsonl, train.jsonl, eval.jsonl, report.json

@@ -20,7 +20,7 @@ from fake_vllm import FakeEngine
 from gateways import start_gateway
 from lightning.config import RunConfig
 from lightning.engine.tools import CHATML_TOOLS_TEMPLATE
-from lightning.models import tiny_model_dir
+from lightning.model_cache import tiny_model_dir
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -19,7 +19,7 @@ Payload models mirror, field for field:
   ``UpdateWeightsFromTensorReqInput``, ``PauseGenerationReqInput``).
 
 The data plane is real too: on init the fake joins the trainer's process group
-(gloo, ``lightning.weight_sync.join_group``) as ``rank_offset`` and on update
+(gloo, ``lightning.run.weight_sync.join_group``) as ``rank_offset`` and on update
 receives one broadcast per tensor, so tests compare what arrived with what was sent.
 """
 
@@ -193,7 +193,7 @@ class FakeEngine:
     # -- shared data plane ------------------------------------------------------
 
     def _join(self, address: str, port: int, rank: int, world: int, name: str) -> None:
-        from lightning.weight_sync import join_group
+        from lightning.run.weight_sync import join_group
 
         self.group = join_group(
             address,

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning import fsdp
+from lightning.rl import fsdp
 from split_case import batch, grads_per_mode, trainer
 
 

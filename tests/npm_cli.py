@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning.models import cache_dir
+from lightning.model_cache import cache_dir
 
 
 def npm_executable(package: str, version: str, bin: str, *, cache_name: str) -> Path:

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning.losses import AGGREGATION_MODES
-from lightning.models import tiny_model_dir
-from lightning.trainer import Trainer
+from lightning.model_cache import tiny_model_dir
+from lightning.rl.losses import AGGREGATION_MODES
+from lightning.rl.trainer import Trainer
 from samples import grpo_batch
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference
-from lightning.advantages import (
+from lightning.rl.advantages import (
     ESTIMATORS,
     discounted_returns,
     estimate,

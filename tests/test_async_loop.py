@@ -18,14 +18,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning.async_loop import (
+from lightning.config import async_trainer_defaults as trainer_defaults
+from lightning.run.staleness import (
     PhaseLog,
     enforce_at_use,
     may_dispatch,
     rollout_staleness,
     split_stale,
     staleness_histogram,
-    trainer_defaults,
 )
 from reference import advantages, decoupled_ppo_token_loss
 
@@ -201,8 +201,8 @@ def test_stale_tokens_get_the_decoupled_ppo_gradient() -> None:
     per-token decoupled PPO loss (tests/reference.py), token-mean."""
     from transformers import AutoModelForCausalLM
 
-    from lightning.models import tiny_model_dir
-    from lightning.trainer import Trainer
+    from lightning.model_cache import tiny_model_dir
+    from lightning.rl.trainer import Trainer
     from samples import grpo_batch
 
     model_dir = tiny_model_dir()
@@ -280,7 +280,7 @@ def test_stale_tokens_get_the_decoupled_ppo_gradient() -> None:
 @pytest.mark.slow
 def test_asynchronous_run_on_the_tiny_model(tmp_path: Path) -> None:
     from lightning.config import RunConfig
-    from lightning.loop import Run
+    from lightning.run.loop import Run
 
     sys.path.insert(0, str(EXAMPLES))
     try:

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import reference
-from lightning.attention import plan_tree, segments, to_device, tree_attention
+from lightning.rl.attention import plan_tree, segments, to_device, tree_attention
 
 # A second device for the copies (e.g. cuda); on the CPU they go to "meta".
 DEVICE = torch.device(os.environ.get("LIGHTNING_TEST_DEVICE", "cpu"))

@@ -14,14 +14,14 @@ from transformers import AutoModelForCausalLM
 import lightning
 import reference
 from lightning import batching
-from lightning.batching import (
+from lightning.model_cache import tiny_model_dir
+from lightning.rl.batching import (
     BATCH_MODES,
     SeqItem,
     forward_logprobs,
     micro_batches,
     tree_batch,
 )
-from lightning.models import tiny_model_dir
 
 # Where the layout-equality tests run: a GPU host sets cuda (micro-batches and
 # plans then really travel to the device); CI runs them on the CPU.

@@ -32,7 +32,7 @@ import lightning
 from claude_cli import claude_argv, claude_executable, claude_test_env
 from cli_harness import assert_recorded_exactly, scripted_gateway, two_tiny_steps
 from fake_vllm import FakeEngine
-from lightning.loop import Run
+from lightning.run.loop import Run
 
 # The tiny model's context for Claude Code with only its Bash tool: system prompt
 # (~6.7 kB) + Bash (~4 kB) + the first turns come to ~3k tokens with SmolLM2's

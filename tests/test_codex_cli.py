@@ -32,8 +32,8 @@ import lightning
 from cli_harness import assert_recorded_exactly, scripted_gateway, two_tiny_steps
 from codex_cli import codex_env, codex_exec_argv, codex_executable, write_codex_home
 from fake_vllm import FakeEngine
-from lightning.loop import Run
-from lightning.runner import RolloutTrace
+from lightning.run.loop import Run
+from lightning.run.runner import RolloutTrace
 
 # The tiny model's context for Codex: its first prompt is ~9.2k tokens through the
 # gateway with SmolLM2's tokenizer and the ChatML tool template (its instructions,

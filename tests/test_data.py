@@ -1,4 +1,4 @@
-"""lightning.data: every cleaning stage, the pipeline and the CLI."""
+"""lightning.run.tasks: every cleaning stage, the pipeline and the CLI."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning import cli, data
-from lightning.data import DataConfig
+from lightning.run.tasks import DataConfig
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -136,7 +136,7 @@ def test_length_filter_with_plain_encode() -> None:
 def test_length_filter_with_real_tokenizers() -> None:
     from transformers import AutoTokenizer
 
-    from lightning.models import smollm2_dir
+    from lightning.model_cache import smollm2_dir
 
     model_dir = smollm2_dir()
     fast = data.load_tokenizer(model_dir)  # tokenizers.Tokenizer
@@ -378,6 +378,6 @@ def test_cli_rejects_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_data_module_imports_no_torch() -> None:
     import subprocess
 
-    code = "import sys, lightning.data, lightning.cli; print('torch' in sys.modules)"
+    code = "import sys, lightning.run.tasks, lightning.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

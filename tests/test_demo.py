@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning import demo
+from lightning.apps import demo
 
 
 def _run(tmp_path: Path, seed: int, rows: list[dict[str, object]]) -> Path:

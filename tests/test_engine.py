@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning.engine import Engine, SamplingParams
 from lightning.engine.server import RequestError, RunningServer, parse_common
-from lightning.models import tiny_model_dir
+from lightning.model_cache import tiny_model_dir
 
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 
@@ -416,7 +416,7 @@ def test_reload_lets_in_flight_finish_on_old_weights(model_dir: Path, tmp_path: 
 PARENT = """
 import sys, time
 from pathlib import Path
-from lightning.loop import EmbeddedEngine
+from lightning.run.loop import EmbeddedEngine
 engine = EmbeddedEngine(
     Path(sys.argv[1]), host="127.0.0.1", port=0, max_batch=2, dtype="float32",
     threads=1, log_path=Path(sys.argv[2]),

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning.engine import Engine, SamplingParams
-from lightning.models import smollm2_dir
+from lightning.model_cache import smollm2_dir
 
 QUESTIONS = ("What is 2 + 3?", "Name a color.", "Say hello.", "What is the capital of France?")
 

@@ -27,7 +27,7 @@ import lightning.engine.core as engine_core
 from lightning.engine import Engine, tools
 from lightning.engine.sampling import Choice
 from lightning.engine.server import RunningServer
-from lightning.models import tiny_model_dir
+from lightning.model_cache import tiny_model_dir
 from reference import hermes_tool_calls
 
 SHELL = {

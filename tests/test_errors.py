@@ -45,7 +45,7 @@ def test_every_lightning_exception_is_a_lightning_error() -> None:
 
 def test_builtin_bases_stay_catchable() -> None:
     from lightning.engine.core import EngineError
-    from lightning.runner import RunnerError
+    from lightning.run.runner import RunnerError
 
     assert issubclass(EngineError, ValueError) and issubclass(RunnerError, RuntimeError)
     assert issubclass(lightning.GatewayConfigError, ValueError)

@@ -1,5 +1,5 @@
 """examples/: the arithmetic agent against a real loopback OpenAI-compatible stub,
-and the seeded task generator through lightning.data."""
+and the seeded task generator through lightning.run.tasks."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from lightning import _core
 from lightning.config import GatewaySection, RunConfig
-from lightning.gateway import GatewayConfig, UpstreamConfig
+from lightning.gateway.server import GatewayConfig, UpstreamConfig
 
 RUST = json.loads(_core.gateway_config_schema())
 PYTHON_ONLY = {"threads", "weight_version"}

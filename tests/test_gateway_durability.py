@@ -32,7 +32,7 @@ import pytest
 from fake_vllm import FakeEngine
 from gateways import serving, wait_until
 from lightning import GatewayClient, Store
-from lightning.client import GatewayRequestError
+from lightning.gateway.client import GatewayRequestError
 
 ADMIN = "durability-admin-key"
 
@@ -55,7 +55,7 @@ def launch(
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [
-        sys.executable, "-c", "import sys; from lightning.gateway import main; sys.exit(main())",
+        sys.executable, "-c", "import sys; from lightning.gateway.server import main; sys.exit(main())",
         "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--db", str(db),
         "--admin-key", ADMIN, "--threads", "2", *(extra or []),
     ]  # fmt: skip

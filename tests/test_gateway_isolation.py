@@ -55,7 +55,7 @@ def free_port() -> int:
 
 def launch(tmp: Path, *flags: str, listen: str | None = None) -> subprocess.Popen[bytes]:
     cmd = [
-        sys.executable, "-c", "import sys; from lightning.gateway import main; sys.exit(main())",
+        sys.executable, "-c", "import sys; from lightning.gateway.server import main; sys.exit(main())",
         "--listen", listen or f"127.0.0.1:{free_port()}", "--db", str(tmp / "gw.db"),
         "--threads", "1", *flags,
     ]  # fmt: skip

@@ -17,7 +17,7 @@ import pytest
 
 from lightning import cli
 from lightning.config import RunConfig
-from lightning.loop import Run, read_tasks, sampling_seed
+from lightning.run.loop import Run, read_tasks, sampling_seed
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference
-from lightning.losses import (
+from lightning.rl.losses import (
     AGGREGATION_MODES,
     Normalizer,
     aggregate,

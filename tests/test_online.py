@@ -56,7 +56,7 @@ class Gw:
             f'listen = "127.0.0.1:{self.port}"\ndb = "{db}"\nadmin_key = "{ADMIN}"\n'
             f'[[upstreams]]\nurl = "{upstream}"\n[online]\n{online}\n'
         )
-        cmd = [sys.executable, "-c", "import sys; from lightning.gateway import main; sys.exit(main())",
+        cmd = [sys.executable, "-c", "import sys; from lightning.gateway.server import main; sys.exit(main())",
                "--config", str(cfg), "--threads", "2"]  # fmt: skip
         self.api = GatewayClient(self.url, ADMIN, timeout=30)
         self.log = db.with_suffix(f".{self.port}.log")
@@ -380,7 +380,7 @@ def test_continuity_window_and_idle_close(engine: FakeEngine, tmp_path: Path) ->
 
 
 def test_redaction_retention_export(engine: FakeEngine, tmp_path: Path) -> None:
-    from lightning.online import export_sessions
+    from lightning.online.train import export_sessions
 
     db = tmp_path / "priv.db"
     gw = Gw(

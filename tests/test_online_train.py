@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fake_vllm import FakeEngine
-from lightning.online import (
+from lightning.online.train import (
     OnlineRewardSection,
     latest_per_target,
     pool_small_groups,
@@ -56,9 +56,9 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
     weights moved to version 1), feedback on five of six: one ``lightning train
     --online`` step on the tiny model trains exactly those five, through the
     packed tree, and reports what it selected, skipped and weighted."""
-    from lightning.loop import train_main
-    from lightning.models import tiny_model_dir
-    from lightning.report import show_main
+    from lightning.model_cache import tiny_model_dir
+    from lightning.run.loop import train_main
+    from lightning.run.report import show_main
 
     db = tmp_path / "train.db"
     gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")

@@ -18,8 +18,8 @@ import ray  # the optional extra lightning-rl[ray], part of the dev extra
 from fake_vllm import FakeEngine
 from gateways import gateway_client
 from lightning import GatewayClient
-from lightning.ray_runner import RayLauncher
-from lightning.runner import Runner, RunnerError
+from lightning.run.ray import RayLauncher
+from lightning.run.runner import Runner, RunnerError
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def test_callable_harness_is_refused_for_a_remote_launcher(
 
 
 def test_python_placeholder_is_resolved_on_the_node() -> None:
-    from lightning.runner import resolve_argv
+    from lightning.run.runner import resolve_argv
 
     assert resolve_argv(["{python}", "x.py"]) == [sys.executable, "x.py"]
     assert os.path.isabs(resolve_argv(["{python}"])[0])

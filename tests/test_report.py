@@ -1,4 +1,4 @@
-"""lightning.report: the offline HTML run report and the terminal trace view."""
+"""lightning.run.report: the offline HTML run report and the terminal trace view."""
 
 from __future__ import annotations
 
@@ -241,8 +241,8 @@ def test_cli_show_from_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_decode_pieces_round_trips_with_real_tokenizer() -> None:
-    from lightning import models
-    from lightning.data import load_tokenizer
+    from lightning import model_cache as models
+    from lightning.run.tasks import load_tokenizer
 
     # The built model dir, without paying for smollm2_dir()'s torch import when it exists.
     built = models.cache_dir() / "models" / "smollm2-135m-instruct"
@@ -256,9 +256,7 @@ def test_decode_pieces_round_trips_with_real_tokenizer() -> None:
 
 
 def test_report_module_imports_fast_without_torch_or_matplotlib() -> None:
-    code = (
-        "import sys, lightning.report; print('torch' in sys.modules, 'matplotlib' in sys.modules)"
-    )
+    code = "import sys, lightning.run.report; print('torch' in sys.modules, 'matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False False"
 
@@ -267,7 +265,7 @@ def test_eval_points_carry_their_interval() -> None:
     from matplotlib.container import ErrorbarContainer
     from matplotlib.figure import Figure
 
-    from lightning.report import _draw_reward
+    from lightning.run.report import _draw_reward
 
     rows = [
         {"step": -1, "eval_reward": 0.3, "eval_ci_low": 0.2, "eval_ci_high": 0.4},

@@ -16,7 +16,7 @@ import lightning
 from fake_vllm import FakeEngine
 from gateways import gateway_client
 from lightning import GatewayClient
-from lightning.runner import RolloutTrace, Runner, RunnerError
+from lightning.run.runner import RolloutTrace, Runner, RunnerError
 
 
 @pytest.fixture(scope="module")

@@ -286,7 +286,7 @@ def test_protect_normalized_added_token(tmp_path):
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
-    from lightning.models import smollm2_dir
+    from lightning.model_cache import smollm2_dir
 
     hf = AutoTokenizer.from_pretrained(smollm2_dir())
     hf.add_tokens([AddedToken("<tool>", normalized=True, special=False)])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning.losses import AGGREGATION_MODES
+from lightning.rl.losses import AGGREGATION_MODES
 from split_case import grads_per_mode, trainer
 
 HERE = Path(__file__).parent

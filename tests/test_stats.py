@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning.stats import reward_interval
+from lightning.run.stats import reward_interval
 
 
 @settings(max_examples=40, deadline=None)

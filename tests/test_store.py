@@ -20,7 +20,7 @@ import lightning
 from fake_vllm import FakeEngine
 from gateways import start_gateway
 from lightning import GatewayClient, LightningError, Store
-from lightning.client import decode_columnar
+from lightning.gateway.records import decode_columnar
 
 
 @pytest.fixture(scope="module")

@@ -131,7 +131,7 @@ def test_raise_exception_becomes_template_error(smol):
 
 
 def smol_dir():
-    from lightning.models import smollm2_dir
+    from lightning.model_cache import smollm2_dir
 
     return smollm2_dir()
 

@@ -25,7 +25,7 @@ import re
 import pytest
 
 import lightning
-from lightning.models import smollm2_dir
+from lightning.model_cache import smollm2_dir
 from test_template import CONVERSATIONS, KWARGS, TOOLS
 from tokenizer_fixtures import build_all, hf_ids, root
 

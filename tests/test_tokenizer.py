@@ -45,7 +45,7 @@ def test_missing_file_and_bad_json_name_the_path(tmp_path):
 
 
 def test_no_template_raises_template_error(smol):
-    from lightning.models import smollm2_dir
+    from lightning.model_cache import smollm2_dir
 
     tok = lightning.Tokenizer.from_file(smollm2_dir() / "tokenizer.json")
     assert tok.chat_template is None
@@ -244,7 +244,7 @@ def test_add_bos_eos_token_flags_follow_transformers(tmp_path, stem, flags):
 
     from transformers import AutoTokenizer
 
-    from lightning.models import smollm2_dir
+    from lightning.model_cache import smollm2_dir
     from tokenizer_fixtures import tokenizer_dir
 
     src = smollm2_dir() if stem == "smollm2" else tokenizer_dir(stem)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightning.config import TrackingSection
-from lightning.tracking import flatten, open_trackers
+from lightning.run.tracking import flatten, open_trackers
 
 STEPS = [
     {
@@ -98,7 +98,7 @@ def test_wandb_offline_receives_metrics_and_traces(
 
 
 def test_a_failing_tracker_is_disabled_not_fatal() -> None:
-    from lightning.tracking import Trackers
+    from lightning.run.tracking import Trackers
 
     class Broken:
         def metrics(self, step: int, values: object) -> None:

@@ -10,8 +10,8 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
-from lightning.models import smollm2_dir, tiny_model_dir
-from lightning.trainer import METRIC_KEYS, Trainer, TrainerConfig
+from lightning.model_cache import smollm2_dir, tiny_model_dir
+from lightning.rl.trainer import METRIC_KEYS, Trainer, TrainerConfig
 from samples import grpo_batch, make_sample
 
 

@@ -13,9 +13,15 @@ from transformers import AutoModelForCausalLM
 
 import lightning
 import reference
-from lightning.batching import BATCH_MODES, forward_logprobs, micro_batches, seq_items, tree_batch
-from lightning.models import tiny_model_dir
-from lightning.trainer import Trainer
+from lightning.model_cache import tiny_model_dir
+from lightning.rl.batching import (
+    BATCH_MODES,
+    forward_logprobs,
+    micro_batches,
+    seq_items,
+    tree_batch,
+)
+from lightning.rl.trainer import Trainer
 
 if not hasattr(lightning, "merge_calls"):  # the merge branch has not landed in this checkout
     pytest.skip("lightning.merge_calls is not built in this checkout", allow_module_level=True)

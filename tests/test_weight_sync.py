@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from fake_rl_engines import FakeSglang, FakeVllm
-from lightning.weight_sync import (
+from lightning.run.weight_sync import (
     DiskTransport,
     EmbeddedSync,
     SglangDiskSync,
@@ -58,7 +58,7 @@ def _same(got: dict[str, Any], update: WeightUpdate) -> None:
 
 class GlooVllmTransport(TorchDistTransport):
     """vLLM's NCCL payloads, carried by gloo so the fake can receive on a CPU (the
-    real data plane is vLLM's PyNccl: lightning.weight_sync.VllmNcclTransport)."""
+    real data plane is vLLM's PyNccl: lightning.run.weight_sync.VllmNcclTransport)."""
 
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
         return vllm_nccl_init_info(self.master_address, self.master_port, rank_offset, world_size)

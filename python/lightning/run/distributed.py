@@ -123,8 +123,7 @@ def follow(trainer: Any) -> None:
 
 def follower_main(config: Any, *, resume: bool) -> None:
     """What a rank > 0 runs for `lightning train`."""
-    from lightning.loop import trainer_config
-    from lightning.trainer import Trainer
+    from lightning.rl.trainer import Trainer
 
-    trainer = Trainer(trainer_config(config, config.model.resolve()))
+    trainer = Trainer(config.trainer_config(config.model.resolve()))
     follow(trainer)

@@ -2,11 +2,11 @@
 
 Each rollout's harness process runs inside a Ray task on whichever node has the
 capacity (``num_cpus`` / custom ``resources`` per rollout), through exactly the code
-the local runner uses (:func:`lightning.runner.run_process`): the runner's
+the local runner uses (:func:`lightning.run.runner.run_process`): the runner's
 environment (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``LIGHTNING_ROLLOUT_ID``,
 ``LIGHTNING_TASK``, ``LIGHTNING_GATEWAY_URL``) laid over the node's own, its own
 process group killed at the timeout, the tails of stdout/stderr sent back. Rewards,
-statuses and store events stay on the driver, in :class:`lightning.runner.Runner`,
+statuses and store events stay on the driver, in :class:`lightning.run.runner.Runner`,
 so a rollout that ran on a node is recorded exactly as a local one.
 
 Failures of the cluster rather than of the harness come back as ``failed`` with
@@ -16,7 +16,7 @@ the reason in ``RolloutResult.error``, prefixed ``ray:``: the worker or node die
 Tasks are not retried (``max_retries=0``): a rollout is not idempotent (its
 calls are already in the store), so a retry would need a new rollout id.
 
-Nodes need lightning-rl installed (the task imports ``lightning.runner``), the
+Nodes need lightning-rl installed (the task imports ``lightning.run.runner``), the
 harness command and ``cwd`` present, and a route to the gateway's ``listen``
 address (bind it to an address the nodes reach, not 127.0.0.1).
 
@@ -30,14 +30,14 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from lightning.runner import ProcessOutcome, RunnerError
+from lightning.run.runner import ProcessOutcome, RunnerError
 
 
 def _run_on_node(
     argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float
 ) -> dict[str, Any]:
     """The body of the Ray task (runs on the node)."""
-    from lightning.runner import run_process
+    from lightning.run.runner import run_process
 
     outcome = asyncio.run(run_process(argv, env, cwd, timeout_s))
     return {**outcome.__dict__, "node": socket.gethostname()}

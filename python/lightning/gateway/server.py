@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lightning import _core
 
 if TYPE_CHECKING:
-    from lightning.client import GatewayClient
+    from lightning.gateway.client import GatewayClient
 
 
 # The Rust config (rust/gateway/src/config.rs) is the one definition: defaults
@@ -164,7 +164,7 @@ class GatewayHandle:
 
     def client(self) -> GatewayClient:
         """An HTTP client for this gateway."""
-        from lightning.client import GatewayClient
+        from lightning.gateway.client import GatewayClient
 
         return GatewayClient(self.url, self.admin_key)
 

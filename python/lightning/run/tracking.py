@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("lightning.tracking")
+log = logging.getLogger("lightning.run.tracking")
 
 
 def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

@@ -11,7 +11,7 @@ pass trains from the store (sessions with feedback, grouped by their first
 prompt, weighted off-policy) and pushes the new weights to the engine. The
 held-out reward (the harness's own reward on tasks production never saw,
 sampled like production) is measured before and after, with the bootstrap
-interval of ``lightning.stats``; the draws are paired (same sampling seeds).
+interval of ``lightning.run.stats``; the draws are paired (same sampling seeds).
 
     lightning demo --online                  # SmolLM2, the numbers in README
     lightning demo --online --model tiny --questions 2 --users 2 --eval-tasks 2   # smoke
@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from lightning.stats import Interval
+from lightning.run.stats import Interval
 
 
 class _Recording:
@@ -77,8 +77,8 @@ def evaluate(
     """The held-out reward: every task ``samples`` times straight on the engine
     (not production traffic, so not recorded), job j with the same sampling
     seed in every eval, so before and after differ by the weights only."""
-    from lightning.loop import sampling_seed
-    from lightning.stats import reward_interval
+    from lightning.run.loop import sampling_seed
+    from lightning.run.stats import reward_interval
 
     jobs = [
         {**t, "temperature": temperature, "model": model,
@@ -128,16 +128,16 @@ def rate(
 
 def main(argv: list[str]) -> int:
     from lightning import Gateway, GatewayClient, GatewayConfig, UpstreamConfig
+    from lightning.apps.examples import examples_dir, load_example
     from lightning.config import ModelSection
-    from lightning.demo import _load, examples_dir
-    from lightning.loop import SERVED_MODEL_NAME, EmbeddedEngine, read_tasks, sampling_seed
-    from lightning.online import (
+    from lightning.online.train import (
         GroupingSection,
         OnlineConfig,
         SourceSection,
         WeightSyncSection,
         train_online,
     )
+    from lightning.run.loop import SERVED_MODEL_NAME, EmbeddedEngine, read_tasks, sampling_seed
 
     p = argparse.ArgumentParser(prog="lightning demo --online", description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=0)
@@ -165,7 +165,7 @@ def main(argv: list[str]) -> int:
 
     examples = examples_dir()
     agent = _module(examples / "arith_agent.py")
-    gen = _load(examples / "arith_tasks.py")
+    gen = load_example(examples / "arith_tasks.py")
     if gen.main(["--seed", str(args.seed), "--out", str(out / "tasks"), *gen.DEMO_FLAGS]):
         return 1
     questions = read_tasks(out / "tasks" / "train.jsonl")[: args.questions]

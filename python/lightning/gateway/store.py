@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning._core import MergeResult, StoreReader, Tokenizer
-from lightning.client import CallRecord
+from lightning.gateway.records import CallRecord
 
 
 class Store:

@@ -37,12 +37,12 @@ from typing import Any
 
 import httpx
 
-from lightning.config import RunConfig, TrainerConfig
-from lightning.runner import RolloutResult, Runner, load_callable
-from lightning.stats import Interval, reward_interval
-from lightning.weight_sync import WeightSync, WeightUpdate, make_weight_sync
+from lightning.config import RunConfig
+from lightning.run.runner import RolloutResult, Runner, load_callable
+from lightning.run.stats import Interval, reward_interval
+from lightning.run.weight_sync import WeightSync, WeightUpdate, make_weight_sync
 
-log = logging.getLogger("lightning.loop")
+log = logging.getLogger("lightning.run.loop")
 
 # The name the embedded engine serves the policy under; harnesses get it as
 # OPENAI_MODEL (most read it; one that hard-codes a name needs external engines
@@ -51,8 +51,8 @@ SERVED_MODEL_NAME = "policy"
 
 
 def read_tasks(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Tasks from JSONL, Parquet or a saved HF dataset (see `lightning.data`)."""
-    from lightning.data import load_records
+    """Tasks from JSONL, Parquet or a saved HF dataset (see `lightning.run.tasks`)."""
+    from lightning.run.tasks import load_records
 
     tasks = load_records(path)
     if not tasks:
@@ -155,27 +155,12 @@ class EmbeddedEngine:
         self.log_file.close()
 
 
-def trainer_config(cfg: RunConfig, model_dir: Path) -> TrainerConfig:
-    """The trainer's configuration for a run (every rank builds the same):
-    ``RunConfig.trainer_config`` plus what an asynchronous run needs unless the
-    user set it (the truncated importance weight, lightning.async_loop)."""
-    from lightning.async_loop import trainer_defaults
-
-    tc = cfg.trainer_config(model_dir)
-    unset = {
-        k: v
-        for k, v in trainer_defaults(cfg.algorithm.max_staleness).items()
-        if k not in cfg.trainer.model_fields_set
-    }
-    return TrainerConfig.model_validate({**tc.model_dump(), **unset}) if unset else tc
-
-
 def _make_launcher(cfg: RunConfig) -> Any:
-    """Where harness processes run: here, or as Ray tasks (lightning.ray_runner)."""
+    """Where harness processes run: here, or as Ray tasks (lightning.run.ray)."""
     h = cfg.harness
     if h.backend == "local":
         return None
-    from lightning.ray_runner import RayLauncher
+    from lightning.run.ray import RayLauncher
 
     return RayLauncher(
         address=h.ray_address,
@@ -186,7 +171,7 @@ def _make_launcher(cfg: RunConfig) -> Any:
 
 
 def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
-    """The engines' own weight-update API (lightning.weight_sync, DESIGN.md §7)."""
+    """The engines' own weight-update API (lightning.run.weight_sync, DESIGN.md §7)."""
     e = cfg.engine
     kind = "embedded" if e.kind == "embedded" else e.weight_sync
     return make_weight_sync(
@@ -239,7 +224,7 @@ class Run:
         if resume and self.state_path.exists():
             self.state = json.loads(self.state_path.read_text())
         self._stack = contextlib.ExitStack()
-        from lightning.async_loop import PhaseLog
+        from lightning.run.staleness import PhaseLog
 
         self.phases = PhaseLog()
 
@@ -259,7 +244,7 @@ class Run:
     def _setup(self) -> None:
         cfg = self.config
         (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
-        from lightning.tracking import open_trackers
+        from lightning.run.tracking import open_trackers
 
         self.tracking = open_trackers(cfg.tracking, self.out, cfg.model_dump(mode="json"))
         self._stack.callback(self.tracking.close)
@@ -280,15 +265,15 @@ class Run:
         when resuming); returns the weights the engine must start on, when
         they are not the base model's."""
         from lightning import Tokenizer
-        from lightning.trainer import Trainer
+        from lightning.rl.trainer import Trainer
 
         cfg = self.config
         self.model_dir = cfg.model.resolve()
         self.tokenizer = Tokenizer.from_dir(str(self.model_dir))
-        trainer_cfg = trainer_config(cfg, self.model_dir)
+        trainer_cfg = cfg.trainer_config(self.model_dir)
         self.trainer = Trainer(trainer_cfg, log_dir=str(self.out))
-        if self.trainer.world > 1:  # under torchrun: rank 0 leads (lightning.dist_train)
-            from lightning.dist_train import LeaderTrainer
+        if self.trainer.world > 1:  # under torchrun: rank 0 leads (lightning.run.distributed)
+            from lightning.run.distributed import LeaderTrainer
 
             self.trainer = LeaderTrainer(self.trainer)  # type: ignore[assignment]
         if hasattr(self.trainer, "close"):
@@ -354,7 +339,7 @@ class Run:
         cfg = self.config
         harness: Any
         if cfg.harness.command is not None:
-            # "{python}" is resolved where the harness runs (lightning.runner.resolve_argv).
+            # "{python}" is resolved where the harness runs (lightning.run.runner.resolve_argv).
             harness = list(cfg.harness.command)
         else:
             assert cfg.harness.callable is not None
@@ -461,7 +446,7 @@ class Run:
     def _write_traces(
         self, step: int, results: Sequence[RolloutResult], merged: Any, rewards: dict[str, float]
     ) -> None:
-        from lightning.report import decode_pieces
+        from lightning.run.report import decode_pieces
 
         n = self.config.traces_per_step
         if n <= 0:
@@ -500,7 +485,7 @@ class Run:
 
     def train_on(self, step: int, results: list[RolloutResult], *, t0: float) -> dict[str, Any]:
         """Merge, train and push the weights of one step from its finished rollouts."""
-        from lightning.async_loop import enforce_at_use, step_metrics
+        from lightning.run.staleness import enforce_at_use, step_metrics
 
         status = Counter(r.status for r in results)
         usable = [
@@ -570,7 +555,7 @@ class Run:
             self._append_metrics({"step": -1, **before})
         else:
             self._say(f"resuming at step {start}")
-        from lightning.async_loop import RolloutPipeline
+        from lightning.run.staleness import RolloutPipeline
 
         pipeline = RolloutPipeline.for_run(self, start)  # None when max_staleness = 0
         self.phases.mark()
@@ -592,7 +577,7 @@ class Run:
         self._checkpoint()
         self.state_path.write_text(json.dumps(self.state))
         try:
-            from lightning.report import write_report
+            from lightning.run.report import write_report
 
             summary["report"] = str(write_report(self.out).html_path)
         except Exception as e:  # the run's data is safe on disk; a report can be redone
@@ -659,12 +644,6 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False) -> di
 def train_main(argv: list[str]) -> int:
     import argparse
 
-    if "--online" in argv:
-        # Training from production sessions in the store: lightning.online.
-        from lightning.online import train_main as online_main
-
-        return online_main([a for a in argv if a != "--online"])
-
     p = argparse.ArgumentParser(prog="lightning train", description=__doc__.split("\n")[0])
     p.add_argument("config", help="run configuration (TOML)")
     p.add_argument("--resume", action="store_true", help="continue the run in its output_dir")
@@ -678,7 +657,7 @@ def train_main(argv: list[str]) -> int:
     if args.steps is not None:
         overrides["steps"] = args.steps
     config = RunConfig.load(args.config, overrides)
-    from lightning.dist_train import follower_main, init_from_env
+    from lightning.run.distributed import follower_main, init_from_env
 
     rank, _ = init_from_env()  # torchrun: rank 0 runs the loop, the others train
     if rank > 0:

@@ -9,7 +9,7 @@ as ``DTensor`` shards, so each rank holds 1/world of them.
 What stays the same as DDP, and why it needs care here:
 
 1. The loss normalisers are global (all-reduced before any backward, see
-   ``lightning.losses.Normalizer``), and FSDP2's reduce-scatter averages gradients
+   ``lightning.rl.losses.Normalizer``), and FSDP2's reduce-scatter averages gradients
    over ranks like DDP does, so the trainer's ``loss * world`` gives the same sum.
 2. Every forward and backward is a collective (all-gather, reduce-scatter), so
    every rank must run the same number of micro-batches, while the token-balanced
@@ -58,7 +58,7 @@ def _decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
 
 
 def _empty_micro_batch(like: Any) -> Any:
-    from lightning.batching import MicroBatch
+    from lightning.rl.batching import MicroBatch
 
     zero = torch.zeros(1, 1, dtype=torch.long)
     none = torch.zeros(0, dtype=torch.long)

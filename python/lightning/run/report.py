@@ -115,7 +115,7 @@ def _draw_reward(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
     ex, ey = series(rows, "eval_reward")
     if ex:
         ax.plot(ex, ey, color="#e45756", marker="o", linewidth=2, label="eval (held out)")
-        # The eval's 95% interval (bootstrap over tasks, lightning.stats), where recorded.
+        # The eval's 95% interval (bootstrap over tasks, lightning.run.stats), where recorded.
         bars = [
             (x, y, lo, hi)
             for x, y, lo, hi in zip(
@@ -219,7 +219,7 @@ PLOTS: tuple[PlotSpec, ...] = (
              _lines(("grad_norm", "grad norm"))),
     PlotSpec("throughput", "Training throughput", ("tokens_per_s",), "tokens/s",
              _lines(("tokens_per_s", "tokens/s"))),
-    # lightning.async_loop: max_staleness = 0 (sync) vs > 0 (async); benches/async_loop.py
+    # lightning.run.staleness: max_staleness = 0 (sync) vs > 0 (async); benches/async_loop.py
     # draws both modes of one machine side by side.
     PlotSpec("idle", "Idle fractions (engine, trainer)", ("engine_idle_frac", "trainer_idle_frac"),
              "fraction of wall time", _lines(("engine_idle_frac", "engine idle"),

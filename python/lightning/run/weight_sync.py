@@ -81,7 +81,7 @@ from lightning._core import LightningError
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("lightning.weight_sync")
+log = logging.getLogger("lightning.run.weight_sync")
 
 SyncKind = Literal[
     "embedded",

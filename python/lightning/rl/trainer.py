@@ -1,10 +1,10 @@
 """The policy trainer: advantages → split-invariant PPO-family loss → optimizer step.
 
 One :meth:`Trainer.step` is one batch of rollouts: it computes rollout
-advantages (:mod:`lightning.advantages`), broadcasts them onto every trained
+advantages (:mod:`lightning.rl.advantages`), broadcasts them onto every trained
 token of every merged sample, and runs ``ppo_epochs × mini_batches`` optimizer
 steps whose loss is normalised over the whole optimizer step
-(:class:`lightning.losses.Normalizer`), so the gradient is the same however the
+(:class:`lightning.rl.losses.Normalizer`), so the gradient is the same however the
 data is split into micro-batches (by the token budget) or data-parallel ranks.
 
 Data parallel: start the same script with ``torchrun``; when
@@ -58,16 +58,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning.advantages import estimate, zero_advantage_groups
-from lightning.batching import (
+from lightning.config import LoraSettings, TrainerConfig
+from lightning.rl.advantages import estimate, zero_advantage_groups
+from lightning.rl.batching import (
     MicroBatch,
     SeqItem,
     forward_logprobs,
     micro_batches,
     seq_items,
 )
-from lightning.config import LoraSettings, TrainerConfig
-from lightning.losses import (
+from lightning.rl.losses import (
     Normalizer,
     kl_penalty,
     policy_loss,
@@ -350,8 +350,8 @@ class Trainer:
         self.model: torch.nn.Module = model
         self.ddp: torch.nn.Module | None = None
         self.fsdp = self.world > 1 and cfg.parallel == "fsdp2"
-        if self.fsdp:  # FSDP2 hook: shard in place (lightning.fsdp)
-            from lightning import fsdp
+        if self.fsdp:  # FSDP2 hook: shard in place (lightning.rl.fsdp)
+            from lightning.rl import fsdp
 
             fsdp.shard(model)
         elif self.world > 1:
@@ -461,7 +461,7 @@ class Trainer:
             for m in minis
         ]
         if self.fsdp:  # FSDP2 hook: every rank runs as many forwards as the busiest
-            from lightning import fsdp
+            from lightning.rl import fsdp
 
             mini_mbs = fsdp.balance(mini_mbs, self.device)
         all_mbs = [mb for mbs in mini_mbs for mb in mbs]
@@ -644,7 +644,7 @@ class Trainer:
         target = Path(path)
         full: dict[str, torch.Tensor] | None = None
         if self.fsdp:  # FSDP2 hook: gather the shards (all ranks) onto rank 0's CPU
-            from lightning import fsdp
+            from lightning.rl import fsdp
 
             full = fsdp.full_state_dict(self.model)
         if self.rank == 0:
@@ -674,7 +674,7 @@ class Trainer:
         root = Path(directory)
         self.export_weights(root / "model")
         if self.fsdp:  # FSDP2 hook: model + optimizer shards, one file per rank
-            from lightning import fsdp
+            from lightning.rl import fsdp
 
             fsdp.save_sharded(root / "sharded", self.model, self.optimizer)
         if self.rank == 0:
@@ -699,7 +699,7 @@ class Trainer:
 
         root = Path(directory)
         if self.fsdp:  # FSDP2 hook: shards of model and optimizer
-            from lightning import fsdp
+            from lightning.rl import fsdp
 
             fsdp.load_sharded(root / "sharded", self.model, self.optimizer)
         elif self.config.lora is not None:

@@ -14,31 +14,13 @@ report is written at the end.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-
-def examples_dir() -> Path:
-    """The repository's examples/ (the demo runs from a source checkout)."""
-    for base in (Path.cwd(), *Path(__file__).resolve().parents):
-        candidate = base / "examples"
-        if (candidate / "demo.toml").exists() and (candidate / "arith_agent.py").exists():
-            return candidate
-    raise FileNotFoundError(
-        "examples/demo.toml not found; run `lightning demo` from the lightning source checkout"
-    )
-
-
-def _load(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from lightning.apps.examples import examples_dir, load_example
 
 
 def evals(metrics_path: Path, steps: int) -> list[dict[str, Any]]:
@@ -84,12 +66,8 @@ def table(run_dirs: list[str]) -> str:
 
 def main(argv: list[str]) -> int:
     from lightning.config import RunConfig
-    from lightning.loop import train
+    from lightning.run.loop import train
 
-    if "--online" in argv:  # the online-mode variant: lightning.online_demo
-        from lightning import online_demo
-
-        return online_demo.main([a for a in argv if a != "--online"])
     p = argparse.ArgumentParser(prog="lightning demo", description=__doc__.split("\n")[0])
     p.add_argument("--online", action="store_true", help="the online-mode demo (see --online -h)")
     p.add_argument("--seed", type=int, default=0)
@@ -120,7 +98,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.output_dir or f"runs/demo-seed{args.seed}-{stamp}")
     tasks_dir = out / "tasks"
     print(f"[lightning] demo: generating and cleaning tasks into {tasks_dir}", flush=True)
-    gen = _load(examples / "arith_tasks.py")
+    gen = load_example(examples / "arith_tasks.py")
     rc = gen.main(["--seed", str(args.seed), "--out", str(tasks_dir), *gen.DEMO_FLAGS])
     if rc:
         return int(rc)

@@ -5,12 +5,12 @@ of each sequence — and differs only in how the forward pass is laid out:
 
 - ``padded``: one row per sequence, right-padded, HF's 2-D attention mask.
 - ``packed``: sequences concatenated into one row, position ids restarting at
-  0 per sequence; attention runs per sequence (:mod:`lightning.attention`, no
+  0 per sequence; attention runs per sequence (:mod:`lightning.rl.attention`, no
   ``[N, N]`` mask), so no padding is computed anywhere.
 - ``tree``: the sequences are located in a Rust ``PackedTree`` (the merge's
   ``packed(across_rollouts=True)``, or :func:`lightning.pack_sequences`) and
   every tree node is computed once, with position id = depth and attention
-  along each node's root path (segment-batched SDPA, :mod:`lightning.attention`).
+  along each node's root path (segment-batched SDPA, :mod:`lightning.rl.attention`).
   Shared prefixes — the earlier turns of a multi-turn rollout, the prompt of a
   GRPO group — cost one forward token instead of one per sequence.
 
@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from lightning.attention import TreePlan, plan_tree, segments, to_device, use_tree_attention
-from lightning.losses import entropy_from_logits
 from lightning.modes import BatchMode
+from lightning.rl.attention import TreePlan, plan_tree, segments, to_device, use_tree_attention
+from lightning.rl.losses import entropy_from_logits
 
 BATCH_MODES: tuple[str, ...] = get_args(BatchMode)
 
@@ -245,7 +245,7 @@ def packed_batches(items: Sequence[SeqItem], budget: int) -> list[MicroBatch]:
 
 
 def _segment_chains(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Segments of a DFS-ordered tree (see :func:`lightning.attention.segments`)
+    """Segments of a DFS-ordered tree (see :func:`lightning.rl.attention.segments`)
     and the segment of each node."""
     starts, ends, parent_seg = segments(parent)
     seg_of = np.repeat(np.arange(len(starts)), ends - starts)

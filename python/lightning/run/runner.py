@@ -26,7 +26,7 @@ A Python-callable harness (``async def run(task, client) -> float | None``, with
 the same bookkeeping, for users who prefer it.
 
 Where harness processes run is the runner's ``launcher``: this machine by default,
-a Ray cluster with ``lightning.ray_runner.RayLauncher``. The contract (environment
+a Ray cluster with ``lightning.run.ray.RayLauncher``. The contract (environment
 in; status, tails and reward out) is the same wherever the process runs.
 """
 
@@ -49,7 +49,7 @@ from typing import Any, Literal, Protocol
 
 from lightning._core import LightningError
 
-log = logging.getLogger("lightning.runner")
+log = logging.getLogger("lightning.run.runner")
 
 RewardSource = Literal["harness", "stdout", "function"]
 RolloutStatus = Literal["succeeded", "failed", "timed_out"]
@@ -209,7 +209,7 @@ class ProcessOutcome:
 
 class Launcher(Protocol):
     """Where harness processes run: here (:class:`LocalLauncher`) or on a cluster
-    (``lightning.ray_runner.RayLauncher``). The contract is the same everywhere:
+    (``lightning.run.ray.RayLauncher``). The contract is the same everywhere:
     ``env`` is laid over the environment of the machine the process runs on, the
     process group is killed past ``timeout_s``, the tails of stdout/stderr return."""
 

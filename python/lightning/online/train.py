@@ -483,7 +483,7 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
     """Select, reward, group, train; returns the summary (also in
     OUTPUT_DIR/summary.json; one line per step in OUTPUT_DIR/metrics.jsonl)."""
     from lightning import Store, Tokenizer
-    from lightning.trainer import Trainer, TrainerConfig
+    from lightning.rl.trainer import Trainer, TrainerConfig
 
     def say(msg: str) -> None:
         if not quiet:
@@ -620,7 +620,7 @@ def _step_line(k: int, m: dict[str, Any]) -> str:
 
 def _export(cfg: OnlineConfig, trainer: Any, out: Path, versions: Counter[int]) -> Path:
     """Writes the new weights; pushes them to the engines only when configured."""
-    from lightning.weight_sync import WeightUpdate, make_weight_sync
+    from lightning.run.weight_sync import WeightUpdate, make_weight_sync
 
     weights = out / "weights" / "latest"
     trainer.export_weights(str(weights))

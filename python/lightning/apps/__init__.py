@@ -1,0 +1,2 @@
+"""Ready-made runs on the embedded default: ``lightning demo`` and
+``lightning demo --online``."""

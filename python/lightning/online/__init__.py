@@ -1,0 +1,2 @@
+"""Online mode, trainer side: train from (and export) production sessions
+recorded by the gateway under application keys."""
