@@ -45,22 +45,6 @@ from lightning.gateway.store import Store
 
 __version__: str = _core.__version__
 
-# Module paths documented before the package was grouped by concern; resolved on
-# first use so that `import lightning` still never imports torch.
-_MOVED = {
-    "advantages": "lightning.rl.advantages",
-    "losses": "lightning.rl.losses",
-    "trainer": "lightning.rl.trainer",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:
-        import importlib
-
-        return importlib.import_module(_MOVED[name])
-    raise AttributeError(f"module 'lightning' has no attribute {name!r}")
-
 __all__ = [
     "AppKey",
     "Call",
