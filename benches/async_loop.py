@@ -86,7 +86,13 @@ def run_mode(
                     flush=True,
                 )
             elapsed = time.monotonic() - t0
-        reward = run.evaluate("after the budget")
+        interval = run.evaluate("after the budget")
+    # The report is JSON: the eval's mean and its 95% interval as plain numbers.
+    reward = (
+        None
+        if interval is None
+        else {"mean": interval.mean, "ci95": [interval.low, interval.high], "tasks": interval.tasks}
+    )
     return {"k": k, "steps": steps, "elapsed_s": elapsed, "eval_reward": reward}
 
 

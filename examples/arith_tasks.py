@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     args = p.parse_args(argv)
 
-    from lightning import data
+    from lightning.run import tasks as data
 
     out = Path(args.out)
     tasks = generate(args.n, seed=args.seed, lo=args.lo, hi=args.hi, ops=args.ops)

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 import lightning
 import reference
-from lightning import batching
 from lightning.model_cache import tiny_model_dir
+from lightning.rl import batching
 from lightning.rl.batching import (
     BATCH_MODES,
     SeqItem,

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning import cli, data
+from lightning import cli
+from lightning.run import tasks as data
 from lightning.run.tasks import DataConfig
 
 

@@ -457,3 +457,19 @@ def test_the_embedded_engine_exits_when_its_parent_is_killed(
     log = (tmp_path / "engine.log").read_text()
     assert not _alive(child), log[-2000:]
     assert "parent process" in log
+
+
+def test_serve_refuses_a_context_longer_than_the_model(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--max-model-len` past the model's positions is refused at start, naming
+    the model's limit (positions past the trained range are not context)."""
+    import json
+
+    from lightning.engine.server import serve
+
+    positions = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert serve([str(model_dir), "--max-model-len", str(positions * 2), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"max_model_len {positions * 2} exceeds this model's {positions} positions" in err
+    assert f"--max-model-len {positions} or less" in err

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from lightning import cli, report
+from lightning import cli
+from lightning.run import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -279,3 +280,36 @@ def test_eval_points_carry_their_interval() -> None:
     (segments,) = bars.lines[2]
     spans = sorted((float(s[0][1]), float(s[1][1])) for s in segments.get_segments())
     assert spans == [(0.2, 0.4), (0.85, 0.95)]
+
+
+def test_cli_show_standalone_store_without_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A standalone gateway's store has no run config beside it: `show` still
+    merges the rollout and prints it, tokens as ids, and says how to decode."""
+    import openai
+
+    from fake_vllm import FakeEngine
+    from gateways import start_gateway
+
+    engine = FakeEngine("S")
+    db = tmp_path / "gw.db"
+    try:
+        with start_gateway(engine.url, db) as gw, gw.client() as client:
+            r = client.create_rollout({"task": "t"})
+            with openai.OpenAI(base_url=r.base_url, api_key=r.token) as sdk:
+                answer = sdk.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi [[len:3]]"}]
+                )
+            client.reward(r.id, 1.0)
+            calls = client.trace(r.id)
+    finally:
+        engine.stop()
+    assert answer.choices[0].message.content
+    assert cli.main(["show", r.id, "--db", str(db), "--color", "never"]) == 0
+    captured = capsys.readouterr()
+    assert f"rollout {r.id}" in captured.out and "reward 1" in captured.out
+    # Every prompt and generated id of the one call appears, in order.
+    ids = [*calls[0].prompt_ids.tolist(), *calls[0].completion_ids.tolist()]
+    assert "".join(f"⟨{i}⟩" for i in ids) in captured.out.replace("«", "").replace("»", "")
+    assert "pass --model DIR" in captured.err

@@ -286,8 +286,15 @@ class Engine:
         self.max_batch = max_batch
         self.logprobs_mode: LogprobsMode = logprobs_mode
         config = self.model.config
-        ctx = max_model_len or getattr(config, "max_position_embeddings", None) or 2048
-        self.max_model_len = int(ctx)
+        positions = getattr(config, "max_position_embeddings", None)
+        if max_model_len is not None and positions is not None and max_model_len > positions:
+            # Positions past the trained range are not a longer context, they are
+            # garbage (or an index error deep in a forward pass): refuse at start.
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds this model's {positions} positions "
+                f"(max_position_embeddings of {source}); use --max-model-len {positions} or less"
+            )
+        self.max_model_len = int(max_model_len or positions or 2048)
         self.eos_ids = self._eos_ids()
         self.weight_version = 0
 

@@ -38,6 +38,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -999,19 +1000,11 @@ def serve(argv: list[str]) -> int:
     )
     import uvicorn
 
-    engine = Engine(
-        args.model_dir,
-        gguf_file=args.gguf,
-        device=args.device,
-        dtype=args.dtype,
-        max_batch=args.max_batch,
-        served_model_name=args.served_model_name,
-        logprobs_mode=args.logprobs_mode,
-        num_threads=args.threads,
-        max_model_len=args.max_model_len,
-        chat_template=args.chat_template,
-        tool_call_parser=args.tool_call_parser,
-    ).start()
+    try:
+        engine = _engine_from_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lightning serve: {e}", file=sys.stderr)
+        return 2
     sock = _bind(args.host, args.port)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
@@ -1033,3 +1026,19 @@ def serve(argv: list[str]) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _engine_from_args(args: argparse.Namespace) -> Engine:
+    return Engine(
+        args.model_dir,
+        gguf_file=args.gguf,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch=args.max_batch,
+        served_model_name=args.served_model_name,
+        logprobs_mode=args.logprobs_mode,
+        num_threads=args.threads,
+        max_model_len=args.max_model_len,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
+    ).start()

@@ -620,13 +620,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _model_dir_for(db: Path) -> str:
-    """The policy's directory for a store inside a run dir (RUN_DIR/config.json)."""
+def _model_dir_for(db: Path) -> str | None:
+    """The policy's directory for a store inside a run dir (RUN_DIR/config.json);
+    None for a standalone gateway's store, which names no model."""
     config = db.parent / "config.json"
     if not config.exists():
-        raise FileNotFoundError(
-            f"no run config next to {db}; pass --model DIR (the tokenizer's model directory)"
-        )
+        return None
     from lightning.config import RunConfig
 
     return str(RunConfig.model_validate_json(config.read_text()).model.resolve())
@@ -639,6 +638,9 @@ def trace_records_from_store(
 
     Reads the calls straight from the SQLite file, merges them with the radix trie
     (divergences classified with the policy's tokenizer) and decodes each token.
+    Without a tokenizer (a standalone gateway's store and no ``model_dir``) the
+    samples are still merged and shown, each token as its id (``⟨id⟩``), and
+    divergences are unclassified.
     """
     from lightning import Store, Tokenizer, merge_calls
 
@@ -653,8 +655,13 @@ def trace_records_from_store(
         raise LookupError(f"rollout {rollout_id!r} is not in {db}")
     if not calls:
         return []
-    tokenizer = Tokenizer.from_dir(model_dir or _model_dir_for(path))
+    model_dir = model_dir or _model_dir_for(path)
+    tokenizer = Tokenizer.from_dir(model_dir) if model_dir else None
     merged = merge_calls(calls, tokenizer=tokenizer)
+
+    def by_id(ids: list[int]) -> list[str]:
+        return [f"⟨{i}⟩" for i in ids]
+
     divergences = [{"position": int(d.position), "kind": d.kind} for d in merged.divergences]
     records = []
     for sample in merged.samples:
@@ -664,7 +671,8 @@ def trace_records_from_store(
                 "rollout_id": rollout_id,
                 "reward": reward,
                 "task": info["task"],
-                "pieces": decode_pieces(ids, tokenizer.decode),
+                "pieces": decode_pieces(ids, tokenizer.decode) if tokenizer else by_id(ids),
+                "decoded": tokenizer is not None,
                 "weights": [float(w) for w in sample.weights],
                 "divergences": [d for d in divergences if d["position"] < len(ids)],
             }
@@ -708,6 +716,12 @@ def show_main(argv: list[str]) -> int:
     if not records:
         print(f"lightning show: no trace for rollout {args.rollout_id!r}", file=sys.stderr)
         return 1
+    if any(t.get("decoded") is False for t in records):
+        print(
+            "lightning show: no tokenizer for this store (no run config next to it): "
+            "tokens are shown as ids; pass --model DIR to decode them",
+            file=sys.stderr,
+        )
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     for i, t in enumerate(records):
         divs = t.get("divergences") or []
