@@ -19,7 +19,7 @@ function el(tag, attrs, ...kids) {
   for (const k of kids) if (k !== null && k !== undefined) e.append(k);
   return e;
 }
-const fmt = (x) => (x === null || x === undefined ? "–" : Math.abs(x) >= 100 || x === Math.round(x) ? String(+x.toFixed(1)) : x.toPrecision(3));
+const fmt = (x) => (x === null || x === undefined ? "–" : Math.abs(x) >= 100 || x === Math.round(x) ? String(+x.toFixed(1)) : String(+x.toPrecision(3)));
 
 // ---------------------------------------------------------------- charts
 // Each chart: title and the series it draws; keys as a list or a RegExp over the row keys.
