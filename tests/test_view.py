@@ -4,10 +4,14 @@ engine behind it), the live metrics, paging, the admin key and read-only-ness.""
 from __future__ import annotations
 
 import hashlib
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from starlette.testclient import TestClient
 
@@ -190,3 +194,31 @@ def test_cli_refuses_a_public_host_without_a_key(
     assert "does not exist" in capsys.readouterr().err
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("example.com")
+
+
+def test_the_command_serves_a_store_read_only(run: Any) -> None:
+    """`lightning view --db PATH --port 0`: the printed URL answers; the store is unchanged."""
+    run_dir, ids = run
+    db = run_dir / "lightning.db"
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    exe = Path(sys.executable).with_name("lightning")
+    with subprocess.Popen(
+        [str(exe), "view", "--db", str(db), "--port", "0"], stdout=subprocess.PIPE, text=True
+    ) as proc:
+        check_served(proc, ids)
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
+
+
+def check_served(proc: subprocess.Popen[str], ids: dict[str, list[str]]) -> None:
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        url = re.search(r"http://\S+/", line)
+        assert url, line
+        s = httpx.get(url.group(0) + "api/summary", timeout=10).json()
+        assert s["rollouts"] == 4 and s["decoded"] is False and s["metrics"] is None
+        page = httpx.get(url.group(0) + f"api/rollouts/{ids['g0'][0]}", timeout=10).json()
+        assert page["calls"][0]["completion"][0].startswith("⟨")
+    finally:
+        proc.terminate()
+        proc.wait(10)

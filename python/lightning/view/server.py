@@ -203,16 +203,26 @@ def main(argv: list[str]) -> int:
     except FileNotFoundError as e:
         print(f"lightning view: {e}", file=sys.stderr)
         return 2
+    import socket
+
     import uvicorn
 
-    config = uvicorn.Config(
-        create_app(view, args.admin_key), host=args.host, port=args.port, log_level="warning"
-    )
-    server = uvicorn.Server(config)
+    # Bind first, so the printed URL names the real port (also for --port 0).
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        print(f"lightning view: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    config = uvicorn.Config(create_app(view, args.admin_key), log_level="warning")
     print(
-        f"[lightning] view of {view.db} on http://{args.host}:{args.port}/"
+        f"[lightning] view of {view.db} on http://{host}:{port}/"
         + ("?key=…" if args.admin_key else ""),
         flush=True,
     )
-    server.run()
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
