@@ -222,3 +222,23 @@ def check_served(proc: subprocess.Popen[str], ids: dict[str, list[str]]) -> None
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_run_dir_names_its_store_and_model(tmp_path: Path) -> None:
+    from lightning.config import RunConfig
+    from lightning.view.data import run_paths
+
+    assert run_paths(tmp_path) == (tmp_path / "lightning.db", None)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": str(model)},
+            "tasks": {"train": "t.jsonl"},
+            "harness": {"command": ["true"]},
+            "gateway": {"db": "/x/g.db"},
+        }
+    )
+    (tmp_path / "config.json").write_text(cfg.model_dump_json())
+    assert run_paths(tmp_path) == (Path("/x/g.db"), model)
