@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"rl"},
     {"run"},
     {"online"},
+    {"view"},
     {"apps"},
     {"cli"},
 ]

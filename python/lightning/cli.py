@@ -30,6 +30,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "write RUN_DIR/report.html (plots and traces, offline)",
     ),
     "show": ("lightning.run.report:show_main", "print one rollout's merged trace, coloured"),
+    "view": (
+        "lightning.view.server:main",
+        "serve a live, read-only web view of a run or a gateway store",
+    ),
     "gateway": (
         "lightning.gateway.server:main",
         "run the recording gateway (same as lightning-gateway)",

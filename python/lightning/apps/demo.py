@@ -115,6 +115,7 @@ def main(argv: list[str]) -> int:
     if args.model:
         overrides["model.builtin"] = args.model
     config = RunConfig.load(config_path, overrides)
+    print(f"[lightning] watch it live: lightning view {out / 'run'}", flush=True)
     summary = train(config)
     print(json.dumps(summary, indent=2))
     record = {

@@ -1,0 +1,282 @@
+"""What the view shows, read from the store and the run's metrics, as plain JSON.
+
+Every store read goes through ``lightning.Store`` (the gateway's Rust reader,
+read-only); nothing here writes. Metrics come from ``RUN_DIR/metrics.jsonl``,
+read from a byte offset so a poll costs only the lines written since the last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from lightning._core import StoreReader, Tokenizer
+from lightning.gateway.store import Store
+from lightning.run.report import decode_pieces
+
+PAGE_MAX = 200  # rollouts per page at most
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The metrics rows completed after byte ``offset`` and the offset to poll from
+    next. A half-written last line is left for the next poll."""
+    if not path.exists():
+        return [], 0
+    size = path.stat().st_size
+    if offset > size:  # the file was replaced: start again
+        offset = 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+    end = chunk.rfind(b"\n") + 1
+    rows = []
+    for line in chunk[:end].splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            rows.append(_finite(obj))
+    return rows, offset + end
+
+
+def _finite(value: Any) -> Any:
+    """JSON without NaN/inf (the browser's JSON.parse rejects them): they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def run_paths(run_dir: Path) -> tuple[Path, Path | None]:
+    """The store and the policy's directory of a run, from RUN_DIR/config.json
+    (as the loop wrote it; ``lightning show`` finds the model the same way).
+    Without a config: RUN_DIR/lightning.db and no model (token ids shown)."""
+    config = run_dir / "config.json"
+    if not config.exists():
+        return run_dir / "lightning.db", None
+    from lightning.config import RunConfig
+
+    cfg = RunConfig.model_validate_json(config.read_text())
+    db = Path(cfg.gateway.db) if cfg.gateway.db else run_dir / "lightning.db"
+    return db, cfg.model.resolve()
+
+
+class View:
+    """The store (opened lazily: a run may not have written it yet) and the
+    tokenizer; every method returns JSON-ready data. Reads are serialised by a
+    lock, so one reader connection serves every request thread."""
+
+    def __init__(
+        self, db: Path, metrics: Path | None = None, tokenizer: Decoder | None = None
+    ) -> None:
+        self.db = db
+        self.metrics_path = metrics
+        self.tokenizer = tokenizer
+        self._store: tuple[Store, StoreReader] | None = None
+        self._lock = threading.Lock()
+
+    def _read(self, fn: Callable[[Store, StoreReader], Any]) -> Any:
+        """``fn(store, reader)`` under the lock; None while there is no store yet.
+        ``Store`` gives the typed records and the merge, ``StoreReader`` (the same
+        Rust reader) the rollout rows by id and mode, and the events as stored."""
+        with self._lock:
+            if self._store is None:
+                if not self.db.exists():
+                    return None
+                self._store = (Store(self.db), StoreReader(self.db))
+            return fn(*self._store)
+
+    def _pieces(self, ids: Sequence[int]) -> list[str]:
+        ids = [int(i) for i in ids]
+        if self.tokenizer is None:
+            return [f"⟨{i}⟩" for i in ids]
+        return decode_pieces(ids, self.tokenizer.decode)
+
+    # ------------------------------------------------------------ run-level
+
+    def metrics(self, offset: int) -> dict[str, Any]:
+        if self.metrics_path is None:
+            return {"rows": [], "offset": 0, "file": None}
+        rows, nxt = read_metrics(self.metrics_path, offset)
+        return {"rows": rows, "offset": nxt, "file": str(self.metrics_path)}
+
+    def summary(self) -> dict[str, Any]:
+        """Rollouts per mode and status (in flight = not finished), and the sources."""
+        rows = self._read(lambda _, r: r.rollouts())
+        counts: dict[str, dict[str, int]] = {}
+        for r in rows or []:
+            per = counts.setdefault(r.get("mode") or "-", {})
+            status = r.get("status") or "-"
+            per[status] = per.get(status, 0) + 1
+        return {
+            "db": str(self.db),
+            "store": rows is not None,
+            "metrics": str(self.metrics_path) if self.metrics_path else None,
+            "decoded": self.tokenizer is not None,
+            "rollouts": len(rows or []),
+            "by_mode": counts,
+        }
+
+    def rollouts(
+        self,
+        after: str | None = None,
+        limit: int = 50,
+        status: str | None = None,
+        mode: str | None = None,
+        group: str | None = None,
+    ) -> dict[str, Any]:
+        """One page of rollouts in creation order, starting after rollout ``after``."""
+        limit = max(1, min(limit, PAGE_MAX))
+        rows = self._read(lambda _, r: r.rollouts(group=group, status=status, mode=mode))
+        rows = rows or []
+        start = 0
+        if after:
+            start = next((i + 1 for i, r in enumerate(rows) if r["rollout_id"] == after), 0)
+        page = rows[start : start + limit]
+        out = [_rollout_row(r) for r in page]
+        more = start + limit < len(rows)
+        return {"rollouts": out, "next": out[-1]["rollout_id"] if more and out else None}
+
+    # ------------------------------------------------------------ one rollout
+
+    def rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        """A rollout's calls (prompt and completion decoded from the exact ids,
+        logprob per generated token), its merged samples with their split points
+        and drift causes, its reward, events and weight versions."""
+
+        def read(s: Store, reader: StoreReader) -> Any:
+            info = reader.rollouts([rollout_id])
+            if not info:
+                return None
+            records = s.records(rollout_id)
+            # Drift causes need the policy's own tokenizer (a plain decoder leaves them unclassified).
+            tok = self.tokenizer if isinstance(self.tokenizer, Tokenizer) else None
+            merged = s.step([rollout_id], tokenizer=tok)
+            events = reader.events(rollout_id)
+            return info[0], records, merged, events
+
+        got = self._read(read)
+        if got is None:
+            return None
+        info, records, merged, events = got
+        calls = []
+        for r in records:
+            completion = [] if r.completion_ids is None else [int(t) for t in r.completion_ids]
+            lps = [] if r.logprobs is None else [_num(x) for x in r.logprobs]
+            calls.append(
+                {
+                    "seq": r.seq,
+                    "kind": r.kind,
+                    "status": r.status,
+                    "flags": r.flags,
+                    "delivered": r.delivered,
+                    "finish_reason": r.finish_reason,
+                    "weight_version": r.weight_version,
+                    "upstream": r.upstream,
+                    "latency_ms": r.latency_ms,
+                    "trainable": r.trainable,
+                    "prompt": self._pieces([] if r.prompt_ids is None else r.prompt_ids),
+                    "prompt_ids": [] if r.prompt_ids is None else [int(t) for t in r.prompt_ids],
+                    "completion": self._pieces(completion),
+                    "completion_ids": completion,
+                    "logprobs": lps,
+                }
+            )
+        samples = []
+        for smp in merged.samples:
+            if smp.rollout_id != rollout_id:
+                continue
+            tokens = [int(t) for t in smp.tokens]
+            samples.append(
+                {
+                    "tokens": tokens,
+                    "pieces": self._pieces(tokens),
+                    "weights": [float(w) for w in smp.weights],
+                    "logprobs": [_num(x) for x in smp.logprobs],
+                    "call_index": [int(c) for c in smp.call_index],
+                    "weight_version": [int(v) for v in smp.weight_version],
+                }
+            )
+        divergences = [
+            {
+                "call_index": d.call_index,
+                "left_call_index": d.left_call_index,
+                "position": d.position,
+                "kind": d.kind,
+            }
+            for d in merged.divergences
+            if d.rollout_id == rollout_id
+        ]
+        return {
+            "rollout": _rollout_row(info),
+            "calls": calls,
+            "samples": samples,
+            "divergences": divergences,
+            "stats": merged.stats.as_dict(),
+            "events": [
+                {"seq": seq, "type": kind, "data": _json(data), "created": created}
+                for seq, kind, data, created in events
+            ],
+            "decoded": self.tokenizer is not None,
+        }
+
+    def group(self, group: str) -> dict[str, Any]:
+        """The group's rollouts, highest reward first (unrewarded last)."""
+        rows = self._read(lambda _, r: r.rollouts(group=group)) or []
+        rows = sorted(rows, key=lambda r: -r["reward"] if r["reward"] is not None else math.inf)
+        return {"group": group, "rollouts": [_rollout_row(r) for r in rows]}
+
+    def compare(self, a: str, b: str) -> dict[str, Any] | None:
+        """Two rollouts' first merged samples and the first position they differ at
+        (None when one is a prefix of the other and they are the same length)."""
+        left, right = self.rollout(a), self.rollout(b)
+        if left is None or right is None:
+            return None
+        ta = left["samples"][0]["tokens"] if left["samples"] else []
+        tb = right["samples"][0]["tokens"] if right["samples"] else []
+        return {"a": left, "b": right, "first_diff": first_difference(ta, tb)}
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where ``a`` and ``b`` differ (the shorter length when
+    one is a proper prefix of the other); None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _rollout_row(r: dict[str, Any]) -> dict[str, Any]:
+    row = {k: v for k, v in r.items() if k != "task_json"}
+    if "task_json" in r:
+        row["task"] = _json(r["task_json"])
+    row["reward"] = _num(row.get("reward"))
+    return _finite(row)
+
+
+def _json(text: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _num(x: Any) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None

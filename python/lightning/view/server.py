@@ -1,0 +1,228 @@
+"""``lightning view RUN_DIR`` (or ``--db gateway.db``): a live web view of a run
+or of a production store, served locally, read-only.
+
+Why this shape: the store's reader is Rust (``_core.StoreReader``, reached
+through the binding, GIL released), so the server side only routes requests to
+it and turns its rows into JSON. That shell is thin, and starlette + uvicorn
+(already the embedded engine's server) keep it a page of routes, with no second
+server in Rust to keep in step with the store's ongoing restructuring. The page
+is plain HTML/CSS/JS with hand-drawn SVG charts (``static/``, shipped in the
+package): a few line charts do not need a charting library, and none means
+nothing to vendor, nothing fetched from a CDN, and nothing to keep up to date.
+
+Safety: loopback only by default. Any other ``--host`` needs an admin key
+(``--admin-key`` or ``LIGHTNING_VIEW_KEY``), checked on every request (header
+``Authorization: Bearer KEY`` or ``x-api-key``, or ``?key=`` for the page
+itself). Every route is a GET and the store is opened read-only: the view
+cannot change it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lightning.view.data import PAGE_MAX, Decoder, View, run_paths
+
+STATIC = Path(__file__).resolve().parent / "static"
+ASSETS = {"view.js": "text/javascript", "view.css": "text/css"}
+KEY_ENV = "LIGHTNING_VIEW_KEY"
+
+
+class AdminKey:
+    """Refuses every request without the admin key (401), the page included."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            req = Request(scope)
+            auth = req.headers.get("authorization", "")
+            given = (
+                auth.removeprefix("Bearer ")
+                if auth.startswith("Bearer ")
+                else req.headers.get("x-api-key") or req.query_params.get("key") or ""
+            )
+            if not hmac.compare_digest(given.encode(), self.key.encode()):
+                await JSONResponse({"error": "admin key required"}, status_code=401)(
+                    scope, receive, send
+                )
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(view: View, admin_key: str | None = None) -> ASGIApp:
+    """The view's ASGI app: the page, its assets and the read-only JSON API."""
+
+    async def page(_: Request) -> Response:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    async def asset(req: Request) -> Response:
+        name = req.path_params["name"]
+        if name not in ASSETS:
+            return JSONResponse({"error": f"no asset {name!r}"}, status_code=404)
+        return FileResponse(STATIC / name, media_type=ASSETS[name])
+
+    async def summary(_: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(view.summary))
+
+    async def metrics(req: Request) -> Response:
+        offset = _int(req.query_params.get("offset"), 0)
+        return JSONResponse(await run_in_threadpool(view.metrics, offset))
+
+    async def rollouts(req: Request) -> Response:
+        q = req.query_params
+        page_ = await run_in_threadpool(
+            view.rollouts,
+            q.get("after") or None,
+            _int(q.get("limit"), 50, hi=PAGE_MAX),
+            q.get("status") or None,
+            q.get("mode") or None,
+            q.get("group") or None,
+        )
+        return JSONResponse(page_)
+
+    async def rollout(req: Request) -> Response:
+        rid = req.path_params["rollout_id"]
+        got = await run_in_threadpool(view.rollout, rid)
+        if got is None:
+            return JSONResponse({"error": f"no rollout {rid!r} in the store"}, status_code=404)
+        return JSONResponse(got)
+
+    async def group(req: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(view.group, req.path_params["group"]))
+
+    async def compare(req: Request) -> Response:
+        a, b = req.query_params.get("a", ""), req.query_params.get("b", "")
+        got = await run_in_threadpool(view.compare, a, b)
+        if got is None:
+            return JSONResponse({"error": f"no rollout {a!r} or {b!r}"}, status_code=404)
+        return JSONResponse(got)
+
+    app: ASGIApp = Starlette(
+        routes=[
+            Route("/", page, methods=["GET"]),
+            Route("/static/{name}", asset, methods=["GET"]),
+            Route("/api/summary", summary, methods=["GET"]),
+            Route("/api/metrics", metrics, methods=["GET"]),
+            Route("/api/rollouts", rollouts, methods=["GET"]),
+            Route("/api/rollouts/{rollout_id:path}", rollout, methods=["GET"]),
+            Route("/api/groups/{group:path}", group, methods=["GET"]),
+            Route("/api/compare", compare, methods=["GET"]),
+        ]
+    )
+    if admin_key:
+        app = AdminKey(app, admin_key)
+    return app
+
+
+def _int(text: str | None, default: int, hi: int | None = None) -> int:
+    try:
+        value = int(text) if text is not None else default
+    except ValueError:
+        value = default
+    value = max(0, value)
+    return min(value, hi) if hi is not None else value
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_view(run_dir: str | None, db: str | None, model: str | None) -> View:
+    """The view of RUN_DIR (its store, metrics and policy tokenizer) or of a
+    standalone store (``db``; tokens shown as ids unless ``model`` is given)."""
+    from lightning import Tokenizer
+
+    if run_dir is not None:
+        root = Path(run_dir)
+        if not root.is_dir():
+            raise FileNotFoundError(f"run dir {run_dir} does not exist")
+        run_db, run_model = run_paths(root)
+        store = Path(db) if db else run_db
+        metrics: Path | None = root / "metrics.jsonl"
+        model_dir = Path(model) if model else run_model
+    else:
+        assert db is not None
+        store, metrics, model_dir = Path(db), None, Path(model) if model else None
+    tokenizer: Decoder | None = Tokenizer.from_dir(model_dir) if model_dir else None
+    return View(store, metrics, tokenizer)
+
+
+def main(argv: list[str]) -> int:
+    """``lightning view (RUN_DIR | --db PATH) [--host H] [--port P]``."""
+    p = argparse.ArgumentParser(
+        prog="lightning view",
+        description="Serve a live, read-only web view of a run (RUN_DIR) or a gateway store (--db).",
+    )
+    p.add_argument(
+        "run_dir", nargs="?", help="run directory (its store, metrics.jsonl, config.json)"
+    )
+    p.add_argument(
+        "--db", help="gateway store (SQLite file); default: the run's (RUN_DIR/lightning.db)"
+    )
+    p.add_argument(
+        "--model", help="model dir for the tokenizer (default: from RUN_DIR/config.json)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8765, help="listen port (default 8765; 0 picks one)")
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get(KEY_ENV),
+        help=f"required on every request; needed for a non-loopback --host (env {KEY_ENV})",
+    )
+    args = p.parse_args(argv)
+    if args.run_dir is None and args.db is None:
+        p.error("give a RUN_DIR or --db PATH")
+    if not is_loopback(args.host) and not args.admin_key:
+        print(
+            f"lightning view: --host {args.host} is reachable from other machines; "
+            f"give --admin-key KEY (or set {KEY_ENV}), or keep the default 127.0.0.1",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        view = build_view(args.run_dir, args.db, args.model)
+    except FileNotFoundError as e:
+        print(f"lightning view: {e}", file=sys.stderr)
+        return 2
+    import socket
+
+    import uvicorn
+
+    # Bind first, so the printed URL names the real port (also for --port 0).
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        print(f"lightning view: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    config = uvicorn.Config(create_app(view, args.admin_key), log_level="warning")
+    print(
+        f"[lightning] view of {view.db} on http://{host}:{port}/"
+        + ("?key=…" if args.admin_key else ""),
+        flush=True,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0

@@ -1,0 +1,248 @@
+// lightning view: polls the read-only JSON API and draws with plain DOM + SVG.
+"use strict";
+const KEY = new URLSearchParams(location.search).get("key");
+const POLL_MS = 1500;
+const state = { offset: 0, rows: [], next: null, filters: "" };
+
+async function api(path) {
+  const headers = KEY ? { Authorization: "Bearer " + KEY } : {};
+  const r = await fetch(path, { headers });
+  if (!r.ok) throw new Error(path + ": " + r.status + " " + (await r.text()));
+  return r.json();
+}
+function el(tag, attrs, ...kids) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") e.className = v; else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+    else if (v !== undefined && v !== null) e.setAttribute(k, v);
+  }
+  for (const k of kids) if (k !== null && k !== undefined) e.append(k);
+  return e;
+}
+const fmt = (x) => (x === null || x === undefined ? "–" : Math.abs(x) >= 100 || x === Math.round(x) ? String(+x.toFixed(1)) : String(+x.toPrecision(3)));
+
+// ---------------------------------------------------------------- charts
+// Each chart: title and the series it draws; keys as a list or a RegExp over the row keys.
+const CHARTS = [
+  { id: "reward", title: "reward", keys: ["reward_mean", "eval_reward"], ci: ["eval_reward", "eval_ci_low", "eval_ci_high"] },
+  { id: "loss", title: "loss", keys: ["loss", "policy_loss"] },
+  { id: "kl", title: "KL", keys: ["approx_kl", "gap_kl", "kl_penalty"] },
+  { id: "entropy", title: "entropy", keys: /^entropy/ },
+  { id: "staleness", title: "staleness", keys: /stale/ },
+  { id: "idle", title: "idle fraction", keys: /idle_frac$/ },
+];
+const COLORS = ["#4c78a8", "#e45756", "#54a24b", "#b279a2", "#f58518", "#72b7b2"];
+const SVGNS = "http://www.w3.org/2000/svg";
+function svg(tag, attrs) {
+  const e = document.createElementNS(SVGNS, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  return e;
+}
+function keysOf(spec, rows) {
+  if (Array.isArray(spec.keys)) return spec.keys.filter((k) => rows.some((r) => typeof r[k] === "number"));
+  const seen = new Set();
+  for (const r of rows) for (const k in r) if (spec.keys.test(k) && typeof r[k] === "number") seen.add(k);
+  return [...seen].sort();
+}
+function drawCharts() {
+  const host = document.getElementById("charts");
+  const rows = state.rows;
+  document.getElementById("no-metrics").hidden = rows.length > 0;
+  for (const spec of CHARTS) {
+    const keys = keysOf(spec, rows);
+    let card = document.getElementById("chart-" + spec.id);
+    if (!keys.length) { if (card) card.remove(); continue; }
+    if (!card) {
+      card = el("div", { class: "chart", id: "chart-" + spec.id }, el("h3", {}, spec.title), svg("svg", { viewBox: "0 0 340 170", preserveAspectRatio: "none" }), el("div", { class: "legend" }));
+      host.append(card);
+    }
+    drawChart(card, spec, keys, rows);
+  }
+}
+function drawChart(card, spec, keys, rows) {
+  const W = 340, H = 170, L = 42, R = 8, T = 8, B = 22;
+  const plot = card.querySelector("svg");
+  plot.replaceChildren();
+  const step = (r, i) => (typeof r.step === "number" ? r.step : i);
+  const series = keys.map((k) => rows.map((r, i) => [step(r, i), r[k]]).filter((p) => typeof p[1] === "number"));
+  let ys = series.flat().map((p) => p[1]);
+  const ci = spec.ci && rows.filter((r) => typeof r[spec.ci[1]] === "number" && typeof r[spec.ci[2]] === "number");
+  if (ci) for (const r of ci) ys.push(r[spec.ci[1]], r[spec.ci[2]]);
+  const xs = series.flat().map((p) => p[0]);
+  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  if (x0 === x1) { x0 -= 1; x1 += 1; }
+  if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
+  const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
+  const X = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
+  const Y = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+  plot.append(svg("line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B }), svg("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }));
+  for (let i = 0; i <= 3; i++) {
+    const yv = y0 + ((y1 - y0) * i) / 3, xv = x0 + ((x1 - x0) * i) / 3;
+    const ty = svg("text", { class: "tick", x: 2, y: Y(yv) + 3 }); ty.textContent = fmt(yv); plot.append(ty);
+    const tx = svg("text", { class: "tick", x: X(xv) - 6, y: H - 6 }); tx.textContent = fmt(xv); plot.append(tx);
+  }
+  let n = 0;
+  const legend = card.querySelector(".legend");
+  legend.replaceChildren();
+  series.forEach((pts, i) => {
+    const color = COLORS[i % COLORS.length];
+    n += pts.length;
+    plot.append(svg("polyline", { points: pts.map((p) => X(p[0]) + "," + Y(p[1])).join(" "), fill: "none", stroke: color, "stroke-width": 1.8 }));
+    if (pts.length < 40 || keys[i] === "eval_reward") for (const p of pts) plot.append(svg("circle", { cx: X(p[0]), cy: Y(p[1]), r: 2.5, fill: color }));
+    const last = pts.length ? pts[pts.length - 1][1] : null;
+    legend.append(el("span", { style: "color:" + color }, keys[i] + " " + fmt(last)));
+  });
+  if (ci) {
+    const color = COLORS[keys.indexOf(spec.ci[0]) % COLORS.length];
+    for (const r of ci) {
+      const x = X(step(r, rows.indexOf(r)));
+      plot.append(svg("line", { class: "ci", x1: x, x2: x, y1: Y(r[spec.ci[1]]), y2: Y(r[spec.ci[2]]), stroke: color, "stroke-width": 1.5 }));
+      plot.append(svg("line", { x1: x - 3, x2: x + 3, y1: Y(r[spec.ci[1]]), y2: Y(r[spec.ci[1]]), stroke: color }), svg("line", { x1: x - 3, x2: x + 3, y1: Y(r[spec.ci[2]]), y2: Y(r[spec.ci[2]]), stroke: color }));
+    }
+    if (ci.length) legend.append(el("span", { class: "muted" }, "| eval 95% interval"));
+  }
+  card.dataset.points = n;
+}
+
+// ---------------------------------------------------------------- rollout list
+function filterQuery() {
+  const q = new URLSearchParams();
+  for (const [id, k] of [["f-status", "status"], ["f-mode", "mode"], ["f-group", "group"]]) {
+    const v = document.getElementById(id).value.trim();
+    if (v) q.set(k, v);
+  }
+  return q;
+}
+function rolloutRow(r) {
+  return el("tr", { class: "rollout", "data-id": r.rollout_id, onclick: () => (location.hash = "#/rollout/" + encodeURIComponent(r.rollout_id)) },
+    el("td", {}, r.rollout_id), el("td", {}, r.group || ""), el("td", {}, r.mode || ""),
+    el("td", { class: "status-" + r.status }, r.status || ""), el("td", {}, fmt(r.reward)));
+}
+async function loadRollouts(append) {
+  const q = filterQuery();
+  q.set("limit", "50");
+  if (append && state.next) q.set("after", state.next);
+  const page = await api("api/rollouts?" + q);
+  const body = document.querySelector("#rollouts tbody");
+  if (!append) body.replaceChildren();
+  for (const r of page.rollouts) body.append(rolloutRow(r));
+  state.next = page.next;
+  document.getElementById("more").hidden = !page.next;
+}
+async function loadSummary() {
+  const s = await api("api/summary");
+  document.getElementById("source").textContent = s.db + (s.metrics ? " · " + s.metrics : "") + (s.decoded ? "" : " · no tokenizer: token ids shown");
+  const statuses = [...new Set(Object.values(s.by_mode).flatMap((m) => Object.keys(m)))].sort();
+  const head = el("tr", {}, el("th", {}, "mode"), ...statuses.map((st) => el("th", {}, st === "running" || st === "queued" ? st + " (in flight)" : st)));
+  const rows = Object.entries(s.by_mode).map(([mode, per]) => el("tr", {}, el("td", {}, mode), ...statuses.map((st) => el("td", { class: "status-" + st }, String(per[st] || 0)))));
+  const t = el("table", { id: "counts-table" }, el("thead", {}, head), el("tbody", {}, ...rows));
+  document.getElementById("counts").replaceChildren(s.store ? t : el("p", { class: "muted" }, "No store yet at " + s.db));
+}
+
+// ---------------------------------------------------------------- tokens
+function lpColor(lp) {
+  if (lp === null || lp === undefined) return "#e5e7eb";
+  const p = Math.exp(Math.min(0, lp));
+  return "hsl(" + Math.round(120 * p) + ",75%,82%)";
+}
+// Token spans: generated tokens (weights > 0, or all of a completion) coloured by logprob.
+function tokenSpans(pieces, opts) {
+  const box = el("div", { class: "tokens" });
+  const splits = new Map((opts.splits || []).map((d) => [d.position, d]));
+  pieces.forEach((piece, i) => {
+    const d = splits.get(i);
+    if (d) box.append(el("span", { class: "split-label", title: "call " + d.call_index + " left call " + d.left_call_index + "'s path at token " + i }, "✂ " + d.kind));
+    const gen = opts.gen ? opts.gen[i] : true;
+    const lp = opts.logprobs ? opts.logprobs[i] : null;
+    const title = ["id " + opts.ids[i], gen && lp !== null && lp !== undefined ? "logprob " + lp.toFixed(3) : null, opts.versions && opts.versions[i] >= 0 ? "weights v" + opts.versions[i] : null, opts.calls && opts.calls[i] >= 0 ? "call " + opts.calls[i] : null].filter(Boolean).join(" · ");
+    let cls = "tok " + (gen ? "gen" : "ctx") + (d ? " split" : "");
+    if (opts.diff !== undefined && opts.diff !== null) cls += i === opts.diff ? " diff" : i > opts.diff ? " after-diff" : "";
+    box.append(el("span", { class: cls, "data-i": i, "data-id": opts.ids[i], title, style: gen ? "background:" + lpColor(lp) : null }, piece));
+  });
+  return box;
+}
+function sampleView(s, divs, diff) {
+  return tokenSpans(s.pieces, { ids: s.tokens, gen: s.weights.map((w) => w > 0), logprobs: s.logprobs, versions: s.weight_version, calls: s.call_index, splits: divs.filter((d) => d.position < s.tokens.length), diff });
+}
+function rolloutHeader(d) {
+  const r = d.rollout;
+  const versions = [...new Set(d.calls.map((c) => c.weight_version))];
+  return el("div", {},
+    el("h2", {}, "rollout " + r.rollout_id),
+    el("p", {}, el("span", { class: "pill" }, "reward " + fmt(r.reward)), el("span", { class: "pill status-" + r.status }, r.status), el("span", { class: "pill" }, "mode " + (r.mode || "–")),
+      r.group ? el("a", { class: "pill", href: "#/group/" + encodeURIComponent(r.group) }, "group " + r.group) : null,
+      el("span", { class: "pill" }, d.calls.length + " calls"), el("span", { class: "pill" }, "weights v" + versions.join(", v")),
+      el("span", { class: "pill" }, d.samples.length + " samples"), el("span", { class: "pill" }, d.divergences.length + " splits")),
+    r.task !== undefined ? el("details", {}, el("summary", {}, "task"), el("pre", {}, JSON.stringify(r.task, null, 2))) : null);
+}
+async function showRollout(id) {
+  const d = await api("api/rollouts/" + encodeURIComponent(id));
+  const box = document.getElementById("detail");
+  const samples = el("div", { id: "samples" }, el("h3", {}, "merged samples (what trains: grey context, generated tokens coloured by logprob, ✂ split points with their drift cause)"));
+  d.samples.forEach((s, i) => samples.append(el("h4", {}, "sample " + i + " · " + s.tokens.length + " tokens"), sampleView(s, d.divergences)));
+  if (d.divergences.length) samples.append(el("ul", {}, ...d.divergences.map((v) => el("li", {}, "call " + v.call_index + " left call " + v.left_call_index + "'s path at token " + v.position + ": " + v.kind))));
+  const calls = el("div", { id: "calls" }, el("h3", {}, "calls (exact ids, decoded" + (d.decoded ? "" : ": no tokenizer, ids shown") + ")"));
+  d.calls.forEach((c, i) => calls.append(el("div", { class: "call" },
+    el("h4", {}, "call " + i + " · seq " + c.seq + " · " + c.kind + " · weights v" + c.weight_version + " · " + c.status + (c.finish_reason ? " · " + c.finish_reason : "") + (c.flags.length ? " · " + c.flags.join(",") : "") + " · " + fmt(c.latency_ms) + " ms"),
+    el("details", {}, el("summary", {}, "prompt · " + c.prompt.length + " tokens"), tokenSpans(c.prompt, { ids: c.prompt_ids, gen: c.prompt.map(() => false) })),
+    tokenSpans(c.completion, { ids: c.completion_ids, logprobs: c.logprobs }))));
+  const events = d.events.length ? el("details", {}, el("summary", {}, d.events.length + " events"), el("pre", {}, JSON.stringify(d.events, null, 1))) : null;
+  box.replaceChildren(rolloutHeader(d), samples, calls, events);
+}
+async function showGroup(g) {
+  const grp = await api("api/groups/" + encodeURIComponent(g));
+  const ids = grp.rollouts.slice(0, 8).map((r) => r.rollout_id);
+  const cols = await Promise.all(ids.map((id) => api("api/rollouts/" + encodeURIComponent(id))));
+  const box = document.getElementById("detail");
+  box.replaceChildren(el("h2", {}, "group " + g + " · " + grp.rollouts.length + " rollouts, highest reward first" + (grp.rollouts.length > 8 ? " (first 8)" : "")),
+    el("div", { class: "side", id: "group-cols" }, ...cols.map((d) => el("div", { class: "col" },
+      el("h3", {}, el("a", { href: "#/rollout/" + encodeURIComponent(d.rollout.rollout_id) }, d.rollout.rollout_id), " · reward " + fmt(d.rollout.reward)),
+      ...d.samples.map((s) => sampleView(s, d.divergences))))));
+}
+async function showCompare(a, b) {
+  const c = await api("api/compare?a=" + encodeURIComponent(a) + "&b=" + encodeURIComponent(b));
+  const col = (d) => el("div", { class: "col" }, el("h3", {}, el("a", { href: "#/rollout/" + encodeURIComponent(d.rollout.rollout_id) }, d.rollout.rollout_id), " · reward " + fmt(d.rollout.reward)),
+    d.samples.length ? sampleView(d.samples[0], d.divergences, c.first_diff) : el("p", { class: "muted" }, "no trainable calls"));
+  document.getElementById("detail").replaceChildren(
+    el("h2", {}, "compare"), el("p", { id: "first-diff" }, c.first_diff === null ? "identical first samples" : "first diverging token: position " + c.first_diff + " (outlined red)"),
+    el("div", { class: "side" }, col(c.a), col(c.b)));
+}
+
+// ---------------------------------------------------------------- routing and polling
+async function route() {
+  const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
+  const detail = document.getElementById("detail");
+  detail.hidden = !parts[0];
+  try {
+    if (parts[0] === "rollout") await showRollout(parts.slice(1).join("/"));
+    else if (parts[0] === "group") await showGroup(parts.slice(1).join("/"));
+    else if (parts[0] === "compare") await showCompare(parts[1], parts[2]);
+    if (parts[0]) detail.scrollIntoView();
+  } catch (e) {
+    detail.replaceChildren(el("p", { class: "status-failed" }, String(e)));
+  }
+}
+async function poll() {
+  try {
+    const m = await api("api/metrics?offset=" + state.offset);
+    if (m.offset < state.offset) state.rows = [];
+    state.offset = m.offset;
+    if (m.rows.length || !state.drawn) { state.rows.push(...m.rows); drawCharts(); state.drawn = true; }
+    await loadSummary();
+    if (!state.next || document.querySelectorAll("#rollouts tbody tr").length <= 50) await loadRollouts(false);
+    const live = document.getElementById("live");
+    live.textContent = "live · " + state.rows.length + " steps · updated " + new Date().toLocaleTimeString();
+    live.dataset.steps = state.rows.length;
+  } catch (e) {
+    document.getElementById("live").textContent = "offline: " + e.message;
+  }
+  setTimeout(poll, POLL_MS);
+}
+document.getElementById("more").addEventListener("click", () => loadRollouts(true));
+for (const id of ["f-status", "f-mode", "f-group"]) document.getElementById(id).addEventListener("change", () => loadRollouts(false));
+document.getElementById("cmp-go").addEventListener("click", () => {
+  location.hash = "#/compare/" + encodeURIComponent(document.getElementById("cmp-a").value.trim()) + "/" + encodeURIComponent(document.getElementById("cmp-b").value.trim());
+});
+window.addEventListener("hashchange", route);
+poll();
+route();

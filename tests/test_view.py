@@ -1,0 +1,244 @@
+"""`lightning view`: the JSON API over a store written by a real gateway (the fake
+engine behind it), the live metrics, paging, the admin key and read-only-ness."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from fake_vllm import FakeEngine
+from lightning.view.data import View, first_difference, read_metrics
+from lightning.view.server import create_app, is_loopback, main
+from view_run import ByteDecoder, append_metrics, record_run
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, list[str]]]]:
+    engine = FakeEngine("S")
+    try:
+        run_dir = tmp_path_factory.mktemp("view") / "run"
+        yield run_dir, record_run(engine.url, run_dir)
+    finally:
+        engine.stop()
+
+
+@pytest.fixture()
+def client(run: Any) -> Iterator[TestClient]:
+    run_dir, _ = run
+    view = View(run_dir / "lightning.db", run_dir / "metrics.jsonl", ByteDecoder())
+    with TestClient(create_app(view)) as c:
+        yield c
+
+
+def test_page_and_assets_are_served_from_the_package(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert 'src="static/view.js"' in page.text and "http" not in page.text.split("<body>")[1]
+    js = client.get("/static/view.js")
+    assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+    assert "fetch(" in js.text and "cdn" not in js.text.lower()
+    assert client.get("/static/view.css").status_code == 200
+    assert client.get("/static/..%2Fserver.py").status_code == 404
+
+
+def test_metrics_are_read_from_an_offset_and_follow_appends(client: TestClient, run: Any) -> None:
+    first = client.get("/api/metrics").json()
+    assert [r["step"] for r in first["rows"]] == [1, 2, 3]
+    assert first["rows"][1]["eval_ci_low"] == 0.2
+    again = client.get(f"/api/metrics?offset={first['offset']}").json()
+    assert again["rows"] == [] and again["offset"] == first["offset"]
+    path = run[0] / "metrics.jsonl"
+    before = path.read_bytes()
+    try:
+        append_metrics(run[0], range(4, 5))
+        with open(path, "a") as f:
+            f.write('{"step": 5, "loss": Na')  # half-written: left for the next poll
+        more = client.get(f"/api/metrics?offset={first['offset']}").json()
+        assert [r["step"] for r in more["rows"]] == [4]
+        assert more["offset"] == len(before) + len(path.read_bytes().splitlines(True)[3])
+    finally:
+        path.write_bytes(before)
+
+
+def test_nan_in_metrics_becomes_null(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "loss": NaN, "x": [Infinity, 1.5]}\n')
+    rows, offset = read_metrics(path)
+    assert rows == [{"step": 1, "loss": None, "x": [None, 1.5]}] and offset == path.stat().st_size
+
+
+def test_summary_counts_rollouts_per_mode_and_status(client: TestClient) -> None:
+    s = client.get("/api/summary").json()
+    assert s["store"] is True and s["decoded"] is True and s["rollouts"] == 4
+    statuses = {k: v for per in s["by_mode"].values() for k, v in per.items()}
+    assert statuses.pop("succeeded") == 3
+    assert sum(statuses.values()) == 1  # g1's rollout, still in flight
+    assert set(statuses) <= {"queued", "running"}
+
+
+def test_rollouts_page_with_after_and_limit(client: TestClient, run: Any) -> None:
+    _, ids = run
+    everyone = ids["g0"] + ids["g1"]
+    first = client.get("/api/rollouts?limit=3").json()
+    assert [r["rollout_id"] for r in first["rollouts"]] == everyone[:3]
+    assert first["next"] == everyone[2]
+    rest = client.get(f"/api/rollouts?limit=3&after={first['next']}").json()
+    assert [r["rollout_id"] for r in rest["rollouts"]] == everyone[3:] and rest["next"] is None
+    done = client.get("/api/rollouts?status=succeeded").json()["rollouts"]
+    assert [r["rollout_id"] for r in done] == ids["g0"]
+    assert [r["reward"] for r in done] == [1.0, 0.0, 0.5]
+    g1 = client.get("/api/rollouts?group=g1").json()["rollouts"]
+    assert [r["rollout_id"] for r in g1] == ids["g1"] and g1[0]["task"] == {"task": "g1 task"}
+
+
+def test_a_rollout_decodes_its_calls_and_shows_samples_and_splits(
+    client: TestClient, run: Any
+) -> None:
+    _, ids = run
+    d = client.get(f"/api/rollouts/{ids['g0'][1]}").json()
+    assert d["rollout"]["reward"] == 0.0 and d["decoded"] is True
+    assert len(d["calls"]) == 2
+    first = d["calls"][0]
+    assert "g0-1 [[len:12]]" in "".join(first["prompt"])
+    assert len(first["completion"]) == len(first["completion_ids"]) == len(first["logprobs"]) == 12
+    assert all(lp is not None and lp <= 0 for lp in first["logprobs"])
+    assert [c["weight_version"] for c in d["calls"]] == [1, 1]
+    # The harness sent its first answer back upper-cased: the second call's prompt
+    # leaves the first call's path, so there are two samples and one split point.
+    assert len(d["samples"]) == 2 and len(d["divergences"]) == 1
+    split = d["divergences"][0]
+    assert split["call_index"] == 1 and split["left_call_index"] == 0
+    assert split["kind"] == "unclassified"  # a plain decoder, not the policy's Tokenizer
+    s0 = d["samples"][0]
+    assert s0["tokens"][: split["position"]] == d["samples"][1]["tokens"][: split["position"]]
+    generated = [p for p, w in zip(s0["pieces"], s0["weights"], strict=True) if w > 0]
+    assert "".join(generated) == "".join(first["completion"])
+    assert {v for v, w in zip(s0["weight_version"], s0["weights"], strict=True) if w > 0} == {1}
+    later = client.get(f"/api/rollouts/{ids['g0'][2]}").json()
+    assert {c["weight_version"] for c in later["calls"]} == {2}
+    assert client.get("/api/rollouts/nope").status_code == 404
+
+
+def test_without_a_tokenizer_ids_are_shown(run: Any) -> None:
+    run_dir, ids = run
+    with TestClient(create_app(View(run_dir / "lightning.db"))) as c:
+        d = c.get(f"/api/rollouts/{ids['g0'][0]}").json()
+        assert d["decoded"] is False
+        call = d["calls"][0]
+        assert call["completion"] == [f"⟨{i}⟩" for i in call["completion_ids"]]
+        assert c.get("/api/metrics").json() == {"rows": [], "offset": 0, "file": None}
+
+
+def test_group_is_sorted_by_reward_and_compare_marks_the_first_difference(
+    client: TestClient, run: Any
+) -> None:
+    _, ids = run
+    g = client.get("/api/groups/g0").json()
+    assert [r["reward"] for r in g["rollouts"]] == [1.0, 0.5, 0.0]
+    a, b = ids["g0"][0], ids["g0"][1]
+    c = client.get(f"/api/compare?a={a}&b={b}").json()
+    ta, tb = c["a"]["samples"][0]["tokens"], c["b"]["samples"][0]["tokens"]
+    i = c["first_diff"]
+    assert ta[:i] == tb[:i] and ta[i] != tb[i]
+    assert client.get(f"/api/compare?a={a}&b=nope").status_code == 404
+    assert first_difference([1, 2], [1, 2]) is None and first_difference([1, 2], [1]) == 1
+
+
+def test_no_route_writes_and_the_store_is_unchanged(client: TestClient, run: Any) -> None:
+    db = run[0] / "lightning.db"
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    rid = run[1]["g0"][0]
+    for path in ("/api/rollouts", f"/api/rollouts/{rid}", "/api/summary", "/api/metrics"):
+        for method in ("POST", "PUT", "DELETE", "PATCH"):
+            assert client.request(method, path).status_code == 405, (method, path)
+    client.get(f"/api/rollouts/{rid}")
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
+
+
+def test_admin_key_is_checked_on_every_request(run: Any) -> None:
+    run_dir, _ = run
+    app = create_app(View(run_dir / "lightning.db", run_dir / "metrics.jsonl"), admin_key="s3cret")
+    with TestClient(app) as c:
+        for path in ("/", "/static/view.js", "/api/summary", "/api/rollouts"):
+            assert c.get(path).status_code == 401
+            assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/api/summary", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/api/summary", headers={"x-api-key": "s3cret"}).status_code == 200
+        assert c.get("/?key=s3cret").status_code == 200
+
+
+def test_a_store_not_yet_written_is_waited_for(tmp_path: Path) -> None:
+    with TestClient(create_app(View(tmp_path / "later.db", tmp_path / "m.jsonl"))) as c:
+        s = c.get("/api/summary").json()
+        assert s["store"] is False and s["rollouts"] == 0
+        assert c.get("/api/rollouts").json() == {"rollouts": [], "next": None}
+    assert not (tmp_path / "later.db").exists()
+
+
+def test_cli_refuses_a_public_host_without_a_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LIGHTNING_VIEW_KEY", raising=False)
+    assert main([str(tmp_path), "--host", "0.0.0.0"]) == 2
+    assert "--admin-key" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.com")
+
+
+def test_the_command_serves_a_store_read_only(run: Any) -> None:
+    """`lightning view --db PATH --port 0`: the printed URL answers; the store is unchanged."""
+    run_dir, ids = run
+    db = run_dir / "lightning.db"
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    exe = Path(sys.executable).with_name("lightning")
+    with subprocess.Popen(
+        [str(exe), "view", "--db", str(db), "--port", "0"], stdout=subprocess.PIPE, text=True
+    ) as proc:
+        check_served(proc, ids)
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
+
+
+def check_served(proc: subprocess.Popen[str], ids: dict[str, list[str]]) -> None:
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        url = re.search(r"http://\S+/", line)
+        assert url, line
+        s = httpx.get(url.group(0) + "api/summary", timeout=10).json()
+        assert s["rollouts"] == 4 and s["decoded"] is False and s["metrics"] is None
+        page = httpx.get(url.group(0) + f"api/rollouts/{ids['g0'][0]}", timeout=10).json()
+        assert page["calls"][0]["completion"][0].startswith("⟨")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_run_dir_names_its_store_and_model(tmp_path: Path) -> None:
+    from lightning.config import RunConfig
+    from lightning.view.data import run_paths
+
+    assert run_paths(tmp_path) == (tmp_path / "lightning.db", None)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": str(model)},
+            "tasks": {"train": "t.jsonl"},
+            "harness": {"command": ["true"]},
+            "gateway": {"db": "/x/g.db"},
+        }
+    )
+    (tmp_path / "config.json").write_text(cfg.model_dump_json())
+    assert run_paths(tmp_path) == (Path("/x/g.db"), model)

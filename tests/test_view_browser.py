@@ -1,0 +1,136 @@
+"""`lightning view` in a real browser: Debian's chromium, driven by Playwright
+(never a downloaded browser), against a store written by a real gateway. The
+page loads, its charts follow metrics lines as they land, a rollout opens with
+its tokens, a group and a comparison render; screenshots are kept in
+``$LIGHTNING_ARTIFACTS/view`` (else the test's tmp dir), printed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from fake_vllm import FakeEngine
+from gateways import wait_until
+from lightning.view.data import View
+from lightning.view.server import create_app
+from view_run import ByteDecoder, append_metrics, record_run
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium on PATH (.ci/run installs Debian's chromium)"
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Any]]:
+    """The view of a fresh run, served by uvicorn on a loopback port."""
+    engine = FakeEngine("S")
+    run_dir = tmp_path_factory.mktemp("view-browser") / "run"
+    try:
+        ids = record_run(engine.url, run_dir)
+    finally:
+        engine.stop()
+    view = View(run_dir / "lightning.db", run_dir / "metrics.jsonl", ByteDecoder())
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(view), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the view's server to start")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}/", run_dir, ids
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = os.environ.get("LIGHTNING_ARTIFACTS")
+    out = Path(root) / "view" if root else tmp_path_factory.mktemp("view-screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"\n[view] screenshots in {out}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def page(served: Any) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.errors = errors
+        yield page
+        browser.close()
+
+
+def points(page: Any, chart: str) -> int:
+    return int(page.get_attribute(f"#chart-{chart}", "data-points") or 0)
+
+
+def test_charts_update_live_as_steps_land(page: Any, served: Any, artifacts: Path) -> None:
+    url, run_dir, _ = served
+    page.goto(url)
+    page.wait_for_selector("#chart-reward[data-points]")
+    for chart in ("reward", "loss", "kl", "entropy", "staleness", "idle"):
+        assert page.is_visible(f"#chart-{chart}"), chart
+    before = points(page, "loss")
+    assert before == 3
+    assert page.locator("#chart-reward line.ci").count() == 1  # step 2's eval interval
+    page.screenshot(path=str(artifacts / "1-run-3-steps.png"), full_page=True)
+    append_metrics(run_dir, range(4, 8))
+    page.wait_for_function("document.querySelector('#chart-loss').dataset.points === '7'")
+    assert page.locator("#chart-reward line.ci").count() == 3
+    page.wait_for_function("document.querySelector('#live').dataset.steps === '7'")
+    assert page.locator("#rollouts tbody tr").count() == 4
+    assert "in flight" in page.inner_text("#counts")
+    page.screenshot(path=str(artifacts / "2-run-7-steps.png"), full_page=True)
+    assert page.errors == []
+
+
+def test_a_rollout_opens_with_its_tokens(page: Any, served: Any, artifacts: Path) -> None:
+    url, _, ids = served
+    page.goto(url)
+    rid = ids["g0"][1]
+    page.click(f'tr.rollout[data-id="{rid}"]')
+    page.wait_for_selector("#samples .tok.gen")
+    assert rid in page.inner_text("#detail h2")
+    # The first call's completion, decoded from its exact ids, is in the DOM as tokens.
+    from starlette.testclient import TestClient
+
+    view = View(served[1] / "lightning.db", tokenizer=ByteDecoder())
+    with TestClient(create_app(view)) as c:
+        completion = c.get(f"/api/rollouts/{rid}").json()["calls"][0]["completion"]
+    tokens = page.locator("#calls .call").first.locator(".tokens").last.locator(".tok")
+    assert tokens.all_inner_texts() == completion
+    assert tokens.first.get_attribute("style").startswith("background:hsl(")
+    assert "logprob" in (tokens.first.get_attribute("title") or "")
+    assert page.locator("#samples .split-label").count() == 2  # one split, in each sample
+    assert "unclassified" in page.inner_text("#samples")
+    page.screenshot(path=str(artifacts / "3-rollout.png"), full_page=True)
+    assert page.errors == []
+
+
+def test_group_and_compare_render(page: Any, served: Any, artifacts: Path) -> None:
+    url, _, ids = served
+    page.goto(url + "#/group/g0")
+    page.wait_for_selector("#group-cols .col .tok")
+    heads = page.locator("#group-cols .col h3").all_inner_texts()
+    assert [h.split("reward ")[1] for h in heads] == ["1", "0.5", "0"]
+    page.screenshot(path=str(artifacts / "4-group.png"), full_page=True)
+    a, b = ids["g0"][0], ids["g0"][1]
+    page.goto(url + f"#/compare/{a}/{b}")
+    page.wait_for_selector(".tok.diff")
+    assert page.locator(".tok.diff").count() == 2
+    assert "first diverging token" in page.inner_text("#first-diff")
+    page.screenshot(path=str(artifacts / "5-compare.png"), full_page=True)
+    assert page.errors == []
