@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,8 +16,8 @@ from lightning.rl.trainer import METRIC_KEYS, Trainer, TrainerConfig
 from samples import grpo_batch, make_sample
 
 
-def tiny_trainer(**kw: object) -> Trainer:
-    return Trainer({"model": str(tiny_model_dir()), "lr": 1e-3, **kw})
+def tiny_trainer(**kw: Any) -> Trainer:
+    return Trainer(TrainerConfig(model=str(tiny_model_dir()), **{"lr": 1e-3, **kw}))
 
 
 def test_config_from_toml(tmp_path: Path) -> None:
@@ -29,11 +30,11 @@ def test_config_from_toml(tmp_path: Path) -> None:
     assert cfg.aggregation == "rollout-mean" and cfg.batching == "tree"
     assert cfg.lora is not None and cfg.lora.r == 4
     with pytest.raises(ValidationError):
-        TrainerConfig(model="m", aggregation="sum")  # type: ignore[arg-type]
+        TrainerConfig(model="m", aggregation="sum")
     with pytest.raises(ValidationError, match="max_len"):
         TrainerConfig(model="m", aggregation="seq-mean-token-sum-norm")
     with pytest.raises(ValidationError):
-        TrainerConfig(model="m", estimator="ppo")  # type: ignore[arg-type]
+        TrainerConfig(model="m", estimator="ppo")
 
 
 def test_step_metrics_and_logs(tmp_path: Path) -> None:
@@ -59,7 +60,7 @@ def test_missing_reward() -> None:
     tr = tiny_trainer()
     with pytest.raises(ValueError, match="no reward"):
         tr.step(samples, rewards, groups)
-    m = Trainer({"model": str(tiny_model_dir()), "missing_reward": 0.0}).step(
+    m = Trainer(TrainerConfig(model=str(tiny_model_dir()), missing_reward=0.0)).step(
         samples, rewards, groups
     )
     assert m["samples"] == 2
@@ -137,7 +138,7 @@ def _completion_logprob(model: torch.nn.Module, prompt: list[int], completion: l
 
 @pytest.mark.slow
 def test_smollm2_step_moves_towards_positive_advantage() -> None:
-    tr = Trainer({"model": str(smollm2_dir()), "lr": 2e-5, "batching": "tree"})
+    tr = Trainer(TrainerConfig(model=str(smollm2_dir()), lr=2e-5, batching="tree"))
     tok = tr.tokenizer
     text = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
