@@ -54,6 +54,17 @@ def test_step_metrics_and_logs(tmp_path: Path) -> None:
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "logs").iterdir())
 
 
+def test_trainer_takes_the_typed_config(tmp_path: Path) -> None:
+    """The trainer receives the validated model, not a dict to validate again."""
+    with pytest.raises(TypeError, match="Trainer takes a TrainerConfig, not dict"):
+        Trainer({"model": str(tiny_model_dir())})  # type: ignore[arg-type]
+    cfg = TrainerConfig(model=str(tiny_model_dir()), lr=1e-3)
+    assert Trainer(cfg).config is cfg
+    logged = Trainer(cfg, log_dir=str(tmp_path))
+    logged.close()
+    assert logged.config == cfg.with_values(log_dir=str(tmp_path)) and cfg.log_dir is None
+
+
 def test_missing_reward() -> None:
     samples, rewards, groups = grpo_batch(n_groups=1, group_size=2)
     rewards.pop("g0r0")
