@@ -352,12 +352,18 @@ class TrainerConfig(TrainerSection):
         """The trainer of a run: ``section`` (the validated ``[trainer]``) with
         the run's model, estimator, temperature and seed, and ``defaults``
         (:func:`trainer_defaults`) where the section leaves a field unset."""
-        run = cls(model=str(model), estimator=estimator, temperature=temperature, seed=seed)
         unset = {k: v for k, v in defaults.items() if k not in section.model_fields_set}
-        # The section's values as they are (typed, not serialized): a
-        # TrainerConfig is a TrainerSection with more fields.
+        # The section's values as they are (typed, not serialized; a
+        # TrainerConfig is a TrainerSection with more fields), in one validated
+        # construction, so the run's values meet the same checks as the TOML's.
         options = {name: getattr(section, name) for name in TrainerSection.model_fields}
-        return run.with_values(**{**options, **unset})
+        return cls(
+            model=str(model),
+            estimator=estimator,
+            temperature=temperature,
+            seed=seed,
+            **{**options, **unset},
+        )
 
     def with_values(self, **values: Any) -> TrainerConfig:
         """A copy with ``values`` set, validated as a new config would be."""
