@@ -11,7 +11,7 @@ import torch
 
 from lightning.model_cache import tiny_model_dir
 from lightning.rl.losses import AGGREGATION_MODES
-from lightning.rl.trainer import Trainer
+from lightning.rl.trainer import Trainer, TrainerConfig
 from samples import grpo_batch
 
 
@@ -28,7 +28,9 @@ def trainer(**kw: Any) -> Trainer:
     # lr ~ 0 so that successive steps (one per mode) see the same parameters up
     # to negligible drift, while the gradient of each step is left in .grad.
     return Trainer(
-        {"model": str(tiny_model_dir()), "lr": 1e-12, "max_grad_norm": None, "max_len": 64, **kw}
+        TrainerConfig(
+            model=str(tiny_model_dir()), **{"lr": 1e-12, "max_grad_norm": None, "max_len": 64, **kw}
+        )
     )
 
 

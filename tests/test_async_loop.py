@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning.config import async_trainer_defaults as trainer_defaults
+from lightning.config import TrainerConfig, TrainerSection, trainer_defaults
 from lightning.run.staleness import (
     PhaseLog,
     enforce_at_use,
@@ -206,15 +206,14 @@ def test_stale_tokens_get_the_decoupled_ppo_gradient() -> None:
     from samples import grpo_batch
 
     model_dir = tiny_model_dir()
-    cfg = {
-        "model": str(model_dir),
-        "lr": 1e-12,
-        "max_grad_norm": None,
-        "batching": "padded",
-        "aggregation": "token-mean",
-        **trainer_defaults(1),
-    }
-    assert cfg["tis_cap"] == 2.0
+    section = TrainerSection(
+        lr=1e-12, max_grad_norm=None, batching="padded", aggregation="token-mean"
+    )
+    cfg = TrainerConfig.for_run(
+        section, model=model_dir, estimator="grpo", temperature=1.0, seed=0,
+        defaults=trainer_defaults(off_policy=True),
+    )  # fmt: skip
+    assert (cfg.tis_cap, cfg.tis_level) == (2.0, "token")
     tr = Trainer(cfg)
     old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():  # the stale policy: the same model, perturbed

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from lightning.config import RunConfig
+from lightning.config import RunConfig, TrainerConfig, TrainerSection, trainer_defaults
+from lightning.online.train import OnlineConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -126,3 +127,94 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         RunConfig.load(tmp_path / "nope.toml")
     with pytest.raises(ValueError, match="not valid TOML"):
         RunConfig.load(write(tmp_path, "steps = = 3"))
+
+
+ONLINE = '[model]\nbuiltin = "tiny"\n[source]\ndb = "lightning.db"\n'
+
+
+def errors(e: pytest.ExceptionInfo[ValidationError]) -> list[tuple[object, ...]]:
+    return [(err["loc"], err["type"], err["msg"]) for err in e.value.errors()]
+
+
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        'batchng = "tree"',
+        'batching = "trees"',
+        "clip_low = -1",
+        'lr_schedule = "cosine"',
+        "lora = { rank = 4 }",
+    ],
+)
+def test_online_trainer_section_refuses_what_a_run_refuses(tmp_path: Path, trainer: str) -> None:
+    """``[trainer]`` of online.toml is the same class as a run's: the same
+    errors, at the same place, with the same words."""
+    table = f"[trainer]\n{trainer}\n"
+    with pytest.raises(ValidationError) as run:
+        RunConfig.load(write(tmp_path, BASE + table))
+    online_toml = tmp_path / "online.toml"
+    online_toml.write_text(ONLINE + table)
+    with pytest.raises(ValidationError) as online:
+        OnlineConfig.load(online_toml)
+    assert errors(online) == errors(run)
+    assert [loc[0] for loc, *_ in errors(run)] == ["trainer"]
+
+
+@pytest.mark.parametrize(
+    ("key", "place"),
+    [("estimator", "estimator"), ("temperature", "temperature"), ("seed", "seed")],
+)
+def test_online_trainer_section_refuses_what_the_pass_sets(
+    tmp_path: Path, key: str, place: str
+) -> None:
+    online_toml = tmp_path / "online.toml"
+    online_toml.write_text(ONLINE + f"[trainer]\n{key} = 1\n")
+    with pytest.raises(ValidationError, match=f"set it as the top-level {place}, not in"):
+        OnlineConfig.load(online_toml)
+
+
+def test_trainer_defaults_are_declared_once(tmp_path: Path) -> None:
+    """An empty ``[trainer]`` gives the trainer TrainerConfig's own defaults,
+    plus only the derived ones of ``trainer_defaults`` for the kind of run."""
+    # Each trainer option is declared on TrainerSection; TrainerConfig adds only
+    # what a run sets from its other sections.
+    assert set(TrainerConfig.__annotations__) == {"model", "estimator", "temperature", "seed"}
+    assert set(TrainerConfig.model_fields) - set(TrainerSection.model_fields) == {
+        "model", "estimator", "temperature", "seed"
+    }  # fmt: skip
+    assert RunConfig.load(write(tmp_path, BASE)).trainer_config("m") == TrainerConfig(model="m")
+    assert trainer_defaults(off_policy=False) == {}
+    asynchronous = RunConfig.load(write(tmp_path, BASE), {"algorithm.max_staleness": 1})
+    assert trainer_defaults(off_policy=True) == {"tis_cap": 2.0, "tis_level": "token"}
+    assert asynchronous.trainer_config("m") == TrainerConfig(model="m", tis_cap=2.0)
+    online = OnlineConfig.model_validate({"model": {"builtin": "tiny"}, "source": {"db": "x"}})
+    want = TrainerConfig(model="m", tis_cap=2.0, batching="tree")
+    assert online.trainer_config("m") == want
+    # What [trainer] sets wins over a derived default.
+    asynchronous = RunConfig.load(
+        write(tmp_path, BASE + "[trainer]\ntis_cap = 3.0\ntis_level = 'sequence'\n"),
+        {"algorithm.max_staleness": 1},
+    )
+    assert (asynchronous.trainer.tis_cap, asynchronous.trainer_config("m").tis_cap) == (3.0, 3.0)
+    assert asynchronous.trainer_config("m").tis_level == "sequence"
+    online = online.model_copy(update={"trainer": TrainerSection(batching="packed")})
+    assert online.trainer_config("m").batching == "packed"
+    assert online.trainer_config("m").tis_cap == 2.0
+
+
+def test_run_values_are_validated_like_the_rest(tmp_path: Path) -> None:
+    """The run fills in model, estimator, temperature and seed with a validated
+    copy: a value the trainer cannot take fails, as it would in a TOML file."""
+    section = TrainerSection(lr=1e-3)
+    with pytest.raises(ValidationError, match=r"temperature\n  Input should be greater than 0"):
+        TrainerConfig.for_run(
+            section, model="m", estimator="grpo", temperature=0.0, seed=0, defaults={}
+        )
+    with pytest.raises(ValidationError, match="estimator"):
+        TrainerConfig(model="m").with_values(estimator="ppo")
+    with pytest.raises(ValidationError, match="needs max_len"):
+        TrainerConfig(model="m").with_values(aggregation="seq-mean-token-sum-norm")
+    # Greedy rollouts (train_temperature = 0) are scored at T = 1.
+    greedy = RunConfig.load(write(tmp_path, BASE), {"algorithm.train_temperature": 0.0})
+    config = greedy.trainer_config("m")
+    assert (config.temperature, config.model) == (1.0, "m")

@@ -62,6 +62,9 @@ def test_two_steps_of_the_demo_on_the_tiny_model(
         },
     )
     with Run(config, quiet=True) as run:
+        # The trainer holds the run's typed [trainer] config, completed by the run.
+        want = config.trainer_config(run.model_dir).with_values(log_dir=str(out))
+        assert run.trainer.config == want and run.trainer.config.lr == 1e-3
         assert run.engine is not None
         engine_root = run.engine.root
         summary = run.run()

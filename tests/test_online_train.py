@@ -56,8 +56,8 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
     weights moved to version 1), feedback on five of six: one ``lightning train
     --online`` step on the tiny model trains exactly those five, through the
     packed tree, and reports what it selected, skipped and weighted."""
+    from lightning.cli import main as cli
     from lightning.model_cache import tiny_model_dir
-    from lightning.run.loop import train_main
     from lightning.run.report import show_main
 
     db = tmp_path / "train.db"
@@ -87,7 +87,7 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
             f'[source]\ndb = "{db}"\ntags = ["arith"]\n[trainer]\nlr = 1e-4\n'
         )
         capsys.readouterr()
-        assert train_main(["--online", str(cfg)]) == 0
+        assert cli(["train", "--online", str(cfg)]) == 0
         printed = capsys.readouterr().out
         summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         assert set(summary["sessions"]) == {owner[answers[i]] for i in rated}
@@ -141,14 +141,14 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
         assert late.after_training
         # Not trained twice unless asked; the second pass says why.
         run2 = tmp_path / "run2"
-        assert train_main(["--online", str(cfg), "--quiet", "--output-dir", str(run2)]) == 0
+        assert cli(["train", "--online", str(cfg), "--quiet", "--output-dir", str(run2)]) == 0
         again = json.loads((run2 / "summary.json").read_text())
         assert again["sessions"] == [] and again["sessions_trained"] == 0
         assert again["sessions_skipped"] == {"already_trained": 5, "no_feedback": 1}
         short = tmp_path / "short.toml"
         short.write_text(cfg.read_text().replace("[source]\n", "[source]\nmin_calls = 2\n"))
         run3 = tmp_path / "run3"
-        assert train_main(["--online", str(short), "--quiet", "--output-dir", str(run3)]) == 0
+        assert cli(["train", "--online", str(short), "--quiet", "--output-dir", str(run3)]) == 0
         assert json.loads((run3 / "summary.json").read_text())["sessions_skipped"] == {
             "already_trained": 5,
             "too_short": 1,

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,8 +16,8 @@ from lightning.rl.trainer import METRIC_KEYS, Trainer, TrainerConfig
 from samples import grpo_batch, make_sample
 
 
-def tiny_trainer(**kw: object) -> Trainer:
-    return Trainer({"model": str(tiny_model_dir()), "lr": 1e-3, **kw})
+def tiny_trainer(**kw: Any) -> Trainer:
+    return Trainer(TrainerConfig(model=str(tiny_model_dir()), **{"lr": 1e-3, **kw}))
 
 
 def test_config_from_toml(tmp_path: Path) -> None:
@@ -29,11 +30,11 @@ def test_config_from_toml(tmp_path: Path) -> None:
     assert cfg.aggregation == "rollout-mean" and cfg.batching == "tree"
     assert cfg.lora is not None and cfg.lora.r == 4
     with pytest.raises(ValidationError):
-        TrainerConfig(model="m", aggregation="sum")  # type: ignore[arg-type]
+        TrainerConfig(model="m", aggregation="sum")
     with pytest.raises(ValidationError, match="max_len"):
         TrainerConfig(model="m", aggregation="seq-mean-token-sum-norm")
     with pytest.raises(ValidationError):
-        TrainerConfig(model="m", estimator="ppo")  # type: ignore[arg-type]
+        TrainerConfig(model="m", estimator="ppo")
 
 
 def test_step_metrics_and_logs(tmp_path: Path) -> None:
@@ -53,13 +54,24 @@ def test_step_metrics_and_logs(tmp_path: Path) -> None:
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "logs").iterdir())
 
 
+def test_trainer_takes_the_typed_config(tmp_path: Path) -> None:
+    """The trainer receives the validated model, not a dict to validate again."""
+    with pytest.raises(TypeError, match="Trainer takes a TrainerConfig, not dict"):
+        Trainer({"model": str(tiny_model_dir())})  # type: ignore[arg-type]
+    cfg = TrainerConfig(model=str(tiny_model_dir()), lr=1e-3)
+    assert Trainer(cfg).config is cfg
+    logged = Trainer(cfg, log_dir=str(tmp_path))
+    logged.close()
+    assert logged.config == cfg.with_values(log_dir=str(tmp_path)) and cfg.log_dir is None
+
+
 def test_missing_reward() -> None:
     samples, rewards, groups = grpo_batch(n_groups=1, group_size=2)
     rewards.pop("g0r0")
     tr = tiny_trainer()
     with pytest.raises(ValueError, match="no reward"):
         tr.step(samples, rewards, groups)
-    m = Trainer({"model": str(tiny_model_dir()), "missing_reward": 0.0}).step(
+    m = Trainer(TrainerConfig(model=str(tiny_model_dir()), missing_reward=0.0)).step(
         samples, rewards, groups
     )
     assert m["samples"] == 2
@@ -137,7 +149,7 @@ def _completion_logprob(model: torch.nn.Module, prompt: list[int], completion: l
 
 @pytest.mark.slow
 def test_smollm2_step_moves_towards_positive_advantage() -> None:
-    tr = Trainer({"model": str(smollm2_dir()), "lr": 2e-5, "batching": "tree"})
+    tr = Trainer(TrainerConfig(model=str(smollm2_dir()), lr=2e-5, batching="tree"))
     tok = tr.tokenizer
     text = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],

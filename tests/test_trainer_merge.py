@@ -5,6 +5,7 @@ GRPO group's shared prompt) → ``Trainer.step``."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from lightning.rl.batching import (
     seq_items,
     tree_batch,
 )
-from lightning.rl.trainer import Trainer
+from lightning.rl.trainer import Trainer, TrainerConfig
 
 if not hasattr(lightning, "merge_calls"):  # the merge branch has not landed in this checkout
     pytest.skip("lightning.merge_calls is not built in this checkout", allow_module_level=True)
@@ -93,16 +94,17 @@ def test_layouts_on_merged_samples(tiny: torch.nn.Module) -> None:
 def test_trainer_step_on_merged_samples() -> None:
     calls, rewards, groups = group_calls()
     merged = lightning.merge_calls(calls)
-    tr = Trainer({"model": str(tiny_model_dir()), "lr": 1e-3, "batching": "tree"})
+    tr = Trainer(TrainerConfig(model=str(tiny_model_dir()), lr=1e-3, batching="tree"))
     m = tr.step(merged.samples, rewards, groups)
     assert m["samples"] == len(merged.samples)
     assert m["forward_tokens"] < m["tokens"]
     assert math.isfinite(m["gap_abs_logprob"]) and math.isfinite(m["grad_norm"])
 
 
-def _trainer(**kw: object) -> Trainer:
+def _trainer(**kw: Any) -> Trainer:
     # lr ~ 0: the step leaves its gradient in .grad and barely moves the weights.
-    return Trainer({"model": str(tiny_model_dir()), "lr": 1e-12, "max_grad_norm": None, **kw})
+    cfg = TrainerConfig(model=str(tiny_model_dir()), **{"lr": 1e-12, "max_grad_norm": None, **kw})
+    return Trainer(cfg)
 
 
 def _grads(tr: Trainer) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -235,11 +236,14 @@ class LoraSettings(BaseModel):
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-class TrainerOptions(BaseModel):
-    """Every trainer option but the model: the ``[trainer]`` section of a run
-    (``lightning train`` fills ``estimator``, ``temperature`` and ``seed`` from
-    ``[algorithm]`` and ``seed``). An unknown key or a value outside a mode's
-    closed set fails when the TOML loads, naming the field."""
+class TrainerSection(BaseModel):
+    """``[trainer]``: every trainer option a TOML file may set, the same table in
+    a run (``lightning train``) and in an online pass (``lightning train
+    --online``). Each default is declared here, once; a few depend on the kind of
+    run and are filled in by :func:`trainer_defaults`. An unknown key or a value
+    outside a mode's closed set fails when the TOML loads, naming the field. The
+    model, estimator, temperature and seed are not here: the run sets them from
+    its other sections (:class:`TrainerConfig`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -264,7 +268,6 @@ class TrainerOptions(BaseModel):
     max_grad_norm: float | None = 1.0
 
     # advantages
-    estimator: Estimator = "grpo"
     adv_eps: float = 1e-6
     filter_zero_adv_groups: bool = False
     missing_reward: float | None = None
@@ -287,22 +290,15 @@ class TrainerOptions(BaseModel):
     ppo_epochs: int = Field(1, gt=0)
     mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch")
     old_logprobs: OldLogprobs = "auto"
-    temperature: float = Field(
-        1.0,
-        gt=0,
-        description="sampling temperature of the rollouts; logprobs come from logits / T "
-        "(the engine must report processed logprobs for the gap metrics to compare alike)",
-    )
 
     # batching
     batching: BatchMode = "packed"
     micro_batch_tokens: int = Field(4096, gt=0)
 
     log_dir: str | None = None
-    seed: int = 0
 
     @model_validator(mode="after")
-    def _check(self) -> TrainerOptions:
+    def _check(self) -> TrainerSection:
         if self.aggregation == "seq-mean-token-sum-norm" and self.max_len is None:
             raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_len (Dr. GRPO's L)")
         if self.lr_schedule != "constant" and self.total_steps is None:
@@ -312,14 +308,28 @@ class TrainerOptions(BaseModel):
         return self
 
 
-class TrainerConfig(TrainerOptions):
-    """Everything :class:`lightning.rl.trainer.Trainer` needs; load from TOML with
-    :meth:`from_toml`."""
+class TrainerConfig(TrainerSection):
+    """Everything :class:`lightning.rl.trainer.Trainer` needs: ``[trainer]`` plus
+    the values a run sets from its other sections. Build one directly, load it
+    with :meth:`from_toml`, or let a run build it with :meth:`for_run`."""
+
+    # "always": validating an instance (``with_values``) checks it again, so a
+    # copy with new values cannot skip a constraint the way a bare
+    # ``model_copy(update=...)`` would.
+    model_config = ConfigDict(extra="forbid", revalidate_instances="always")
 
     model: str = Field(
         description="local Hugging Face model directory",
         validation_alias=AliasChoices("model", "model_path"),
     )
+    estimator: Estimator = "grpo"
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="sampling temperature of the rollouts; logprobs come from logits / T "
+        "(the engine must report processed logprobs for the gap metrics to compare alike)",
+    )
+    seed: int = 0
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> TrainerConfig:
@@ -328,29 +338,73 @@ class TrainerConfig(TrainerOptions):
             data = tomllib.load(f)
         return cls.model_validate(data.get("trainer", data))
 
+    @classmethod
+    def for_run(
+        cls,
+        section: TrainerSection,
+        *,
+        model: str | Path,
+        estimator: Estimator,
+        temperature: float,
+        seed: int,
+        defaults: Mapping[str, object],
+    ) -> TrainerConfig:
+        """The trainer of a run: ``section`` (the validated ``[trainer]``) with
+        the run's model, estimator, temperature and seed, and ``defaults``
+        (:func:`trainer_defaults`) where the section leaves a field unset."""
+        unset = {k: v for k, v in defaults.items() if k not in section.model_fields_set}
+        # The section's values as they are (typed, not serialized; a
+        # TrainerConfig is a TrainerSection with more fields), in one validated
+        # construction, so the run's values meet the same checks as the TOML's.
+        options = {name: getattr(section, name) for name in TrainerSection.model_fields}
+        return cls(
+            model=str(model),
+            estimator=estimator,
+            temperature=temperature,
+            seed=seed,
+            **{**options, **unset},
+        )
 
-class TrainerSection(TrainerOptions):
-    """``[trainer]`` of a run: every trainer option but those the run sets from
-    its other sections (rejected here, and left out of a saved run config)."""
-
-    estimator: Estimator = Field("grpo", exclude=True)
-    temperature: float = Field(1.0, gt=0, exclude=True)
-    seed: int = Field(0, exclude=True)
+    def with_values(self, **values: Any) -> TrainerConfig:
+        """A copy with ``values`` set, validated as a new config would be."""
+        return type(self).model_validate(self.model_copy(update=values))
 
 
-# Trainer options that a run sets from its other sections.
+def trainer_defaults(*, off_policy: bool, online: bool = False) -> dict[str, object]:
+    """The trainer defaults that depend on the kind of run: the one place they
+    are decided. Each applies only where ``[trainer]`` leaves the field unset.
+
+    - Off-policy data (an asynchronous run, ``[algorithm] max_staleness > 0``, and
+      every online pass, whose sessions production's weights sampled): the
+      truncated importance weight min(π_trainer / π_rollout, C) against the
+      recorded rollout log-probs, C = 2 per token (lightning.run.staleness,
+      lightning.rl.losses).
+    - An online pass: ``batching = "tree"``, so the sessions of a group compute
+      their shared first prompt once.
+    """
+    out: dict[str, object] = {}
+    if off_policy:
+        out.update(tis_cap=2.0, tis_level="token")
+    if online:
+        out.update(batching="tree")
+    return out
+
+
+def refuse_run_set(trainer: object, where: Mapping[str, str]) -> None:
+    """Refuse a ``[trainer]`` key that the run sets from another section,
+    saying where it goes (``where``: field -> its place); raw TOML input."""
+    if isinstance(trainer, Mapping):
+        for name, place in where.items():
+            if name in trainer:
+                raise ValueError(f"[trainer] {name}: set it as {place}, not in [trainer]")
+
+
+# Trainer values that `lightning train` sets from its other sections.
 _RUN_SETS = {
     "estimator": "[algorithm] estimator",
     "temperature": "[algorithm] train_temperature",
     "seed": "the top-level seed",
 }
-
-
-def async_trainer_defaults(max_staleness: int) -> dict[str, Any]:
-    """Trainer settings an asynchronous run (``max_staleness > 0``) needs unless
-    the user set them: the truncated importance weight against the recorded
-    rollout log-probs (lightning.run.staleness)."""
-    return {"tis_cap": 2.0, "tis_level": "token"} if max_staleness > 0 else {}
 
 
 class RunConfig(_Section):
@@ -370,33 +424,28 @@ class RunConfig(_Section):
     output_dir: str = "runs/latest"
     seed: int = 0
 
-    @model_validator(mode="after")
-    def _trainer_leaves_run_fields(self) -> RunConfig:
-        for name, where in _RUN_SETS.items():
-            if name in self.trainer.model_fields_set:
-                raise ValueError(f"[trainer] {name}: set it as {where}, not in [trainer]")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _trainer_leaves_run_fields(cls, data: Any) -> Any:
+        # Before validation: [trainer] has no such fields, and naming the
+        # section they belong in beats "extra inputs are not permitted".
+        if isinstance(data, Mapping):
+            refuse_run_set(data.get("trainer"), _RUN_SETS)
+        return data
 
     def trainer_config(self, model: str | Path) -> TrainerConfig:
         """The trainer's configuration for this run's policy at `model` (every
-        rank builds the same): ``[trainer]`` plus what an asynchronous run needs
-        unless the user set it (``async_trainer_defaults``)."""
-        unset = {
-            k: v
-            for k, v in async_trainer_defaults(self.algorithm.max_staleness).items()
-            if k not in self.trainer.model_fields_set
-        }
-        return TrainerConfig.model_validate(
-            {
-                **unset,
-                **self.trainer.model_dump(exclude_unset=True),
-                "model": str(model),
-                "estimator": self.algorithm.estimator,
-                # The trainer scores rollouts under the distribution they were
-                # sampled from: softmax(logits / train_temperature).
-                "temperature": self.algorithm.train_temperature or 1.0,
-                "seed": self.seed,
-            }
+        rank builds the same)."""
+        return TrainerConfig.for_run(
+            self.trainer,
+            model=model,
+            estimator=self.algorithm.estimator,
+            # The trainer scores rollouts under the distribution they were
+            # sampled from: softmax(logits / train_temperature); greedy (0)
+            # rollouts are scored at T = 1.
+            temperature=self.algorithm.train_temperature or 1.0,
+            seed=self.seed,
+            defaults=trainer_defaults(off_policy=self.algorithm.max_staleness > 0),
         )
 
     @classmethod

@@ -129,7 +129,7 @@ def rate(
 def main(argv: list[str]) -> int:
     from lightning import Gateway, GatewayClient, GatewayConfig, UpstreamConfig
     from lightning.apps.examples import examples_dir, load_example
-    from lightning.config import ModelSection
+    from lightning.config import ModelSection, TrainerSection
     from lightning.online.train import (
         GroupingSection,
         OnlineConfig,
@@ -220,7 +220,7 @@ def main(argv: list[str]) -> int:
             weight_sync=WeightSyncSection(policy="embedded", urls=[engine.url]),
             temperature=args.temperature,
             sessions_per_step=args.sessions_per_step,
-            trainer={"lr": args.lr, "autocast": "none", "seed": args.seed},
+            trainer=TrainerSection(lr=args.lr, autocast="none"),
             output_dir=str(out / "online"),
             seed=args.seed,
         )

@@ -38,8 +38,9 @@ session in the whole batch gets zero advantage and trains nothing.
 **Off-policy.** Sessions were sampled by whatever weights production served
 (recorded per call as ``weight_version``, with the engine's logprobs). Tokens are
 weighted by the truncated importance weight min(π_trainer / π_rollout, C)
-(``trainer.tis_cap``, default 2.0 here; ``losses.policy_loss``), which corrects
-the gap to the policy being trained at the cost of bias where the cap truncates.
+(``[trainer] tis_cap``, default 2.0 here: ``lightning.config.trainer_defaults``;
+``losses.policy_loss``), which corrects the gap to the policy being trained at
+the cost of bias where the cap truncates.
 ``source.min_weight_version`` drops calls sampled by older weights outright.
 
 **One data path with the main loop.** A step's sessions go to
@@ -73,7 +74,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lightning.config import ModelSection
+from lightning.config import (
+    ModelSection,
+    TrainerConfig,
+    TrainerSection,
+    refuse_run_set,
+    trainer_defaults,
+)
+from lightning.modes import Estimator
 
 
 class _Section(BaseModel):
@@ -130,15 +138,24 @@ class WeightSyncSection(_Section):
         return self
 
 
+# Trainer values an online pass sets from its top-level keys.
+_PASS_SETS = {
+    "estimator": "the top-level estimator",
+    "temperature": "the top-level temperature",
+    "seed": "the top-level seed",
+}
+
+
 class OnlineConfig(_Section):
     model: ModelSection
     source: SourceSection
     grouping: GroupingSection = Field(default_factory=GroupingSection)
     reward: OnlineRewardSection = Field(default_factory=OnlineRewardSection)
     weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    estimator: Estimator = "grpo"
     temperature: float = Field(default=1.0, gt=0, description="production's sampling temperature")
-    trainer: dict[str, Any] = Field(default_factory=dict)
+    # The same [trainer] table as `lightning train`'s, validated by the same class.
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     sessions_per_step: int | None = Field(
         default=None, ge=1, description="default: all in one step"
     )
@@ -151,6 +168,26 @@ class OnlineConfig(_Section):
     )
     output_dir: str = "runs/online"
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trainer_leaves_pass_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refuse_run_set(data.get("trainer"), _PASS_SETS)
+        return data
+
+    def trainer_config(self, model: str | Path) -> TrainerConfig:
+        """The trainer of this pass for the policy at ``model``: ``[trainer]``
+        with the pass's estimator, temperature and seed, and online mode's
+        defaults where ``[trainer]`` leaves them unset (``trainer_defaults``)."""
+        return TrainerConfig.for_run(
+            self.trainer,
+            model=model,
+            estimator=self.estimator,
+            temperature=self.temperature,
+            seed=self.seed,
+            defaults=trainer_defaults(off_policy=True, online=True),
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> OnlineConfig:
@@ -483,7 +520,7 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
     """Select, reward, group, train; returns the summary (also in
     OUTPUT_DIR/summary.json; one line per step in OUTPUT_DIR/metrics.jsonl)."""
     from lightning import Store, Tokenizer
-    from lightning.rl.trainer import Trainer, TrainerConfig
+    from lightning.rl.trainer import Trainer
 
     def say(msg: str) -> None:
         if not quiet:
@@ -510,18 +547,7 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         return summary
     model_dir = cfg.model.resolve()
-    tcfg = TrainerConfig.model_validate(
-        {
-            "model_path": str(model_dir),
-            "estimator": cfg.estimator,
-            "temperature": cfg.temperature,
-            "seed": cfg.seed,
-            "tis_cap": 2.0,
-            "batching": "tree",
-            **cfg.trainer,
-        }
-    )
-    trainer = Trainer(tcfg, log_dir=str(out))
+    trainer = Trainer(cfg.trainer_config(model_dir), log_dir=str(out))
     tokenizer = Tokenizer.from_dir(str(model_dir))
     batches = step_batches(sessions, groups, cfg.sessions_per_step or len(sessions))
     trained: list[str] = []

@@ -298,15 +298,18 @@ def _metrics(
 class Trainer:
     """A Hugging Face causal LM trained with the PPO family on merged samples."""
 
-    def __init__(
-        self, config: TrainerConfig | Mapping[str, Any], *, log_dir: str | None = None
-    ) -> None:
+    def __init__(self, config: TrainerConfig, *, log_dir: str | None = None) -> None:
         """Load the model from ``config.model``; ``log_dir`` overrides ``config.log_dir``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        cfg = TrainerConfig.model_validate(config)
-        if log_dir is not None:
-            cfg = cfg.model_copy(update={"log_dir": log_dir})
+        # The config arrives validated (from TOML, a run, or TrainerConfig(...));
+        # a dict here would be a second, untyped way in.
+        if not isinstance(config, TrainerConfig):
+            raise TypeError(
+                f"Trainer takes a TrainerConfig, not {type(config).__name__}; "
+                "build one with TrainerConfig(model=..., ...) or TrainerConfig.from_toml(path)"
+            )
+        cfg = config if log_dir is None else config.with_values(log_dir=log_dir)
         self.config = cfg
         torch.manual_seed(cfg.seed)
         cuda = torch.cuda.is_available()
