@@ -3,6 +3,7 @@ section of `lightning train` match the Rust `Config` field for field."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import typing
 from pathlib import Path
@@ -25,6 +26,44 @@ def test_fields_and_defaults_match_rust() -> None:
     assert python_defaults == RUST["defaults"]
     upstream = UpstreamConfig(url="http://x/v1").model_dump(exclude={"url"})
     assert upstream == RUST["upstream_defaults"]
+
+
+def _generator() -> typing.Any:
+    path = Path(__file__).resolve().parent.parent / ".ci" / "gateway_config.py"
+    spec = importlib.util.spec_from_file_location("gateway_config_gen", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_fields_are_the_rust_schema() -> None:
+    """The generated block of `GatewayConfig` is what the Rust schema writes
+    (run `python .ci/gateway_config.py` after changing rust/gateway/src/config.rs)."""
+    gen = _generator()
+    text = gen.target().read_text()
+    assert gen.current(text) == gen.render(RUST), "run: python .ci/gateway_config.py"
+    for field in RUST["fields"]:
+        info = GatewayConfig.model_fields[field["name"]]
+        assert info.description == field["doc"]
+        assert info.default == field["default"], field["name"]
+
+
+def test_rust_bounds_hold_in_python() -> None:
+    """Each bound the Rust schema states rejects its first bad value in Python, naming the field."""
+    bad: dict[str, list[float]] = {
+        "positive": [0],
+        "positive_finite": [0.0, float("inf")],
+        "non_negative": [-1],
+        "at_least_one": [0],
+    }
+    checked = 0
+    for field in RUST["fields"]:
+        for value in bad.get(field["bound"], []):
+            with pytest.raises(ValidationError, match=field["name"]):
+                GatewayConfig(**{field["name"]: value})
+            checked += 1
+    assert checked >= 12
 
 
 def test_closed_sets_match_rust() -> None:

@@ -370,7 +370,8 @@ class GatewayHandle:
 
 def gateway_start(config_json: str, threads: int = 2) -> GatewayHandle: ...
 def gateway_config_schema() -> str:
-    """The Rust gateway config as JSON: ``defaults``, ``upstream_defaults``, ``engines``, ``sync_modes``."""
+    """The Rust gateway config as JSON: ``fields`` (name, python_type, default, doc, bound),
+    ``defaults``, ``upstream_defaults``, ``engines``, ``sync_modes``."""
 
 def gateway_serve(config_json: str, threads: int = 2) -> None: ...
 def gateway_main(argv: list[str]) -> int: ...

@@ -1,13 +1,16 @@
 //! Command-line parsing (`clap`) shared by the `lightning-gateway` binary and
 //! the `lightning-gateway` console command the Python wheel installs.
 
-use clap::Parser;
+use clap::{Args as _, CommandFactory, FromArgMatches, Parser};
 use std::path::PathBuf;
 
-use crate::config::{Config, SyncMode, UpstreamConfig};
+use crate::config::{Config, UpstreamConfig};
 
 /// The recording gateway: harnesses call `/rollouts/{id}/v1/...` (OpenAI chat,
 /// completions, Responses) and every call is stored with exact token ids.
+///
+/// The flags here are the ones that are not config fields; every config field
+/// is a flag too (`Config`'s clap derive, added in `command`).
 #[derive(Debug, Parser)]
 #[command(
     name = "lightning-gateway",
@@ -19,57 +22,12 @@ pub struct Args {
     /// TOML config file; flags given on the command line override it.
     #[arg(long, value_name = "FILE.toml")]
     pub config: Option<PathBuf>,
-    /// Address to listen on (port 0 picks a free port).
-    #[arg(long, value_name = "HOST:PORT")]
-    pub listen: Option<String>,
     /// Engine base URL with its API prefix, optionally `@VERSION` (weight version); repeatable.
     #[arg(long = "upstream", value_name = "URL[@VERSION]")]
     pub upstreams: Vec<String>,
-    /// SQLite file of the trace store.
-    #[arg(long, value_name = "PATH")]
-    pub db: Option<PathBuf>,
-    /// `full` fsyncs every group commit; `normal` survives a killed process only.
-    #[arg(long, value_enum)]
-    pub sync: Option<SyncArg>,
-    /// Guards rollout creation and /admin routes.
-    #[arg(long, env = "LIGHTNING_ADMIN_KEY", hide_env_values = true)]
-    pub admin_key: Option<String>,
-    /// Run without an admin key (admin routes open); only on a loopback --listen.
-    #[arg(long)]
-    pub insecure_local: bool,
-    /// Base URL handed to harnesses in `POST /rollouts`.
-    #[arg(long, value_name = "URL")]
-    pub public_url: Option<String>,
     /// Tokio worker threads (default: the number of CPUs).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Largest request body (413 above).
-    #[arg(long, value_name = "BYTES")]
-    pub max_body_bytes: Option<usize>,
-    /// Harness calls in flight at once, all rollouts together (429 above).
-    #[arg(long, value_name = "N")]
-    pub max_concurrent_calls: Option<usize>,
-    /// Harness calls in flight at once on one rollout (429 above).
-    #[arg(long, value_name = "N")]
-    pub max_calls_per_rollout: Option<usize>,
-    /// Largest SSE event accepted from an engine.
-    #[arg(long, value_name = "BYTES")]
-    pub max_sse_event_bytes: Option<usize>,
-    /// Seconds to deliver a request head (also closes idle keep-alive connections).
-    #[arg(long, value_name = "SECONDS")]
-    pub header_read_timeout_s: Option<f64>,
-    /// Longest client silence mid-request-body, seconds (408 after it).
-    #[arg(long, value_name = "SECONDS")]
-    pub idle_timeout_s: Option<f64>,
-    /// `POST /rollouts` requests accepted per minute (429 above).
-    #[arg(long, value_name = "N")]
-    pub max_rollouts_per_minute: Option<usize>,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum SyncArg {
-    Full,
-    Normal,
 }
 
 /// `URL@N` → (URL, N); a trailing `@` part that is not a number stays in the URL.
@@ -87,79 +45,45 @@ fn upstream(v: &str) -> UpstreamConfig {
     }
 }
 
-impl Args {
-    /// The config this command line asks for: the file first, then the flags over it.
-    pub fn into_config(self) -> Result<(Config, usize), String> {
-        let mut cfg = match &self.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-                Config::from_toml(&text).map_err(|e| e.to_string())?
-            }
-            None => Config::default(),
-        };
-        if let Some(l) = self.listen {
-            cfg.listen = l;
-        }
-        if let Some(db) = self.db {
-            cfg.db = db;
-        }
-        if let Some(s) = self.sync {
-            cfg.sync = match s {
-                SyncArg::Full => SyncMode::Full,
-                SyncArg::Normal => SyncMode::Normal,
-            };
-        }
-        if let Some(k) = self.admin_key.filter(|k| !k.is_empty()) {
-            cfg.admin_key = Some(k);
-        }
-        if self.insecure_local {
-            cfg.insecure_local = true;
-        }
-        if let Some(u) = self.public_url {
-            cfg.public_url = Some(u);
-        }
-        let limits = [
-            (self.max_body_bytes, &mut cfg.max_body_bytes),
-            (self.max_concurrent_calls, &mut cfg.max_concurrent_calls),
-            (self.max_calls_per_rollout, &mut cfg.max_calls_per_rollout),
-            (self.max_sse_event_bytes, &mut cfg.max_sse_event_bytes),
-            (
-                self.max_rollouts_per_minute,
-                &mut cfg.max_rollouts_per_minute,
-            ),
-        ];
-        for (flag, field) in limits {
-            if let Some(v) = flag {
-                *field = v;
-            }
-        }
-        if let Some(v) = self.header_read_timeout_s {
-            cfg.header_read_timeout_s = v;
-        }
-        if let Some(v) = self.idle_timeout_s {
-            cfg.idle_timeout_s = v;
-        }
-        if !self.upstreams.is_empty() {
-            cfg.upstreams = self.upstreams.iter().map(|u| upstream(u)).collect();
-        }
-        let threads = self.threads.unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(2)
-        });
-        Ok((cfg, threads))
-    }
+/// The whole command line: `Args` and one flag per config field.
+pub fn command() -> clap::Command {
+    Config::augment_args(Args::command())
 }
 
-/// Parses `args` (without the program name). `Err` carries clap's own error,
-/// which also renders `--help` and `--version`.
+/// Parses `args` (without the program name): the config file first, then the
+/// flags given over it. `Err` carries clap's own error, which also renders
+/// `--help` and `--version`.
 pub fn parse_args(args: &[String]) -> Result<(Config, usize), clap::Error> {
     let argv = std::iter::once("lightning-gateway".to_string()).chain(args.iter().cloned());
-    let parsed = Args::try_parse_from(argv)?;
-    parsed
-        .into_config()
-        .map_err(|msg| clap::Error::raw(clap::error::ErrorKind::ValueValidation, msg + "\n"))
+    let mut matches = command().try_get_matches_from(argv)?;
+    let own = Args::from_arg_matches_mut(&mut matches)?;
+    let invalid =
+        |msg: String| clap::Error::raw(clap::error::ErrorKind::ValueValidation, msg + "\n");
+    let mut cfg = match &own.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| invalid(format!("cannot read {}: {e}", path.display())))?;
+            Config::from_toml(&text).map_err(|e| invalid(e.to_string()))?
+        }
+        None => Config::default(),
+    };
+    let file_admin_key = cfg.admin_key.clone();
+    // Only the flags that were given (or, for the admin key, its environment
+    // variable) are in `matches`: none has a clap default.
+    cfg.update_from_arg_matches_mut(&mut matches)?;
+    if cfg.admin_key.as_deref() == Some("") {
+        // An empty LIGHTNING_ADMIN_KEY is unset, not a key.
+        cfg.admin_key = file_admin_key;
+    }
+    if !own.upstreams.is_empty() {
+        cfg.upstreams = own.upstreams.iter().map(|u| upstream(u)).collect();
+    }
+    let threads = own.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2)
+    });
+    Ok((cfg, threads))
 }
 
 /// Structured logs to stderr, filtered by `RUST_LOG` (default `info`). Safe to
@@ -198,6 +122,7 @@ pub fn main_with_args(args: &[String]) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::SyncMode;
 
     fn args(a: &[&str]) -> Vec<String> {
         a.iter().map(|s| s.to_string()).collect()
@@ -237,6 +162,53 @@ mod tests {
         assert_eq!(cfg.upstreams[1].weight_version, 0);
         assert_eq!(cfg.sync, SyncMode::Normal);
         assert_eq!(threads, 1);
+    }
+
+    #[test]
+    fn every_config_field_is_a_flag_of_its_name() {
+        let cmd = command();
+        for f in Config::fields() {
+            let flag = f.name.replace('_', "-");
+            let arg = cmd
+                .get_arguments()
+                .find(|a| a.get_long() == Some(flag.as_str()));
+            let arg = arg.unwrap_or_else(|| panic!("no --{flag}"));
+            assert!(arg.get_help().is_some(), "--{flag} has no help");
+        }
+    }
+
+    #[test]
+    fn the_file_holds_where_no_flag_is_given() {
+        let path = std::env::temp_dir().join(format!("gw-cli-{}.toml", std::process::id()));
+        std::fs::write(
+            &path,
+            "insecure_local = true\neval_capture = false\nmax_retries = 7\nadmin_key = \"fromfile1\"\nlisten = \"127.0.0.1:9\"\n",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let file = path.display().to_string();
+        let (cfg, _) = parse_args(&args(&["--config", &file])).unwrap_or_else(|e| panic!("{e}"));
+        assert!(cfg.insecure_local && !cfg.eval_capture);
+        assert_eq!((cfg.max_retries, cfg.listen.as_str()), (7, "127.0.0.1:9"));
+        assert_eq!(cfg.admin_key.as_deref(), Some("fromfile1"));
+        let (cfg, _) = parse_args(&args(&[
+            "--config",
+            &file,
+            "--eval-capture",
+            "true",
+            "--insecure-local=false",
+            "--max-retries",
+            "1",
+            "--on-store-failure",
+            "serve",
+        ]))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let _ = std::fs::remove_file(&path);
+        assert!(!cfg.insecure_local && cfg.eval_capture);
+        assert_eq!((cfg.max_retries, cfg.listen.as_str()), (1, "127.0.0.1:9"));
+        assert_eq!(cfg.on_store_failure, crate::config::StoreFailure::Serve);
+        assert_eq!(cfg.admin_key.as_deref(), Some("fromfile1"));
+        let (cfg, _) = parse_args(&args(&["--insecure-local"])).unwrap_or_else(|e| panic!("{e}"));
+        assert!(cfg.insecure_local);
     }
 
     #[test]

@@ -32,16 +32,27 @@ pub fn parse_base_url(url: &str) -> Result<BaseUrl, String> {
 }
 
 /// Which wire dialect an upstream speaks; decides how ids are requested and read.
+///
+/// Two dialects, not one per engine: SGLang's OpenAI endpoints take and return
+/// ids under vLLM's field names, so nothing in the gateway would differ for it.
+/// `engine = "sglang"` is accepted as a name for `vllm` (and reported as
+/// `vllm`); give SGLang a variant of its own only once it needs different
+/// handling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Engine {
-    /// vLLM (and the lightning engine): `return_token_ids`, `prompt_token_ids`, `token_ids`.
+    /// vLLM, SGLang and the lightning engine: `return_token_ids`,
+    /// `prompt_token_ids`, `token_ids`.
     #[default]
+    #[serde(alias = "sglang")]
     Vllm,
-    /// SGLang's OpenAI endpoints (same field names as vLLM where it returns ids).
-    Sglang,
     /// Any other OpenAI-compatible server: no ids; calls are recorded with text and flagged.
     Openai,
+}
+
+impl Engine {
+    /// Every name a config may give, aliases included.
+    pub const NAMES: [&'static str; 3] = ["vllm", "sglang", "openai"];
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -58,7 +69,7 @@ pub struct UpstreamConfig {
 
 /// How hard a commit pushes to disk. `full` fsyncs the WAL on every group
 /// commit (survives power loss); `normal` survives a killed process only.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum SyncMode {
     #[default]
@@ -69,7 +80,7 @@ pub enum SyncMode {
 /// What the gateway does while its store cannot write (disk full, file
 /// unwritable): `refuse` answers new proxied calls 503 (a call it cannot
 /// record is never served); `serve` keeps serving them unrecorded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum StoreFailure {
     #[default]
@@ -77,103 +88,248 @@ pub enum StoreFailure {
     Serve,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Config {
+/// The range a field's value must lie in. Python's `GatewayConfig` enforces
+/// it when a config is built; `Config::validate` enforces the ones a server
+/// cannot run without, and the server clamps the rest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Bound {
+    Any,
+    /// `> 0`.
+    Positive,
+    /// `> 0`, not infinite or NaN (a deadline).
+    PositiveFinite,
+    /// `>= 0`.
+    NonNegative,
+    /// `>= 1`.
+    AtLeastOne,
+}
+
+/// The Python annotation of a config value, for the generated `GatewayConfig`.
+pub trait FieldType {
+    fn python() -> String;
+}
+
+macro_rules! python_type {
+    ($($t:ty => $py:literal),* $(,)?) => {
+        $(impl FieldType for $t {
+            fn python() -> String {
+                $py.into()
+            }
+        })*
+    };
+}
+python_type!(String => "str", PathBuf => "str", bool => "bool", usize => "int", u32 => "int", u64 => "int", f64 => "float");
+
+impl<T: FieldType> FieldType for Option<T> {
+    fn python() -> String {
+        format!("{} | None", T::python())
+    }
+}
+
+/// `Literal["a", "b"]` of a flag enum's values (the same names as serde's;
+/// a test checks that).
+fn literal<T: clap::ValueEnum>() -> String {
+    let names: Vec<String> = T::value_variants()
+        .iter()
+        .filter_map(|v| v.to_possible_value())
+        .map(|v| format!("{:?}", v.get_name()))
+        .collect();
+    format!("Literal[{}]", names.join(", "))
+}
+
+impl FieldType for SyncMode {
+    fn python() -> String {
+        literal::<Self>()
+    }
+}
+
+impl FieldType for StoreFailure {
+    fn python() -> String {
+        literal::<Self>()
+    }
+}
+
+/// One field of the config as the other languages see it (`Config::fields`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Field {
+    /// The TOML key, the JSON key and (with `-` for `_`) the flag.
+    pub name: &'static str,
+    pub python_type: String,
+    pub default: serde_json::Value,
+    /// The field's doc comment on one line: its `--help` and its Python description.
+    pub doc: String,
+    pub bound: Bound,
+}
+
+fn one_line(doc: &[&str]) -> String {
+    doc.iter()
+        .map(|l| l.trim())
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The one schema of the gateway's settings. Each field is written once, here:
+/// its doc (rustdoc, `--help` and Python's description), type, default, bound
+/// and flag options. From this table come the serde struct (TOML and JSON
+/// keys), the clap flags (`cli.rs` overlays the given ones on the TOML file),
+/// `Default`, and `Config::fields`, from which `.ci/gateway_config.py` writes
+/// Python's `GatewayConfig` (a test fails when that copy drifts). A macro and
+/// not a derive of our own: one table, no proc-macro crate to maintain.
+///
+/// The fields after `;` are sections with a shape of their own (lists,
+/// tables): no flag, written by hand in Python.
+macro_rules! config {
+    (
+        $(
+            $(#[doc = $doc:literal])+
+            #[arg($($arg:tt)*)]
+            $name:ident: $ty:ty = $default:expr, $bound:ident;
+        )*
+        ;
+        $(
+            $(#[doc = $sdoc:literal])+
+            $sname:ident: $sty:ty = $sdefault:expr;
+        )*
+    ) => {
+        #[derive(Debug, Clone, Serialize, Deserialize, clap::Args)]
+        #[serde(deny_unknown_fields, default)]
+        // No `Config` argument group: the flags are plain overrides.
+        #[group(skip)]
+        pub struct Config {
+            $(
+                $(#[doc = $doc])+
+                // Not required and no clap default: a flag left out leaves the
+                // file's value (see `cli::parse_args`).
+                #[arg(long, required = false, $($arg)*)]
+                pub $name: $ty,
+            )*
+            $(
+                $(#[doc = $sdoc])+
+                #[arg(skip)]
+                pub $sname: $sty,
+            )*
+        }
+
+        impl Default for Config {
+            fn default() -> Self {
+                Config {
+                    $($name: $default,)*
+                    $($sname: $sdefault,)*
+                }
+            }
+        }
+
+        impl Config {
+            /// Every field that is a flag, in order, with its default.
+            pub fn fields() -> Vec<Field> {
+                let d = Config::default();
+                vec![$(Field {
+                    name: stringify!($name),
+                    python_type: <$ty as FieldType>::python(),
+                    default: serde_json::to_value(&d.$name).unwrap_or(serde_json::Value::Null),
+                    doc: one_line(&[$($doc),+]),
+                    bound: Bound::$bound,
+                }),*]
+            }
+        }
+    };
+}
+
+// A `bool` flag takes an optional value: `--insecure-local` sets it,
+// `--eval-capture false` clears one whose default is on.
+config! {
     /// `host:port` to listen on; port 0 picks a free port.
-    pub listen: String,
-    pub upstreams: Vec<UpstreamConfig>,
+    #[arg(value_name = "HOST:PORT")]
+    listen: String = "127.0.0.1:8080".into(), Any;
     /// SQLite file of the trace store.
-    pub db: PathBuf,
+    #[arg(value_name = "PATH")]
+    db: PathBuf = PathBuf::from("lightning.db"), Any;
     /// Guards rollout creation and `/admin/*`. Required unless `insecure_local`.
-    pub admin_key: Option<String>,
+    #[arg(env = "LIGHTNING_ADMIN_KEY", hide_env_values = true)]
+    admin_key: Option<String> = None, Any;
     /// Run without an admin key (admin routes open to anyone who can connect);
     /// accepted only with a loopback `listen` address, for a single-user machine.
-    pub insecure_local: bool,
+    #[arg(num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
+    insecure_local: bool = false, Any;
     /// Base URL handed to harnesses in `POST /rollouts`; defaults to `http://{listen}`.
-    pub public_url: Option<String>,
+    #[arg(value_name = "URL")]
+    public_url: Option<String> = None, Any;
     /// Largest accepted request body (413 above).
-    pub max_body_bytes: usize,
+    #[arg(value_name = "BYTES")]
+    max_body_bytes: usize = 32 * 1024 * 1024, Positive;
     /// Largest engine answer read for one call (a whole body, or all of a
     /// stream's bytes, so also any one SSE event): above it the call fails
     /// with a 502 / the stream's error event and is recorded as an upstream error.
-    pub max_upstream_answer_bytes: usize,
+    #[arg(value_name = "BYTES")]
+    max_upstream_answer_bytes: usize = 256 * 1024 * 1024, Positive;
     /// Harness calls in flight at once, all rollouts together (429 above).
-    pub max_concurrent_calls: usize,
+    #[arg(value_name = "N")]
+    max_concurrent_calls: usize = 4096, Positive;
     /// Harness calls in flight at once on one rollout (one application key
     /// in online mode); 429 above.
-    pub max_calls_per_rollout: usize,
+    #[arg(value_name = "N")]
+    max_calls_per_rollout: usize = 256, Positive;
     /// Largest SSE event accepted from an engine; a bigger one ends the
     /// stream with an error event and the call is recorded `upstream_error`.
-    pub max_sse_event_bytes: usize,
+    #[arg(value_name = "BYTES")]
+    max_sse_event_bytes: usize = 16 * 1024 * 1024, Positive;
     /// Seconds a connection may take to deliver a complete request head,
     /// counted from when it is ready for a request (accepted, or the previous
     /// answer sent): it also closes keep-alive connections idle that long.
-    pub header_read_timeout_s: f64,
+    #[arg(value_name = "SECONDS")]
+    header_read_timeout_s: f64 = 30.0, PositiveFinite;
     /// Longest silence, seconds, from a client in the middle of sending a
     /// request body (408 after it).
-    pub idle_timeout_s: f64,
+    #[arg(value_name = "SECONDS")]
+    idle_timeout_s: f64 = 60.0, PositiveFinite;
     /// `POST /rollouts` requests accepted in any 60-second window (429 above).
-    pub max_rollouts_per_minute: usize,
+    #[arg(value_name = "N")]
+    max_rollouts_per_minute: usize = 10_000, Positive;
     /// Whole-request timeout for one upstream attempt, seconds.
-    pub upstream_timeout_s: f64,
+    #[arg(value_name = "SECONDS")]
+    upstream_timeout_s: f64 = 600.0, PositiveFinite;
     /// Retries of connect errors, 429 and 5xx, only before any byte reached the harness.
-    pub max_retries: u32,
+    #[arg(value_name = "N")]
+    max_retries: u32 = 2, NonNegative;
     /// Base of the jittered exponential backoff, milliseconds.
-    pub retry_base_ms: u64,
+    #[arg(value_name = "MS")]
+    retry_base_ms: u64 = 50, AtLeastOne;
     /// Consecutive failures after which an upstream is marked down.
-    pub mark_down_after: u32,
+    #[arg(value_name = "N")]
+    mark_down_after: u32 = 3, AtLeastOne;
     /// How long a marked-down upstream is skipped before it is tried again, seconds.
-    pub down_for_s: f64,
+    #[arg(value_name = "SECONDS")]
+    down_for_s: f64 = 5.0, NonNegative;
     /// Bearer key sent to upstreams (never the rollout token).
-    pub upstream_api_key: Option<String>,
+    #[arg(value_name = "KEY")]
+    upstream_api_key: Option<String> = None, Any;
     /// Temperature forced on train-mode calls (None: the harness's own).
-    pub train_temperature: Option<f64>,
+    #[arg(value_name = "T")]
+    train_temperature: Option<f64> = None, Any;
     /// Temperature forced on eval-mode calls (None: the harness's own).
-    pub eval_temperature: Option<f64>,
+    #[arg(value_name = "T")]
+    eval_temperature: Option<f64> = None, Any;
     /// Whether eval-mode calls ask the engine for ids and logprobs.
-    pub eval_capture: bool,
-    pub sync: SyncMode,
+    #[arg(num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
+    eval_capture: bool = true, Any;
+    /// `full` fsyncs the WAL on every group commit (survives power loss);
+    /// `normal` survives a killed process only.
+    #[arg(value_enum)]
+    sync: SyncMode = SyncMode::Full, Any;
     /// While the store cannot write: refuse new proxied calls (503) or serve them unrecorded.
-    pub on_store_failure: StoreFailure,
+    #[arg(value_enum)]
+    on_store_failure: StoreFailure = StoreFailure::Refuse, Any;
     /// Seconds graceful shutdown waits for in-flight calls.
-    pub drain_timeout_s: f64,
+    #[arg(value_name = "SECONDS")]
+    drain_timeout_s: f64 = 30.0, NonNegative;
+    ;
+    /// Engines behind the gateway (`[[upstreams]]`; on the command line
+    /// `--upstream URL[@VERSION]`).
+    upstreams: Vec<UpstreamConfig> = Vec::new();
     /// Online mode: sessions, idle closing, retention (`[online]`).
-    pub online: crate::online::OnlineConfig,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            listen: "127.0.0.1:8080".into(),
-            upstreams: Vec::new(),
-            db: PathBuf::from("lightning.db"),
-            admin_key: None,
-            insecure_local: false,
-            public_url: None,
-            max_body_bytes: 32 * 1024 * 1024,
-            max_upstream_answer_bytes: 256 * 1024 * 1024,
-            max_concurrent_calls: 4096,
-            max_calls_per_rollout: 256,
-            max_sse_event_bytes: 16 * 1024 * 1024,
-            header_read_timeout_s: 30.0,
-            idle_timeout_s: 60.0,
-            max_rollouts_per_minute: 10_000,
-            upstream_timeout_s: 600.0,
-            max_retries: 2,
-            retry_base_ms: 50,
-            mark_down_after: 3,
-            down_for_s: 5.0,
-            upstream_api_key: None,
-            train_temperature: None,
-            eval_temperature: None,
-            eval_capture: true,
-            sync: SyncMode::Full,
-            on_store_failure: StoreFailure::Refuse,
-            drain_timeout_s: 30.0,
-            online: Default::default(),
-        }
-    }
+    online: crate::online::OnlineConfig = Default::default();
 }
 
 impl Config {
@@ -286,6 +442,43 @@ mod tests {
                 Ok(()) => panic!("{bad} is not loopback yet was accepted"),
             }
         }
+    }
+
+    #[test]
+    fn sglang_is_a_name_for_the_vllm_wire() {
+        let cfg = Config::from_toml("[[upstreams]]\nurl = \"http://a/v1\"\nengine = \"sglang\"\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cfg.upstreams[0].engine, Engine::Vllm);
+        for name in Engine::NAMES {
+            let e: Result<Engine, _> = serde_json::from_value(serde_json::json!(name));
+            assert!(e.is_ok(), "{name}");
+        }
+    }
+
+    #[test]
+    fn fields_are_the_serde_fields_and_flag_values_are_serde_names() {
+        let defaults = serde_json::to_value(Config::default()).unwrap_or_default();
+        let mut keys: Vec<&str> = defaults
+            .as_object()
+            .map(|o| o.keys().map(|k| k.as_str()).collect())
+            .unwrap_or_default();
+        keys.retain(|k| !matches!(*k, "upstreams" | "online"));
+        let fields: Vec<&str> = Config::fields().iter().map(|f| f.name).collect();
+        assert_eq!(fields, keys);
+        for f in Config::fields() {
+            assert_eq!(defaults[f.name], f.default, "{}", f.name);
+        }
+        fn same<T: clap::ValueEnum + Serialize>() {
+            for v in T::value_variants() {
+                let name = v.to_possible_value().map(|p| p.get_name().to_string());
+                assert_eq!(
+                    serde_json::to_value(v).ok(),
+                    name.map(serde_json::Value::from)
+                );
+            }
+        }
+        same::<SyncMode>();
+        same::<StoreFailure>();
     }
 
     #[test]

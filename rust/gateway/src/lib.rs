@@ -21,6 +21,10 @@ pub mod cli;
 pub mod columnar;
 pub mod config;
 pub mod error;
+// Test-only: the properties the fuzzers and `cargo test` check. Built into
+// this crate's own tests and, with the `fuzzing` feature, for `fuzz/`; never
+// into the shipped library or the wheel.
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod http;

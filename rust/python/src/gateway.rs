@@ -151,16 +151,15 @@ fn gateway_main(py: Python<'_>, argv: Vec<String>) -> i32 {
     py.detach(move || lightning_gateway::cli::main_with_args(&argv))
 }
 
-/// The gateway configuration as Rust defines it, as JSON: `defaults` (every
-/// field of the config with its default), `upstream_defaults`, and the closed
-/// sets `engines` and `sync_modes`. Python's `GatewayConfig` takes its defaults
-/// from here and a test checks it field for field.
+/// The gateway configuration as Rust defines it, as JSON: `fields` (each
+/// flag-able field: name, Python type, default, doc, bound; from these
+/// `.ci/gateway_config.py` writes Python's `GatewayConfig`), `defaults` (every
+/// field of the config with its default, sections included),
+/// `upstream_defaults`, and the closed sets `engines` (every accepted name) and
+/// `sync_modes`.
 #[pyfunction]
 fn gateway_config_schema() -> PyResult<String> {
     // A match per enum: a new variant fails to compile here until it is listed.
-    let engines = [Engine::Vllm, Engine::Sglang, Engine::Openai].map(|e| match e {
-        Engine::Vllm | Engine::Sglang | Engine::Openai => e,
-    });
     let sync_modes = [SyncMode::Full, SyncMode::Normal].map(|s| match s {
         SyncMode::Full | SyncMode::Normal => s,
     });
@@ -174,9 +173,10 @@ fn gateway_config_schema() -> PyResult<String> {
         o.remove("url");
     }
     let schema = serde_json::json!({
+        "fields": Config::fields(),
         "defaults": Config::default(),
         "upstream_defaults": upstream,
-        "engines": engines,
+        "engines": Engine::NAMES,
         "sync_modes": sync_modes,
     });
     Ok(schema.to_string())
