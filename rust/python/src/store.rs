@@ -1,10 +1,10 @@
-//! Bindings for the store reader (`lightning_gateway::reader`): the one path
+//! Bindings for the store reader (`lightning_gateway::store::reader`): the one path
 //! from the SQLite file to Python. Every read releases the GIL; token vectors
 //! read from the store become numpy arrays without a copy.
 
 use std::path::PathBuf;
 
-use lightning_gateway::reader::{Reader, Selection};
+use lightning_gateway::store::{Reader, Selection};
 use numpy::IntoPyArray;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
