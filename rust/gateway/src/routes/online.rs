@@ -159,6 +159,39 @@ pub async fn sweep(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<B
     ))
 }
 
+/// `POST /admin/online/trained {session_ids, trained_at?}` → `{marked}`:
+/// marks sessions as trained on (a `lightning train --online` pass), through
+/// the gateway's single writer while it runs.
+pub async fn mark_trained(
+    st: &Arc<State>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    st.require_admin(req.headers())?;
+    let (_, body) = st.read_body(req).await?;
+    let v = parse_json(&body)?;
+    let ids: Vec<String> = v
+        .get("session_ids")
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(|x| x.as_str().map(str::to_string)).collect())
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_trained",
+                "send {\"session_ids\": [\"on-…\", ...]} (strings), optionally with \"trained_at\" (unix seconds)",
+            )
+        })?;
+    let when = match v.get("trained_at") {
+        None | Some(Value::Null) => crate::util::now(),
+        Some(x) => x.as_f64().filter(|x| x.is_finite()).ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_trained",
+                "trained_at must be a number (unix seconds)",
+            )
+        })?,
+    };
+    let marked = st.store.mark_trained(ids, when).await?;
+    Ok(json_response(200, &json!({ "marked": marked })))
+}
+
 /// `POST /v1/feedback` (application key):
 /// `{feedback_id, response_id | session_id, name, value, timestamp?, data?}`.
 /// 200 after commit; the same feedback id again is a no-op (`duplicate: true`);

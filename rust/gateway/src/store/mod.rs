@@ -328,6 +328,26 @@ impl Store {
         }
     }
 
+    /// Marks online sessions as used by a training pass (`trained` = `when`);
+    /// returns how many it found. The one path for that write, whether the
+    /// gateway is running (its admin route) or not (`lightning._core`).
+    pub async fn mark_trained(
+        &self,
+        rollout_ids: Vec<String>,
+        when: f64,
+    ) -> Result<usize, GatewayError> {
+        match self
+            .online(online::Op::MarkTrained { rollout_ids, when })
+            .await?
+        {
+            online::Outcome::Marked(n) => Ok(n),
+            other => Err(GatewayError::store(
+                self.path.display(),
+                format!("internal: unexpected writer result {other:?}"),
+            )),
+        }
+    }
+
     /// Waits until everything queued before it has committed.
     pub async fn barrier(&self) -> Result<(), GatewayError> {
         self.submit(Op::Barrier).await.map(|_| ())

@@ -442,6 +442,21 @@ impl Reader {
         self.with(|c| events(c, rollout_id))
     }
 
+    /// Online sessions as `list_sessions` selects them.
+    pub fn sessions(&self, filter: &SessionFilter) -> Result<Vec<SessionRow>, GatewayError> {
+        self.with(|c| list_sessions(c, filter))
+    }
+
+    /// Every feedback signal of a session.
+    pub fn feedback(&self, rollout_id: &str) -> Result<Vec<FeedbackRecord>, GatewayError> {
+        self.with(|c| feedback(c, rollout_id))
+    }
+
+    /// Each call's protocol, harness request and response id.
+    pub fn call_bodies(&self, rollout_id: &str) -> Result<Vec<CallBody>, GatewayError> {
+        self.with(|c| call_bodies(c, rollout_id))
+    }
+
     /// The trainable calls of one rollout (empty for an unknown rollout).
     pub fn trace(&self, rollout_id: &str) -> Result<Vec<Call>, GatewayError> {
         let sel = Selection {
