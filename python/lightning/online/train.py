@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import importlib
 import json
-import sqlite3
+import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -108,6 +108,14 @@ class SourceSection(_Section):
     include_trained: bool = False
     min_weight_version: int | None = None
     limit: int | None = Field(default=None, ge=1)
+    gateway: str | None = Field(
+        default=None,
+        description="URL of the gateway writing `db`, when it runs: the trained mark then "
+        "goes through its single writer; leave unset only while it is stopped",
+    )
+    admin_key_env: str = Field(
+        default="LIGHTNING_ADMIN_KEY", description="environment variable with its admin key"
+    )
 
 
 class GroupingSection(_Section):
@@ -224,36 +232,28 @@ class Session:
     signals: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _connect(db: str | Path, *, write: bool = False) -> sqlite3.Connection:
+def _reader(db: str | Path) -> Any:
+    """The store's one reader (``lightning._core.StoreReader``) on ``db``."""
+    from lightning import _core
+
     if not Path(db).exists():
         raise FileNotFoundError(f"no gateway store at {db}; give the gateway's --db path")
-    conn = sqlite3.connect(str(db), timeout=30.0)
-    conn.execute("PRAGMA busy_timeout = 30000")
-    if not write:
-        conn.execute("PRAGMA query_only = 1")
-    return conn
+    return _core.StoreReader(str(db))
 
 
-def signals(
-    conn: sqlite3.Connection, rollout_ids: Sequence[str]
-) -> dict[str, list[dict[str, Any]]]:
+def signals(reader: Any, rollout_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for rid in rollout_ids:
-        rows = conn.execute(
-            "SELECT feedback_id, response_id, name, value, ts, after_training, data "
-            "FROM feedback WHERE rollout_id = ? ORDER BY ts, id",
-            (rid,),
-        ).fetchall()
-        for fid, resp, name, value, ts, after, data in rows:
+        for f in reader.feedback(rid):
             out[rid].append(
                 {
-                    "feedback_id": fid,
-                    "response_id": resp,
-                    "name": name,
-                    "value": float(value),
-                    "ts": float(ts),
-                    "after_training": bool(after),
-                    "data": json.loads(data),
+                    "feedback_id": f["feedback_id"],
+                    "response_id": f["response_id"],
+                    "name": f["name"],
+                    "value": float(f["value"]),
+                    "ts": float(f["ts"]),
+                    "after_training": bool(f["after_training"]),
+                    "data": json.loads(f["data_json"]),
                 }
             )
     return out
@@ -277,27 +277,20 @@ def select(src: SourceSection, *, now: float | None = None) -> Selection:
     if src.since_hours is not None:
         since = max(since or 0.0, now - src.since_hours * 3600.0)
     skipped: Counter[str] = Counter()
-    with _connect(src.db) as conn:
-        rows = conn.execute(
-            "SELECT s.rollout_id, s.key_id, k.name, s.session_key, r.task, s.n_calls, s.started, "
-            "s.updated, s.closed, s.trained FROM online_sessions s "
-            "JOIN rollouts r ON r.id = s.rollout_id LEFT JOIN app_keys k ON k.id = s.key_id "
-            "WHERE (?1 IS NULL OR s.updated >= ?1) AND (?2 IS NULL OR s.updated < ?2) "
-            "ORDER BY s.updated, s.rollout_id",
-            (since, src.until),
-        ).fetchall()
-        sessions = []
-        for rid, key_id, name, skey, task, n, started, updated, closed, trained in rows:
-            tags = list(json.loads(task).get("tags") or [])
-            s = Session(
-                rid, key_id, name or "", skey, tags, n, started, updated, bool(closed), trained
-            )
-            reason = _skip_reason(s, src)
-            if reason is None:
-                sessions.append(s)
-            else:
-                skipped[reason] += 1
-        sigs = signals(conn, [s.rollout_id for s in sessions])
+    reader = _reader(src.db)
+    sessions = []
+    for row in reader.sessions(since=since, until=src.until):
+        tags = list(json.loads(row["task_json"]).get("tags") or [])
+        s = Session(
+            row["rollout_id"], row["key_id"], row["app_key"] or "", row["session_key"], tags,
+            row["n_calls"], row["started"], row["updated"], row["closed"], row["trained"],
+        )  # fmt: skip
+        reason = _skip_reason(s, src)
+        if reason is None:
+            sessions.append(s)
+        else:
+            skipped[reason] += 1
+    sigs = signals(reader, [s.rollout_id for s in sessions])
     for s in sessions:
         s.signals = sigs.get(s.rollout_id, [])
     if src.require_feedback:
@@ -373,12 +366,13 @@ def _load(target: str) -> Callable[..., Any]:
 # ------------------------------------------------------------------ grouping
 
 
-def _first_call(conn: sqlite3.Connection, rid: str) -> tuple[bytes | None, str | None]:
-    row = conn.execute(
-        "SELECT prompt_ids, harness_request FROM calls WHERE rollout_id = ? ORDER BY seq LIMIT 1",
-        (rid,),
-    ).fetchone()
-    return (row[0], row[1]) if row else (None, None)
+def _first_call(reader: Any, rid: str) -> tuple[bytes | None, str | None]:
+    """The first call's prompt ids (as their little-endian bytes) and harness request."""
+    records = reader.records(rid)
+    if not records:
+        return (None, None)
+    p = records[0]["prompt_ids"]
+    return (None if p is None else p.astype("<u4").tobytes(), reader.call_bodies(rid)[0][2])
 
 
 def group_key(kind: str, rid: str, prompt_blob: bytes | None, harness: str | None) -> str:
@@ -409,21 +403,37 @@ def pool_small_groups(groups: dict[str, str], min_group: int) -> dict[str, str]:
 
 
 def session_groups(db: str, sessions: Sequence[Session], g: GroupingSection) -> dict[str, str]:
-    with _connect(db) as conn:
-        keys = {
-            s.rollout_id: group_key(g.key, s.rollout_id, *_first_call(conn, s.rollout_id))
-            for s in sessions
-        }
+    reader = _reader(db)
+    keys = {
+        s.rollout_id: group_key(g.key, s.rollout_id, *_first_call(reader, s.rollout_id))
+        for s in sessions
+    }
     return pool_small_groups(keys, g.min_group)
 
 
-def mark_trained(db: str, rollout_ids: Sequence[str], when: float | None = None) -> None:
+def mark_trained(
+    db: str,
+    rollout_ids: Sequence[str],
+    when: float | None = None,
+    *,
+    gateway: str | None = None,
+    admin_key: str | None = None,
+) -> int:
+    """Marks sessions trained; returns how many were found. With ``gateway``
+    (the running gateway that writes ``db``) the write goes through its single
+    writer (``POST /admin/online/trained``); without, the store's own writer
+    opens ``db`` (the gateway must be stopped then)."""
     when = time.time() if when is None else when
-    with _connect(db, write=True) as conn:
-        conn.executemany(
-            "UPDATE online_sessions SET trained = ? WHERE rollout_id = ?",
-            [(when, rid) for rid in rollout_ids],
-        )
+    if gateway is None:
+        from lightning import _core
+
+        return _core.mark_trained(str(db), list(rollout_ids), when)
+    from lightning.client import GatewayClient
+
+    with GatewayClient(gateway, admin_key) as client:
+        body = {"session_ids": list(rollout_ids), "trained_at": when}
+        r = client._request("POST", "/admin/online/trained", json=body)
+        return int(r.json()["marked"])
 
 
 # ------------------------------------------------------------------ training
@@ -582,7 +592,9 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
         if hasattr(trainer, "close"):
             trainer.close()
     if cfg.mark_trained and trained:
-        mark_trained(cfg.source.db, trained)
+        src = cfg.source
+        admin_key = os.environ.get(src.admin_key_env) if src.gateway else None
+        mark_trained(src.db, trained, gateway=src.gateway, admin_key=admin_key)
     summary["sessions"] = trained
     summary["sessions_trained"] = len(trained)
     summary["rewards"] = {rid: rewards[rid] for rid in trained}
@@ -681,16 +693,18 @@ def export_sessions(
     )
     sessions = select_sessions(src)
     n = 0
-    with _connect(db) as conn, open(path, "w") as f:
+    reader = _reader(db)
+    with open(path, "w") as f:
         for s in sessions:
-            rows = conn.execute(
-                "SELECT seq, response_id, prompt_ids, completion_ids, weight_version, harness_request, "
-                "text, status, protocol FROM calls WHERE rollout_id = ? ORDER BY seq",
-                (s.rollout_id,),
-            ).fetchall()
+            bodies = {
+                seq: (proto, harness, resp)
+                for seq, proto, harness, resp in reader.call_bodies(s.rollout_id)
+            }
             calls = []
             messages: list[Any] = []
-            for seq, resp, p, c, wv, harness, text, status, proto in rows:
+            for rec in reader.records(s.rollout_id):
+                proto, harness, resp = bodies.get(rec["seq"], (None, None, None))
+                text = rec["text"]
                 body = json.loads(harness) if harness else {}
                 sent = _sent_messages(body, messages)
                 if sent is not None:
@@ -699,13 +713,13 @@ def export_sessions(
                     )
                 calls.append(
                     {
-                        "seq": seq,
+                        "seq": rec["seq"],
                         "response_id": resp,
                         "protocol": proto,
-                        "status": status,
-                        "prompt_ids": _u32(p),
-                        "completion_ids": _u32(c),
-                        "weight_version": wv,
+                        "status": rec["status"],
+                        "prompt_ids": _u32(rec["prompt_ids"]),
+                        "completion_ids": _u32(rec["completion_ids"]),
+                        "weight_version": rec["weight_version"],
                         "text": text,
                     }
                 )
@@ -751,10 +765,8 @@ def _sent_messages(body: dict[str, Any], before: list[Any]) -> list[Any] | None:
     return ([{"role": "system", "content": system}] if system else []) + items
 
 
-def _u32(blob: bytes | None) -> list[int] | None:
-    import numpy as np
-
-    return None if blob is None else np.frombuffer(blob, dtype="<u4").astype(int).tolist()
+def _u32(ids: Any) -> list[int] | None:
+    return None if ids is None else [int(x) for x in ids]
 
 
 # ----------------------------------------------------------------------- CLI

@@ -9,15 +9,7 @@ use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-fn hex(bytes: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(HEX[(b >> 4) as usize] as char);
-        s.push(HEX[(b & 15) as usize] as char);
-    }
-    s
-}
+use crate::util::hex;
 
 pub fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
     // HMAC accepts keys of any length (RFC 2104), so `new_from_slice` cannot fail.
@@ -40,18 +32,6 @@ pub fn token_hash(token: &str) -> String {
 /// Equality in time independent of where the inputs differ (`subtle`).
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.ct_eq(b).into()
-}
-
-pub fn random_hex(n_bytes: usize) -> String {
-    let mut buf = vec![0u8; n_bytes];
-    if getrandom::fill(&mut buf).is_err() {
-        // No OS randomness: fall back to time, which is unique enough for ids (never for tokens).
-        let t = crate::store::now().to_bits().to_le_bytes();
-        for (i, b) in buf.iter_mut().enumerate() {
-            *b = t[i % 8] ^ (i as u8);
-        }
-    }
-    hex(&buf)
 }
 
 /// Rollout ids: 1..=128 characters of `[A-Za-z0-9._:-]` (they appear in URLs).

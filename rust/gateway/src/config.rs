@@ -329,7 +329,7 @@ config! {
     /// `--upstream URL[@VERSION]`).
     upstreams: Vec<UpstreamConfig> = Vec::new();
     /// Online mode: sessions, idle closing, retention (`[online]`).
-    online: crate::online::OnlineConfig = Default::default();
+    online: OnlineConfig = Default::default();
 }
 
 impl Config {
@@ -413,6 +413,34 @@ pub fn is_loopback_listen(listen: &str) -> bool {
     host.parse::<std::net::IpAddr>()
         .map(|ip| ip.is_loopback())
         .unwrap_or(false)
+}
+
+/// The `[online]` section of the gateway config.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OnlineConfig {
+    /// How long after a session's last call a continuing prompt may still join it, seconds.
+    pub session_window_s: f64,
+    /// A session with no call for this long is closed, seconds.
+    pub idle_timeout_s: f64,
+    /// Delete closed online sessions whose last call is older than this many days.
+    pub retention_days: Option<f64>,
+    /// Delete the oldest closed online sessions while their stored bytes exceed this.
+    pub retention_bytes: Option<u64>,
+    /// How often the background sweep (idle closing, retention) runs, seconds.
+    pub sweep_interval_s: f64,
+}
+
+impl Default for OnlineConfig {
+    fn default() -> Self {
+        OnlineConfig {
+            session_window_s: 3600.0,
+            idle_timeout_s: 1800.0,
+            retention_days: None,
+            retention_bytes: None,
+            sweep_interval_s: 60.0,
+        }
+    }
 }
 
 #[cfg(test)]

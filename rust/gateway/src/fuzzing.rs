@@ -18,10 +18,10 @@ use bytes::Bytes;
 use hyper::StatusCode;
 use serde_json::{json, Value};
 
-use crate::columnar;
 use crate::error::ApiError;
 use crate::protocol::{translate_event, Answer, Ctx, Protocol};
 use crate::routes::{CHAT, COMPLETIONS, MESSAGES, RESPONSES};
+use crate::store::columnar;
 use crate::store::{blob_to_f32s, blob_to_ids, StoredCall};
 use crate::wire::engine::{parse_answer, Kind, StreamCapture};
 use crate::wire::sse::Parser;
@@ -278,7 +278,7 @@ pub fn stored_trace(data: &[u8]) {
         .as_u64()
         .expect("completion_len") as usize;
     assert_eq!(encoded.len(), 12 + header_len + 4 * (np + 2 * nc));
-    let rollout = crate::reader::RolloutRecord {
+    let rollout = crate::store::RolloutRecord {
         rollout_id: "ro-fuzz".into(),
         group: None,
         task: "null".into(),
@@ -288,7 +288,7 @@ pub fn stored_trace(data: &[u8]) {
         created: 0.0,
         updated: 0.0,
     };
-    if let Some(c) = crate::reader::trainable(&rollout, call) {
+    if let Some(c) = crate::store::reader::trainable(&rollout, call) {
         if let Some(l) = &c.logprobs {
             assert_eq!(l.len(), c.completion_ids.len());
         }
@@ -362,7 +362,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(crate::protocol::proptest_config(256))]
+        #![proptest_config(crate::util::proptest_config(256))]
 
         #[test]
         fn every_target_holds_on_bytes(data in prop::collection::vec(any::<u8>(), 0..300)) {

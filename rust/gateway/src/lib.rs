@@ -8,17 +8,21 @@
 //! the harness's protocol, streamed as the engine generates; the call is
 //! committed before the answer's final frame leaves the gateway.
 //!
-//! Modules: `routes` (HTTP server and routing) → `proxy` (pipeline) →
-//! `protocol` (adapters, pure) and `wire` (engine formats, pure); `state`,
-//! `http`, `auth`, `config`, `limits`, `upstream`, `store`, `metrics`, `columnar`
-//! underneath; `online` (application keys, sessions, feedback, retention)
-//! hooks into auth (`State::rollout_from_key`) and the record step (its
-//! session resolution runs inside the store's writer). No module imports one
-//! above it.
+//! Layers, bottom to top: `util` < `error` < `wire` < `protocol` < `config` <
+//! `store` < `http` < `metrics` < `auth` < `limits` < `upstream` < `state` <
+//! `online` < `proxy` < `routes` < `fuzzing` < `cli`. A module uses only
+//! modules to its left (`tests/module_layers.rs` fails on an upward `crate::`
+//! path, so there is no import circle). The pure parts sit low: `wire`
+//! (engine formats) and `protocol` (adapters) need nothing stateful, which is
+//! what lets the store keep a protocol's `Kept` object. `store` owns the
+//! schema and every query, online mode's included (session resolution runs
+//! inside its writer); `online` above `state` is what a call says about its
+//! session, the sweep and the history look-up, with no SQL; `routes` (HTTP
+//! server and routing) drives `proxy` (the pipeline); `cli` is the binary's
+//! front door.
 
 pub mod auth;
 pub mod cli;
-pub mod columnar;
 pub mod config;
 pub mod error;
 // Test-only: the properties the fuzzers and `cargo test` check. Built into
@@ -33,11 +37,11 @@ pub mod metrics;
 pub mod online;
 pub mod protocol;
 pub mod proxy;
-pub mod reader;
 pub mod routes;
 pub mod state;
 pub mod store;
 pub mod upstream;
+pub mod util;
 pub mod wire;
 
 pub use config::{Config, Engine, SyncMode, UpstreamConfig};

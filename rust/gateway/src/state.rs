@@ -18,16 +18,12 @@ use crate::config::{Config, StoreFailure};
 use crate::error::{ApiError, GatewayError};
 use crate::http::api_key;
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::store::{reader, AppKey, OnlineCall, Store};
 use crate::upstream::Pool;
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    Train,
-    Eval,
-}
+pub use crate::store::Mode;
 
 /// What the hot path needs to know about a rollout, cached in memory.
 #[derive(Debug)]
@@ -38,7 +34,7 @@ pub struct RolloutInfo {
     /// Still `queued`: the first call flips it to `running` in the same commit.
     pub queued: AtomicBool,
     /// An application key's call (online mode): its session is resolved at commit.
-    pub online: Option<Arc<crate::online::OnlineCall>>,
+    pub online: Option<Arc<OnlineCall>>,
 }
 
 #[derive(Debug)]
@@ -53,7 +49,7 @@ pub struct State {
     pub public_url: String,
     rollouts: RwLock<HashMap<String, Arc<RolloutInfo>>>,
     tokens: RwLock<HashMap<String, String>>,
-    pub online_keys: crate::online::Keys,
+    pub online_keys: Keys,
 }
 
 impl State {
@@ -84,7 +80,7 @@ impl State {
             public_url,
             rollouts: RwLock::new(HashMap::new()),
             tokens: RwLock::new(HashMap::new()),
-            online_keys: crate::online::Keys::default(),
+            online_keys: Keys::default(),
         })
     }
 
@@ -269,11 +265,67 @@ impl State {
         if let Some(r) = self.rollout_by_token(&hash).await? {
             return Ok(r);
         }
-        match crate::online::key_rollout(self, &hash).await? {
+        match key_rollout(self, &hash).await? {
             Some(r) => Ok(r),
             None => Err(ApiError::unauthorized(
                 "unknown key; set the SDK api_key to a rollout token from POST /rollouts or an application key from POST /admin/keys (a revoked key stops working at once)",
             )),
         }
     }
+}
+/// Application keys (online mode) cached by token hash (a revoked key is dropped at once).
+#[derive(Debug, Default)]
+pub struct Keys {
+    by_hash: RwLock<HashMap<String, Arc<AppKey>>>,
+}
+
+impl Keys {
+    pub fn forget(&self, key_id: &str) {
+        if let Ok(mut m) = self.by_hash.write() {
+            m.retain(|_, k| k.id != key_id);
+        }
+    }
+}
+
+/// For `/v1/...`: the online "rollout" of an application key, or `None` if the
+/// hash is no active key. The call's session is resolved when it commits.
+pub async fn key_rollout(
+    st: &Arc<State>,
+    hash: &str,
+) -> Result<Option<Arc<RolloutInfo>>, ApiError> {
+    let cached = st
+        .online_keys
+        .by_hash
+        .read()
+        .ok()
+        .and_then(|m| m.get(hash).cloned());
+    let key = match cached {
+        Some(k) => k,
+        None => {
+            let h = hash.to_string();
+            let row = st
+                .read_store(move |s| s.read(|c| reader::key_by_hash(c, &h)))
+                .await?;
+            let Some(row) = row else { return Ok(None) };
+            let k = Arc::new(AppKey::from_row(&row));
+            if let Ok(mut m) = st.online_keys.by_hash.write() {
+                m.insert(hash.to_string(), k.clone());
+            }
+            k
+        }
+    };
+    Ok(Some(Arc::new(RolloutInfo {
+        id: format!("online:{}", key.id),
+        mode: key.mode,
+        token_hash: String::new(),
+        queued: AtomicBool::new(false),
+        online: Some(Arc::new(OnlineCall {
+            key,
+            session: None,
+            previous_response: None,
+            user: None,
+            window_s: st.cfg.online.session_window_s,
+            idle_s: st.cfg.online.idle_timeout_s,
+        })),
+    })))
 }

@@ -1,10 +1,13 @@
-//! Bindings for the store reader (`lightning_gateway::reader`): the one path
+//! Bindings for the store reader (`lightning_gateway::store::reader`): the one path
 //! from the SQLite file to Python. Every read releases the GIL; token vectors
 //! read from the store become numpy arrays without a copy.
 
 use std::path::PathBuf;
 
-use lightning_gateway::reader::{Reader, Selection};
+use lightning_gateway::config::SyncMode;
+use lightning_gateway::store::online::SessionFilter;
+use lightning_gateway::store::{Reader, Selection, Store};
+use lightning_gateway::GatewayError;
 use numpy::IntoPyArray;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -118,6 +121,86 @@ impl PyStoreReader {
             .collect())
     }
 
+    /// Online sessions last active in `[since, until)`, oldest activity
+    /// first, as dicts (rollout_id, key_id, app_key, session_key, task_json,
+    /// n_calls, started, updated, closed, trained).
+    #[pyo3(signature = (*, since=None, until=None))]
+    fn sessions<'py>(
+        &self,
+        py: Python<'py>,
+        since: Option<f64>,
+        until: Option<f64>,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let filter = SessionFilter {
+            updated_from: since,
+            updated_before: until,
+            oldest_first: true,
+            limit: -1,
+            ..SessionFilter::default()
+        };
+        let rows = py
+            .detach(|| self.inner.sessions(&filter))
+            .map_err(|e| gateway_error(py, e))?;
+        rows.into_iter()
+            .map(|r| {
+                let d = PyDict::new(py);
+                d.set_item("rollout_id", r.session_id)?;
+                d.set_item("key_id", r.key_id)?;
+                d.set_item("app_key", r.key_name)?;
+                d.set_item("session_key", r.session_key)?;
+                d.set_item("task_json", r.task)?;
+                d.set_item("n_calls", r.n_calls)?;
+                d.set_item("started", r.started)?;
+                d.set_item("updated", r.updated)?;
+                d.set_item("closed", r.closed)?;
+                d.set_item("trained", r.trained)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// A session's feedback signals in timestamp, then arrival, order, as
+    /// dicts (feedback_id, response_id, name, value, ts, after_training, data_json).
+    fn feedback<'py>(
+        &self,
+        py: Python<'py>,
+        rollout_id: &str,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let rows = py
+            .detach(|| self.inner.feedback(rollout_id))
+            .map_err(|e| gateway_error(py, e))?;
+        rows.into_iter()
+            .map(|f| {
+                let d = PyDict::new(py);
+                d.set_item("feedback_id", f.feedback_id)?;
+                d.set_item("response_id", f.response_id)?;
+                d.set_item("name", f.name)?;
+                d.set_item("value", f.value)?;
+                d.set_item("ts", f.ts)?;
+                d.set_item("after_training", f.after_training)?;
+                d.set_item("data_json", f.data)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Each call's `(seq, protocol, harness_request, response_id)` in seq
+    /// order (the harness request is on a request's first choice only).
+    #[allow(clippy::type_complexity)]
+    fn call_bodies(
+        &self,
+        py: Python<'_>,
+        rollout_id: &str,
+    ) -> PyResult<Vec<(i64, Option<String>, Option<String>, Option<String>)>> {
+        let rows = py
+            .detach(|| self.inner.call_bodies(rollout_id))
+            .map_err(|e| gateway_error(py, e))?;
+        Ok(rows
+            .into_iter()
+            .map(|c| (c.seq, c.protocol, c.harness_request, c.response_id))
+            .collect())
+    }
+
     /// The calls of a rollout the harness saw whole, with exact ids.
     fn trace(&self, py: Python<'_>, rollout_id: &str) -> PyResult<Vec<PyCall>> {
         let calls = py
@@ -185,7 +268,34 @@ impl PyStoreReader {
     }
 }
 
+/// Marks online sessions trained at `when` in the store file at `path` of a
+/// gateway that is not running, through the store's own writer (the same code
+/// the gateway's `POST /admin/online/trained` runs); returns how many it found.
+#[pyfunction]
+fn mark_trained(
+    py: Python<'_>,
+    path: PathBuf,
+    rollout_ids: Vec<String>,
+    when: f64,
+) -> PyResult<usize> {
+    let run = || -> Result<usize, GatewayError> {
+        if !path.is_file() {
+            return Err(GatewayError::store(
+                path.display(),
+                "no gateway store here; pass the --db path the gateway was started with",
+            ));
+        }
+        let store = Store::open(&path, SyncMode::Full)?;
+        let rt = tokio::runtime::Builder::new_current_thread().build()?;
+        let n = rt.block_on(store.mark_trained(rollout_ids, when));
+        store.close();
+        n
+    };
+    py.detach(run).map_err(|e| gateway_error(py, e))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStoreReader>()?;
+    m.add_function(wrap_pyfunction!(mark_trained, m)?)?;
     Ok(())
 }

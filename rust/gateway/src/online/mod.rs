@@ -33,134 +33,25 @@
 //!
 //! Feedback (`POST /v1/feedback`) attaches named signals to a response id or
 //! a session, any time later, idempotent on the client's feedback id; see
-//! `db::feedback`. Retention (`retention_days`, `retention_bytes`) deletes
+//! `store::online::feedback`. Retention (`retention_days`, `retention_bytes`) deletes
 //! whole closed sessions in a background sweep; a key with `redact = true`
 //! stores token ids but no text.
-
-pub mod db;
+//!
+//! This module holds no SQL: the rules above run as queries in
+//! `store::online` (writes) and `store::reader` (reads); here is what a call
+//! says about its session, the background sweep, and the history look-up.
 
 use bytes::Bytes;
 use hyper::header::HeaderMap;
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::ApiError;
-use crate::state::{Mode, RolloutInfo, State};
-
-/// The `[online]` section of the gateway config.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct OnlineConfig {
-    /// How long after a session's last call a continuing prompt may still join it, seconds.
-    pub session_window_s: f64,
-    /// A session with no call for this long is closed, seconds.
-    pub idle_timeout_s: f64,
-    /// Delete closed online sessions whose last call is older than this many days.
-    pub retention_days: Option<f64>,
-    /// Delete the oldest closed online sessions while their stored bytes exceed this.
-    pub retention_bytes: Option<u64>,
-    /// How often the background sweep (idle closing, retention) runs, seconds.
-    pub sweep_interval_s: f64,
-}
-
-impl Default for OnlineConfig {
-    fn default() -> Self {
-        OnlineConfig {
-            session_window_s: 3600.0,
-            idle_timeout_s: 1800.0,
-            retention_days: None,
-            retention_bytes: None,
-            sweep_interval_s: 60.0,
-        }
-    }
-}
-
-/// What an application key's defaults say (validated on creation).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct KeyDefaults {
-    /// `train` (default) or `eval`: the mode of its sessions.
-    pub mode: Option<String>,
-    /// Tags stored on every session (selection in `lightning train --online`).
-    pub tags: Vec<String>,
-    /// Store token ids but no text (request bodies, answer text).
-    pub redact: bool,
-    /// Sampling overrides. Off by default: production gets what it asks for.
-    pub temperature: Option<f64>,
-}
-
-impl KeyDefaults {
-    pub fn parse(v: Option<&Value>) -> Result<KeyDefaults, ApiError> {
-        let d: KeyDefaults = match v {
-            None | Some(Value::Null) => KeyDefaults::default(),
-            Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
-                ApiError::bad_request(
-                    "invalid_defaults",
-                    format!("key defaults take {{mode, tags, redact, temperature}}: {e}"),
-                )
-            })?,
-        };
-        if let Some(m) = &d.mode {
-            if m != "train" && m != "eval" {
-                return Err(ApiError::bad_request(
-                    "invalid_mode",
-                    format!("defaults.mode {m:?} is not 'train' or 'eval'"),
-                ));
-            }
-        }
-        if d.temperature.is_some_and(|t| !(t.is_finite() && t >= 0.0)) {
-            return Err(ApiError::bad_request(
-                "invalid_defaults",
-                "defaults.temperature must be a finite number >= 0",
-            ));
-        }
-        Ok(d)
-    }
-}
-
-/// An application key, as the hot path needs it.
-#[derive(Debug, Clone)]
-pub struct AppKey {
-    pub id: String,
-    pub name: String,
-    pub mode: Mode,
-    pub defaults: KeyDefaults,
-}
-
-impl AppKey {
-    pub fn from_row(row: &db::KeyRow) -> AppKey {
-        let defaults: KeyDefaults =
-            serde_json::from_value(row.defaults.clone()).unwrap_or_default();
-        AppKey {
-            id: row.id.clone(),
-            name: row.name.clone(),
-            mode: if defaults.mode.as_deref() == Some("eval") {
-                Mode::Eval
-            } else {
-                Mode::Train
-            },
-            defaults,
-        }
-    }
-}
-
-/// One online call on its way to the store: whose it is and which session it names.
-#[derive(Debug, Clone)]
-pub struct OnlineCall {
-    pub key: Arc<AppKey>,
-    /// The explicit session id (rule 1), if the client sent one.
-    pub session: Option<String>,
-    /// Responses' `previous_response_id` (rule 2).
-    pub previous_response: Option<String>,
-    /// The protocol's user field, kept as a tag.
-    pub user: Option<String>,
-    pub window_s: f64,
-    pub idle_s: f64,
-}
+use crate::state::{RolloutInfo, State};
+use crate::store::online::{self as db, SweepReport};
+use crate::store::{reader, OnlineCall};
 
 fn nonempty(s: &str) -> Option<String> {
     let s = s.trim();
@@ -203,63 +94,6 @@ pub fn user_of(body: &Value) -> Option<String> {
         .and_then(nonempty)
 }
 
-/// Application keys cached by token hash (a revoked key is dropped at once).
-#[derive(Debug, Default)]
-pub struct Keys {
-    by_hash: RwLock<HashMap<String, Arc<AppKey>>>,
-}
-
-impl Keys {
-    pub fn forget(&self, key_id: &str) {
-        if let Ok(mut m) = self.by_hash.write() {
-            m.retain(|_, k| k.id != key_id);
-        }
-    }
-}
-
-/// For `/v1/...`: the online "rollout" of an application key, or `None` if the
-/// hash is no active key. The call's session is resolved when it commits.
-pub async fn key_rollout(
-    st: &Arc<State>,
-    hash: &str,
-) -> Result<Option<Arc<RolloutInfo>>, ApiError> {
-    let cached = st
-        .online_keys
-        .by_hash
-        .read()
-        .ok()
-        .and_then(|m| m.get(hash).cloned());
-    let key = match cached {
-        Some(k) => k,
-        None => {
-            let h = hash.to_string();
-            let row = st
-                .read_store(move |s| s.read(|c| db::key_by_hash(c, &h)))
-                .await?;
-            let Some(row) = row else { return Ok(None) };
-            let k = Arc::new(AppKey::from_row(&row));
-            if let Ok(mut m) = st.online_keys.by_hash.write() {
-                m.insert(hash.to_string(), k.clone());
-            }
-            k
-        }
-    };
-    Ok(Some(Arc::new(RolloutInfo {
-        id: format!("online:{}", key.id),
-        mode: key.mode,
-        token_hash: String::new(),
-        queued: AtomicBool::new(false),
-        online: Some(Arc::new(OnlineCall {
-            key,
-            session: None,
-            previous_response: None,
-            user: None,
-            window_s: st.cfg.online.session_window_s,
-            idle_s: st.cfg.online.idle_timeout_s,
-        })),
-    })))
-}
-
 /// Binds an online call to what its request says about its session (a no-op
 /// for rollout calls). A body that is not JSON is left to the pipeline's 400.
 pub fn bind_call(info: Arc<RolloutInfo>, headers: &HeaderMap, body: &Bytes) -> Arc<RolloutInfo> {
@@ -288,7 +122,7 @@ pub fn bind_call(info: Arc<RolloutInfo>, headers: &HeaderMap, body: &Bytes) -> A
 pub async fn load_history(st: &Arc<State>, key_id: &str, id: &str) -> Result<Value, ApiError> {
     let (k, i) = (key_id.to_string(), id.to_string());
     let state = st
-        .read_store(move |s| s.read(|c| db::kept_state(c, &k, &i)))
+        .read_store(move |s| s.read(|c| reader::kept_state(c, &k, &i)))
         .await?;
     state.ok_or_else(|| {
         ApiError::not_found(
@@ -316,8 +150,8 @@ pub async fn sweeper(st: Arc<State>) {
 
 /// One sweep now; `idle_s` overrides `idle_timeout_s` for this sweep (an
 /// operator closing every session idle for a minute before a training run).
-pub async fn sweep(st: &State, idle_s: Option<f64>) -> Result<db::SweepReport, ApiError> {
-    let now = crate::store::now();
+pub async fn sweep(st: &State, idle_s: Option<f64>) -> Result<SweepReport, ApiError> {
+    let now = crate::util::now();
     let cfg = &st.cfg.online;
     let op = db::Op::Sweep {
         idle_before: now - idle_s.unwrap_or(cfg.idle_timeout_s),
@@ -360,20 +194,5 @@ mod tests {
             user_of(&json!({"metadata": {"user_id": "bob"}})).as_deref(),
             Some("bob")
         );
-    }
-
-    #[test]
-    fn defaults_are_validated() {
-        assert!(KeyDefaults::parse(Some(&json!({"mode": "prod"}))).is_err());
-        assert!(KeyDefaults::parse(Some(&json!({"temperatur": 1.0}))).is_err());
-        let d = KeyDefaults::parse(Some(&json!({"tags": ["a"], "redact": true})));
-        assert!(matches!(
-            d,
-            Ok(KeyDefaults {
-                redact: true,
-                temperature: None,
-                ..
-            })
-        ));
     }
 }

@@ -671,7 +671,7 @@ fn answer_strategy() -> impl Strategy<Value = EngineAnswer> {
 }
 
 proptest! {
-    #![proptest_config(crate::protocol::proptest_config(256))]
+    #![proptest_config(crate::util::proptest_config(256))]
 
     /// Streamed and whole translations of the same engine answer agree.
     #[test]
@@ -913,7 +913,7 @@ fn turn_strategy() -> impl Strategy<Value = Value> {
 }
 
 proptest! {
-    #![proptest_config(crate::protocol::proptest_config(256))]
+    #![proptest_config(crate::util::proptest_config(256))]
 
     /// A random conversation keeps every item, in order, through the translation.
     #[test]

@@ -25,7 +25,6 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::auth;
 use crate::config::{Engine, StoreFailure};
 use crate::error::ApiError;
 use crate::http::{copy_content_type, copy_headers, engine_json, json_bytes_response, Body};
@@ -92,7 +91,7 @@ pub async fn call(
     // Online calls always capture ids and logprobs (they do not change the
     // answer) and keep the harness's sampling unless the key overrides it.
     let want_ids = rollout.mode == Mode::Train || st.cfg.eval_capture || rollout.online.is_some();
-    let request_id = format!("call-{}", auth::random_hex(8));
+    let request_id = format!("call-{}", crate::util::random_hex(8));
     let mut ctx = Ctx {
         want_ids,
         temperature: match (&rollout.online, rollout.mode) {
@@ -101,7 +100,7 @@ pub async fn call(
             (None, Mode::Eval) => st.cfg.eval_temperature,
         },
         call_id: request_id.clone(),
-        created: crate::store::now() as u64,
+        created: crate::util::now() as u64,
         history: None,
         state: Value::Null,
     };

@@ -9,7 +9,7 @@ use crate::error::ApiError;
 use crate::limits::CallPermit;
 use crate::protocol::Kept;
 use crate::state::{RolloutInfo, State};
-use crate::store::{self, CallRecord, CallStatus};
+use crate::store::{CallRecord, CallStatus};
 use crate::upstream::Upstream;
 use crate::wire::engine::{self as capture, Capture, Kind};
 
@@ -93,7 +93,7 @@ pub fn build_records(
         http_status,
         latency_ms,
         usage: usage.clone(),
-        created: store::now(),
+        created: crate::util::now(),
         response_id: meta.response_id.clone().or_else(|| cap.id.clone()),
     };
     if cap.choices.is_empty() {

@@ -157,6 +157,7 @@ async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>
         (&Method::GET, ["admin", "keys"]) => online::list_keys(st, req).await,
         (&Method::DELETE, ["admin", "keys", id]) => online::revoke_key(st, id, req).await,
         (&Method::POST, ["admin", "online", "sweep"]) => online::sweep(st, req).await,
+        (&Method::POST, ["admin", "online", "trained"]) => online::mark_trained(st, req).await,
         (&Method::GET, ["admin", "online", "sessions"]) => {
             online::list_sessions(st, req, &query).await
         }

@@ -10,9 +10,10 @@ use std::sync::Arc;
 use crate::auth;
 use crate::error::ApiError;
 use crate::http::{api_key, json_response, parse_json, Body};
-use crate::online::db::{self, FeedbackOutcome, Outcome};
-use crate::online::{self as online, KeyDefaults};
+use crate::online;
 use crate::state::State;
+use crate::store::online::{self as db, FeedbackOutcome, KeyDefaults, Outcome};
+use crate::store::reader;
 
 /// `POST /admin/keys {name, defaults?}` → `{id, key, name, defaults}`; the key
 /// is shown once (only its SHA-256 is stored).
@@ -35,8 +36,8 @@ pub async fn create_key(
         })?
         .to_string();
     let defaults = KeyDefaults::parse(v.get("defaults"))?;
-    let id = format!("key-{}", auth::random_hex(8));
-    let key = format!("lk-{}", auth::random_hex(32));
+    let id = format!("key-{}", crate::util::random_hex(8));
+    let key = format!("lk-{}", crate::util::random_hex(32));
     let defaults_v =
         serde_json::to_value(&defaults).map_err(|e| ApiError::internal(e.to_string()))?;
     let out = st
@@ -63,7 +64,7 @@ pub async fn list_keys(
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
     st.require_admin(req.headers())?;
-    let rows = st.read_store(|s| s.read(db::list_keys)).await?;
+    let rows = st.read_store(|s| s.read(reader::list_keys)).await?;
     Ok(json_response(200, &json!({ "keys": rows })))
 }
 
@@ -123,9 +124,10 @@ pub async fn list_sessions(
         closed: flag("closed")?,
         with_feedback: flag("feedback")?,
         limit,
+        ..db::SessionFilter::default()
     };
     let rows = st
-        .read_store(move |s| s.read(|c| db::list_sessions(c, &filter)))
+        .read_store(move |s| s.read(|c| reader::list_sessions(c, &filter)))
         .await?;
     Ok(json_response(200, &json!({ "sessions": rows })))
 }
@@ -157,6 +159,39 @@ pub async fn sweep(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<B
     ))
 }
 
+/// `POST /admin/online/trained {session_ids, trained_at?}` → `{marked}`:
+/// marks sessions as trained on (a `lightning train --online` pass), through
+/// the gateway's single writer while it runs.
+pub async fn mark_trained(
+    st: &Arc<State>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    st.require_admin(req.headers())?;
+    let (_, body) = st.read_body(req).await?;
+    let v = parse_json(&body)?;
+    let ids: Vec<String> = v
+        .get("session_ids")
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(|x| x.as_str().map(str::to_string)).collect())
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_trained",
+                "send {\"session_ids\": [\"on-…\", ...]} (strings), optionally with \"trained_at\" (unix seconds)",
+            )
+        })?;
+    let when = match v.get("trained_at") {
+        None | Some(Value::Null) => crate::util::now(),
+        Some(x) => x.as_f64().filter(|x| x.is_finite()).ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_trained",
+                "trained_at must be a number (unix seconds)",
+            )
+        })?,
+    };
+    let marked = st.store.mark_trained(ids, when).await?;
+    Ok(json_response(200, &json!({ "marked": marked })))
+}
+
 /// `POST /v1/feedback` (application key):
 /// `{feedback_id, response_id | session_id, name, value, timestamp?, data?}`.
 /// 200 after commit; the same feedback id again is a no-op (`duplicate: true`);
@@ -167,7 +202,7 @@ pub async fn feedback(st: &Arc<State>, req: Request<Incoming>) -> Result<Respons
         ApiError::unauthorized("missing application key; send 'Authorization: Bearer lk-…'")
     })?;
     let hash = auth::token_hash(token);
-    let info = online::key_rollout(st, &hash).await?.ok_or_else(|| {
+    let info = crate::state::key_rollout(st, &hash).await?.ok_or_else(|| {
         ApiError::unauthorized("feedback needs an active application key (POST /admin/keys)")
     })?;
     let key_id = match &info.online {
@@ -244,7 +279,7 @@ fn parse_feedback(v: &Value, key_id: String) -> Result<db::NewFeedback, ApiError
         ));
     }
     let ts = match v.get("timestamp") {
-        None | Some(Value::Null) => crate::store::now(),
+        None | Some(Value::Null) => crate::util::now(),
         Some(x) => x
             .as_f64()
             .filter(|x| x.is_finite())

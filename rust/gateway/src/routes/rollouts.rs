@@ -204,7 +204,7 @@ pub async fn trace(
             &json!({"rollout_id": info.id, "calls": calls}),
         )),
         "columnar" => {
-            let bytes = crate::columnar::encode(&info.id, &calls);
+            let bytes = crate::store::columnar::encode(&info.id, &calls);
             let mut r = Response::new(full(bytes));
             r.headers_mut().insert(
                 CONTENT_TYPE,
@@ -244,7 +244,7 @@ async fn create_rollout(st: &Arc<State>, v: Value) -> Result<Response<Body>, Api
         }
     };
     let id = match v.get("rollout_id") {
-        None | Some(Value::Null) => format!("ro-{}", auth::random_hex(12)),
+        None | Some(Value::Null) => format!("ro-{}", crate::util::random_hex(12)),
         Some(Value::String(s)) if auth::valid_rollout_id(s) => s.clone(),
         Some(other) => {
             return Err(ApiError::bad_request(

@@ -195,7 +195,7 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(crate::protocol::proptest_config(512))]
+        #![proptest_config(crate::util::proptest_config(512))]
         #[test]
         fn framing_matches_the_reference_under_any_chunking(
             stream in proptest::collection::vec(

@@ -330,7 +330,7 @@ fn tool_request() -> (EngineRequest, Ctx) {
 }
 
 proptest! {
-    #![proptest_config(crate::protocol::proptest_config(256))]
+    #![proptest_config(crate::util::proptest_config(256))]
 
     /// Streamed and whole translations of the same generation agree: the
     /// held-back terminal event carries the very response the whole answer

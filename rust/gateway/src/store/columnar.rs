@@ -1,4 +1,5 @@
-//! The compact columnar trace form (`GET /rollouts/{id}/trace?format=columnar`).
+//! Token ids and logprobs as bytes: the store's blobs (little-endian u32 ids,
+//! f32 logprobs, one column each) and the compact columnar trace form (`GET /rollouts/{id}/trace?format=columnar`).
 //!
 //! Layout (all integers little-endian):
 //! ```text
@@ -13,7 +14,35 @@
 
 use serde_json::json;
 
-use crate::store::StoredCall;
+use super::records::StoredCall;
+
+pub fn ids_to_blob(ids: &[u32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(ids.len() * 4);
+    for id in ids {
+        out.extend_from_slice(&id.to_le_bytes());
+    }
+    out
+}
+
+pub fn blob_to_ids(blob: &[u8]) -> Vec<u32> {
+    blob.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+pub fn f32s_to_blob(xs: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(xs.len() * 4);
+    for x in xs {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+pub fn blob_to_f32s(blob: &[u8]) -> Vec<f32> {
+    blob.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
 
 pub const MAGIC: &[u8; 4] = b"LTRC";
 pub const VERSION: u32 = 1;

@@ -10,223 +10,43 @@
 //! Token ids are stored as little-endian u32 blobs, logprobs as little-endian
 //! f32 blobs (NaN where the engine gave none).
 
-use rusqlite::{params, Connection, OptionalExtension};
-use serde::Serialize;
+//!
+//! The one module that owns the schema: nothing else in the workspace opens
+//! the database. `schema` (tables, migrations, opening a connection),
+//! `records` (row types), `reader` (every read, also the writer's), `online`
+//! (online mode's writes), `retention` (the sweep), `columnar` (ids and
+//! logprobs as bytes); this file is the writer.
+
+pub mod columnar;
+pub mod online;
+pub mod reader;
+pub mod records;
+mod retention;
+mod schema;
+
+use rusqlite::{params, Connection};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 use tokio::sync::oneshot;
+
+use crate::util::now;
+pub use columnar::{blob_to_f32s, blob_to_ids, f32s_to_blob, ids_to_blob};
+pub use online::{AppKey, KeyDefaults, OnlineCall};
+pub use reader::Reader;
+pub use records::{
+    CallBody, CallRecord, CallStatus, EventRecord, FeedbackRecord, Mode, NewRollout, RolloutRecord,
+    RolloutRow, Selection, StepData, StoredCall,
+};
 
 use crate::config::SyncMode;
 use crate::error::GatewayError;
-use crate::online::db as online_db;
-use crate::online::OnlineCall;
 use crate::protocol::Kept;
-
-const SCHEMA: &str = r#"
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS rollouts (
-    id TEXT PRIMARY KEY,
-    grp TEXT,
-    task TEXT NOT NULL,
-    mode TEXT NOT NULL,
-    status TEXT NOT NULL,
-    token_hash TEXT NOT NULL,
-    created REAL NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS rollouts_token ON rollouts(token_hash);
-CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts(grp);
-CREATE INDEX IF NOT EXISTS rollouts_status ON rollouts(status);
-CREATE TABLE IF NOT EXISTS calls (
-    id INTEGER PRIMARY KEY,
-    rollout_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    request_id TEXT NOT NULL,
-    choice_index INTEGER NOT NULL,
-    kind TEXT NOT NULL,
-    request TEXT NOT NULL,
-    prompt_ids BLOB,
-    completion_ids BLOB,
-    logprobs BLOB,
-    finish_reason TEXT,
-    text TEXT,
-    status TEXT NOT NULL,
-    flags TEXT NOT NULL,
-    delivered INTEGER NOT NULL,
-    retry_count INTEGER NOT NULL,
-    weight_version INTEGER NOT NULL,
-    upstream TEXT NOT NULL,
-    http_status INTEGER NOT NULL,
-    latency_ms REAL NOT NULL,
-    usage TEXT,
-    created REAL NOT NULL
-);
-CREATE UNIQUE INDEX IF NOT EXISTS calls_rollout_seq ON calls(rollout_id, seq);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY,
-    rollout_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    type TEXT NOT NULL,
-    data TEXT NOT NULL,
-    created REAL NOT NULL
-);
-CREATE UNIQUE INDEX IF NOT EXISTS events_rollout_seq ON events(rollout_id, seq);
-CREATE TABLE IF NOT EXISTS kept (
-    id TEXT PRIMARY KEY,
-    rollout_id TEXT NOT NULL,
-    protocol TEXT NOT NULL,
-    request_id TEXT NOT NULL,
-    object TEXT NOT NULL,
-    state TEXT NOT NULL,
-    created REAL NOT NULL
-);
-"#;
-
-/// Columns added after the first release, with their definitions: a database
-/// created by an older gateway gets them on open (`ALTER TABLE ADD COLUMN`;
-/// rows written before read as the defaults). Existing columns never change name.
-const MIGRATIONS: [(&str, &str, &str); 4] = [
-    // The protocol the harness spoke (`openai_chat`, `openai_responses`, …);
-    // old rows were all chat completions or completions, told apart by `kind`.
-    ("calls", "protocol", "TEXT"),
-    // The harness's own request body, before translation (`request` holds
-    // the engine request). Stored on the first choice, like `request`.
-    ("calls", "harness_request", "TEXT"),
-    // The id the harness was given for the answer (`chatcmpl-…`, `resp_…`,
-    // `msg_…`): what online feedback names.
-    ("calls", "response_id", "TEXT"),
-    // `online` for sessions recorded from application keys (NULL: a rollout).
-    ("rollouts", "origin", "TEXT"),
-];
-
-fn migrate(conn: &Connection) -> rusqlite::Result<()> {
-    for (table, column, decl) in MIGRATIONS {
-        let exists: bool = conn.query_row(
-            &format!("SELECT COUNT(*) > 0 FROM pragma_table_info('{table}') WHERE name = ?1"),
-            params![column],
-            |r| r.get(0),
-        )?;
-        if !exists {
-            conn.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {column} {decl}"))?;
-        }
-    }
-    Ok(())
-}
 
 /// Most writes folded into one transaction.
 const MAX_BATCH: usize = 4096;
-
-pub fn now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
-}
-
-pub fn ids_to_blob(ids: &[u32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(ids.len() * 4);
-    for id in ids {
-        out.extend_from_slice(&id.to_le_bytes());
-    }
-    out
-}
-
-pub fn blob_to_ids(blob: &[u8]) -> Vec<u32> {
-    blob.chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-pub fn f32s_to_blob(xs: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(xs.len() * 4);
-    for x in xs {
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out
-}
-
-pub fn blob_to_f32s(blob: &[u8]) -> Vec<f32> {
-    blob.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CallStatus {
-    Ok,
-    UpstreamError,
-    Aborted,
-}
-
-impl CallStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CallStatus::Ok => "ok",
-            CallStatus::UpstreamError => "upstream_error",
-            CallStatus::Aborted => "aborted",
-        }
-    }
-}
-
-/// One recorded completion (one choice of one proxied request).
-#[derive(Debug, Clone)]
-pub struct CallRecord {
-    pub rollout_id: String,
-    pub request_id: String,
-    pub choice_index: i64,
-    /// `chat` or `completion`: the engine endpoint the call went to.
-    pub kind: &'static str,
-    /// The protocol the harness spoke (`Protocol::name`).
-    pub protocol: &'static str,
-    /// The engine request (JSON).
-    pub request: String,
-    /// The harness's own request body, before translation.
-    pub harness_request: String,
-    pub prompt_ids: Option<Vec<u32>>,
-    pub completion_ids: Option<Vec<u32>>,
-    pub logprobs: Option<Vec<f32>>,
-    pub finish_reason: Option<String>,
-    pub text: Option<String>,
-    pub status: CallStatus,
-    pub flags: Vec<String>,
-    /// Whether the harness received the whole answer.
-    pub delivered: bool,
-    pub retry_count: u32,
-    pub weight_version: u64,
-    pub upstream: String,
-    pub http_status: u16,
-    pub latency_ms: f64,
-    pub usage: Option<String>,
-    pub created: f64,
-    /// The id the harness was given for this answer (for feedback).
-    pub response_id: Option<String>,
-}
-
-#[derive(Debug, Clone)]
-pub struct NewRollout {
-    pub id: String,
-    pub group: Option<String>,
-    pub task: String,
-    pub mode: String,
-    pub token_hash: String,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct RolloutRow {
-    pub rollout_id: String,
-    pub group: Option<String>,
-    pub task: serde_json::Value,
-    pub mode: String,
-    pub status: String,
-    #[serde(skip)]
-    pub token_hash: String,
-    pub created: f64,
-    pub updated: f64,
-}
 
 #[derive(Debug)]
 enum Op {
@@ -251,7 +71,7 @@ enum Op {
         online: Arc<OnlineCall>,
         kept: Option<Kept>,
     },
-    Online(online_db::Op),
+    Online(online::Op),
     Barrier,
     /// A one-row write that proves the disk takes writes again.
     Probe,
@@ -263,7 +83,7 @@ enum OpResult {
     Found(bool),
     Seqs(Vec<i64>),
     Seq(i64),
-    Online(online_db::Outcome),
+    Online(online::Outcome),
     Unit,
 }
 
@@ -343,19 +163,6 @@ pub struct Store {
     secret: Vec<u8>,
 }
 
-fn open_conn(path: &Path, sync: SyncMode) -> Result<Connection, GatewayError> {
-    let conn = Connection::open(path).map_err(|e| GatewayError::store(path.display(), e))?;
-    let sync = match sync {
-        SyncMode::Full => "FULL",
-        SyncMode::Normal => "NORMAL",
-    };
-    conn.execute_batch(&format!(
-        "PRAGMA journal_mode=WAL; PRAGMA synchronous={sync}; PRAGMA busy_timeout=10000; PRAGMA foreign_keys=OFF;"
-    ))
-    .map_err(|e| GatewayError::store(path.display(), e))?;
-    Ok(conn)
-}
-
 impl Store {
     pub fn open(path: &Path, sync: SyncMode) -> Result<Store, GatewayError> {
         if let Some(parent) = path.parent() {
@@ -364,16 +171,13 @@ impl Store {
                     .map_err(|e| GatewayError::store(path.display(), e))?;
             }
         }
-        let conn = open_conn(path, sync)?;
-        conn.execute_batch(SCHEMA)
-            .and_then(|()| migrate(&conn))
-            .and_then(|()| conn.execute_batch(crate::online::db::SCHEMA))
+        let conn = schema::open_conn(path, sync)?;
+        schema::create(&conn).map_err(|e| GatewayError::store(path.display(), e))?;
+        let secret = schema::load_or_create_secret(&conn)
             .map_err(|e| GatewayError::store(path.display(), e))?;
-        let secret =
-            load_or_create_secret(&conn).map_err(|e| GatewayError::store(path.display(), e))?;
         let mut readers = Vec::new();
         for _ in 0..2 {
-            readers.push(Mutex::new(open_conn(path, sync)?));
+            readers.push(Mutex::new(schema::open_conn(path, sync)?));
         }
         let stats = Arc::new(StoreStats::default());
         let (tx, rx) = mpsc::channel::<(Op, Reply)>();
@@ -511,16 +315,36 @@ impl Store {
             })
             .await?
         {
-            OpResult::Online(online_db::Outcome::Session { rollout_id, .. }) => Ok(rollout_id),
+            OpResult::Online(online::Outcome::Session { rollout_id, .. }) => Ok(rollout_id),
             other => Err(unexpected(other)),
         }
     }
 
     /// Runs one online-mode write (keys, feedback, sweep) and waits for its commit.
-    pub async fn online(&self, op: online_db::Op) -> Result<online_db::Outcome, GatewayError> {
+    pub async fn online(&self, op: online::Op) -> Result<online::Outcome, GatewayError> {
         match self.submit(Op::Online(op)).await? {
             OpResult::Online(o) => Ok(o),
             other => Err(unexpected(other)),
+        }
+    }
+
+    /// Marks online sessions as used by a training pass (`trained` = `when`);
+    /// returns how many it found. The one path for that write, whether the
+    /// gateway is running (its admin route) or not (`lightning._core`).
+    pub async fn mark_trained(
+        &self,
+        rollout_ids: Vec<String>,
+        when: f64,
+    ) -> Result<usize, GatewayError> {
+        match self
+            .online(online::Op::MarkTrained { rollout_ids, when })
+            .await?
+        {
+            online::Outcome::Marked(n) => Ok(n),
+            other => Err(GatewayError::store(
+                self.path.display(),
+                format!("internal: unexpected writer result {other:?}"),
+            )),
         }
     }
 
@@ -559,25 +383,11 @@ impl Store {
     }
 
     pub fn get_rollout(&self, id: &str) -> Result<Option<RolloutRow>, GatewayError> {
-        self.read(|c| {
-            c.query_row(
-                "SELECT id, grp, task, mode, status, token_hash, created, updated FROM rollouts WHERE id = ?1",
-                params![id],
-                rollout_from_row,
-            )
-            .optional()
-        })
+        self.read(|c| reader::rollout(c, id))
     }
 
     pub fn rollout_by_token_hash(&self, hash: &str) -> Result<Option<RolloutRow>, GatewayError> {
-        self.read(|c| {
-            c.query_row(
-                "SELECT id, grp, task, mode, status, token_hash, created, updated FROM rollouts WHERE token_hash = ?1",
-                params![hash],
-                rollout_from_row,
-            )
-            .optional()
-        })
+        self.read(|c| reader::rollout_by_token_hash(c, hash))
     }
 
     pub fn list_rollouts(
@@ -586,50 +396,28 @@ impl Store {
         group: Option<&str>,
         limit: i64,
     ) -> Result<Vec<RolloutRow>, GatewayError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT id, grp, task, mode, status, token_hash, created, updated FROM rollouts
-                 WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR grp = ?2)
-                 ORDER BY created, id LIMIT ?3",
-            )?;
-            let rows = stmt.query_map(params![status, group, limit], rollout_from_row)?;
-            rows.collect()
-        })
+        self.read(|c| reader::list_rollouts(c, status, group, limit))
     }
 
     /// Number of calls and the latest reward of a rollout.
     pub fn rollout_summary(&self, id: &str) -> Result<(i64, Option<f64>), GatewayError> {
-        self.read(|c| {
-            let n: i64 = c.query_row("SELECT COUNT(*) FROM calls WHERE rollout_id = ?1", params![id], |r| r.get(0))?;
-            let reward: Option<String> = c
-                .query_row(
-                    "SELECT data FROM events WHERE rollout_id = ?1 AND type = 'reward' ORDER BY seq DESC LIMIT 1",
-                    params![id],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            let value = reward
-                .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
-                .and_then(|v| v.get("value").and_then(|x| x.as_f64()));
-            Ok((n, value))
-        })
+        self.read(|c| reader::rollout_summary(c, id))
     }
 
+    /// Every event of a rollout as the HTTP routes show it (`data` parsed).
     pub fn events(&self, id: &str) -> Result<Vec<serde_json::Value>, GatewayError> {
-        self.read(|c| {
-            let mut stmt =
-                c.prepare_cached("SELECT seq, type, data, created FROM events WHERE rollout_id = ?1 ORDER BY seq")?;
-            let rows = stmt.query_map(params![id], |r| {
-                let data: String = r.get(2)?;
-                Ok(serde_json::json!({
-                    "seq": r.get::<_, i64>(0)?,
-                    "type": r.get::<_, String>(1)?,
-                    "data": serde_json::from_str::<serde_json::Value>(&data).unwrap_or(serde_json::Value::Null),
-                    "created": r.get::<_, f64>(3)?,
-                }))
-            })?;
-            rows.collect()
-        })
+        let rows = self.read(|c| reader::events(c, id))?;
+        Ok(rows
+            .into_iter()
+            .map(|e| {
+                serde_json::json!({
+                    "seq": e.seq,
+                    "type": e.kind,
+                    "data": serde_json::from_str::<serde_json::Value>(&e.data).unwrap_or(serde_json::Value::Null),
+                    "created": e.created,
+                })
+            })
+            .collect())
     }
 
     /// A kept protocol object (`Kept`) of this rollout: `(object, state)`.
@@ -638,27 +426,12 @@ impl Store {
         rollout_id: &str,
         id: &str,
     ) -> Result<Option<(serde_json::Value, serde_json::Value)>, GatewayError> {
-        self.read(|c| {
-            c.query_row(
-                "SELECT object, state FROM kept WHERE id = ?1 AND rollout_id = ?2",
-                params![id, rollout_id],
-                |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)),
-            )
-            .optional()
-        })
-        .map(|row| {
-            row.map(|(o, s)| {
-                (
-                    serde_json::from_str(&o).unwrap_or(serde_json::Value::Null),
-                    serde_json::from_str(&s).unwrap_or(serde_json::Value::Null),
-                )
-            })
-        })
+        self.read(|c| reader::kept(c, rollout_id, id))
     }
 
-    /// Every recorded call of a rollout (see [`crate::reader::records`]).
+    /// Every recorded call of a rollout (see [`reader::records`]).
     pub fn trace(&self, id: &str) -> Result<Vec<StoredCall>, GatewayError> {
-        self.read(|c| crate::reader::records(c, id))
+        self.read(|c| reader::records(c, id))
     }
 }
 
@@ -668,74 +441,11 @@ impl Drop for Store {
     }
 }
 
-/// A call as read back from the store.
-#[derive(Debug, Clone, Serialize)]
-pub struct StoredCall {
-    pub seq: i64,
-    pub request_id: String,
-    pub choice_index: i64,
-    pub kind: String,
-    pub prompt_ids: Option<Vec<u32>>,
-    pub completion_ids: Option<Vec<u32>>,
-    pub logprobs: Option<Vec<f32>>,
-    pub finish_reason: Option<String>,
-    pub text: Option<String>,
-    pub status: String,
-    pub flags: Vec<String>,
-    pub delivered: bool,
-    pub retry_count: i64,
-    pub weight_version: i64,
-    pub upstream: String,
-    pub http_status: i64,
-    pub latency_ms: f64,
-    pub usage: Option<serde_json::Value>,
-    pub created: f64,
-}
-
 fn unexpected(r: OpResult) -> GatewayError {
     GatewayError::Store {
         path: String::new(),
         message: format!("internal: unexpected writer result {r:?}"),
     }
-}
-
-fn rollout_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RolloutRow> {
-    let task: String = r.get(2)?;
-    Ok(RolloutRow {
-        rollout_id: r.get(0)?,
-        group: r.get(1)?,
-        task: serde_json::from_str(&task).unwrap_or(serde_json::Value::Null),
-        mode: r.get(3)?,
-        status: r.get(4)?,
-        token_hash: r.get(5)?,
-        created: r.get(6)?,
-        updated: r.get(7)?,
-    })
-}
-
-fn load_or_create_secret(conn: &Connection) -> rusqlite::Result<Vec<u8>> {
-    let existing: Option<Vec<u8>> = conn
-        .query_row(
-            "SELECT value FROM meta WHERE key = 'token_secret'",
-            [],
-            |r| r.get(0),
-        )
-        .optional()?;
-    if let Some(s) = existing {
-        return Ok(s);
-    }
-    let mut secret = vec![0u8; 32];
-    getrandom::fill(&mut secret)
-        .map_err(|e| rusqlite::Error::InvalidParameterName(format!("no OS randomness: {e}")))?;
-    conn.execute(
-        "INSERT OR IGNORE INTO meta(key, value) VALUES ('token_secret', ?1)",
-        params![secret],
-    )?;
-    conn.query_row(
-        "SELECT value FROM meta WHERE key = 'token_secret'",
-        [],
-        |r| r.get(0),
-    )
 }
 
 /// Next sequence numbers per rollout, cached so the writer does one MAX query per rollout.
@@ -771,11 +481,8 @@ fn apply(conn: &Connection, seqs: &mut SeqCache, op: Op) -> rusqlite::Result<OpR
                  VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?6)",
                 params![r.id, r.group, r.task, r.mode, r.token_hash, t],
             )?;
-            let row = conn.query_row(
-                "SELECT id, grp, task, mode, status, token_hash, created, updated FROM rollouts WHERE id = ?1",
-                params![r.id],
-                rollout_from_row,
-            )?;
+            // Inserted or already there: either way the row exists now.
+            let row = reader::rollout(conn, &r.id)?.ok_or(rusqlite::Error::QueryReturnedNoRows)?;
             Ok(OpResult::Rollout {
                 row,
                 created: n == 1,
@@ -917,8 +624,8 @@ fn insert_online_calls(
 ) -> rusqlite::Result<OpResult> {
     let t = now();
     let prompt = records.first().and_then(|r| r.prompt_ids.clone());
-    let (rollout_id, created) = online_db::resolve_session(conn, online, prompt.as_deref(), t)?;
-    let tail = online_db::tail_of(&records);
+    let (rollout_id, created) = online::resolve_session(conn, online, prompt.as_deref(), t)?;
+    let tail = online::tail_of(&records);
     for r in records.iter_mut() {
         r.rollout_id = rollout_id.clone();
     }
@@ -926,14 +633,14 @@ fn insert_online_calls(
     // and its state hold the conversation text (so `previous_response_id`
     // is a 404 telling the harness to resend the conversation).
     let kept = if online.key.defaults.redact {
-        online_db::redact(&mut records);
+        online::redact(&mut records);
         None
     } else {
         kept
     };
     insert_call_rows(conn, seqs, &records, false, kept)?;
-    online_db::touch_session(conn, &rollout_id, tail, t)?;
-    Ok(OpResult::Online(online_db::Outcome::Session {
+    online::touch_session(conn, &rollout_id, tail, t)?;
+    Ok(OpResult::Online(online::Outcome::Session {
         rollout_id,
         created,
     }))
@@ -943,18 +650,18 @@ fn insert_online_calls(
 fn apply_online(
     conn: &Connection,
     seqs: &mut SeqCache,
-    op: online_db::Op,
+    op: online::Op,
 ) -> rusqlite::Result<OpResult> {
     let fb = match &op {
-        online_db::Op::Feedback(f) => Some(f.clone()),
+        online::Op::Feedback(f) => Some(f.clone()),
         _ => None,
     };
-    let out = online_db::apply(conn, op, now())?;
+    let out = online::apply(conn, op, now())?;
     // A new signal is also an event of the session, so `lightning show`
     // and `GET /rollouts/{id}/events` list it beside the rewards.
     if let (
         Some(f),
-        online_db::Outcome::Feedback(online_db::FeedbackOutcome::Stored {
+        online::Outcome::Feedback(online::FeedbackOutcome::Stored {
             rollout_id,
             after_training,
             duplicate: false,

@@ -1,6 +1,6 @@
-//! The one reader of the trace store: every read that leaves the gateway
-//! (the HTTP trace route, `lightning.Store`, a training step) goes through the
-//! functions here, so the SQL that turns rows back into calls exists once.
+//! Every read of the store: the HTTP routes, the writer's own look-ups,
+//! `lightning.Store`, a training step and online mode all go through the
+//! functions here, so the SQL that turns rows back into values exists once.
 //!
 //! [`Reader`] opens the SQLite file read-only beside a running gateway (WAL mode
 //! lets it see every committed call without blocking the writer). A training
@@ -15,53 +15,15 @@ use std::sync::Mutex;
 use lightning_core::Call;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 
+use serde_json::Value;
+
+use super::columnar::{blob_to_f32s, blob_to_ids};
+use super::online::{KeyRow, SessionFilter, SessionRow};
+use super::records::{
+    CallBody, EventRecord, FeedbackRecord, RolloutRecord, RolloutRow, Selection, StepData,
+    StoredCall,
+};
 use crate::error::GatewayError;
-use crate::store::{blob_to_f32s, blob_to_ids, StoredCall};
-
-/// Which rollouts to read; every given filter must hold. `rollout_ids` also
-/// fixes the output order (else: creation order).
-#[derive(Debug, Clone, Default)]
-pub struct Selection {
-    pub rollout_ids: Option<Vec<String>>,
-    pub group: Option<String>,
-    pub status: Option<String>,
-    pub mode: Option<String>,
-}
-
-/// A rollout as read back, with its latest reward.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RolloutRecord {
-    pub rollout_id: String,
-    pub group: Option<String>,
-    /// The task as stored (JSON text).
-    pub task: String,
-    pub mode: String,
-    pub status: String,
-    /// The value of the rollout's latest `reward` event, if any.
-    pub reward: Option<f64>,
-    pub created: f64,
-    pub updated: f64,
-}
-
-/// One event of a rollout (`data` is the stored JSON text).
-#[derive(Debug, Clone, PartialEq)]
-pub struct EventRecord {
-    pub seq: i64,
-    pub kind: String,
-    pub data: String,
-    pub created: f64,
-}
-
-/// A step's batch: the selected rollouts and, rollout by rollout in that order,
-/// their trainable calls in seq order (what the harness saw whole, with ids).
-#[derive(Debug, Clone, Default)]
-pub struct StepData {
-    pub rollouts: Vec<RolloutRecord>,
-    pub calls: Vec<Call>,
-    /// Calls left out because they cannot be trained on (aborted, upstream
-    /// errors, not delivered whole, no ids, empty completion).
-    pub skipped_calls: usize,
-}
 
 const ROLLOUT_COLUMNS: &str = "id, grp, task, mode, status, created, updated";
 
@@ -187,6 +149,210 @@ pub fn events(conn: &Connection, rollout_id: &str) -> rusqlite::Result<Vec<Event
     rows.collect()
 }
 
+const ROLLOUT_ROW_COLUMNS: &str = "id, grp, task, mode, status, token_hash, created, updated";
+
+fn rollout_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RolloutRow> {
+    let task: String = r.get(2)?;
+    Ok(RolloutRow {
+        rollout_id: r.get(0)?,
+        group: r.get(1)?,
+        task: serde_json::from_str(&task).unwrap_or(serde_json::Value::Null),
+        mode: r.get(3)?,
+        status: r.get(4)?,
+        token_hash: r.get(5)?,
+        created: r.get(6)?,
+        updated: r.get(7)?,
+    })
+}
+
+/// One rollout by id (also the writer's answer to a create).
+pub fn rollout(conn: &Connection, id: &str) -> rusqlite::Result<Option<RolloutRow>> {
+    conn.prepare_cached(&format!(
+        "SELECT {ROLLOUT_ROW_COLUMNS} FROM rollouts WHERE id = ?1"
+    ))?
+    .query_row(params![id], rollout_from_row)
+    .optional()
+}
+
+/// The rollout a token hash authorizes.
+pub fn rollout_by_token_hash(
+    conn: &Connection,
+    hash: &str,
+) -> rusqlite::Result<Option<RolloutRow>> {
+    conn.prepare_cached(&format!(
+        "SELECT {ROLLOUT_ROW_COLUMNS} FROM rollouts WHERE token_hash = ?1"
+    ))?
+    .query_row(params![hash], rollout_from_row)
+    .optional()
+}
+
+/// Rollouts by status and group, oldest first, at most `limit`.
+pub fn list_rollouts(
+    conn: &Connection,
+    status: Option<&str>,
+    group: Option<&str>,
+    limit: i64,
+) -> rusqlite::Result<Vec<RolloutRow>> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {ROLLOUT_ROW_COLUMNS} FROM rollouts
+         WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR grp = ?2)
+         ORDER BY created, id LIMIT ?3"
+    ))?;
+    let rows = stmt.query_map(params![status, group, limit], rollout_from_row)?;
+    rows.collect()
+}
+
+/// Number of calls and the latest reward of a rollout.
+pub fn rollout_summary(conn: &Connection, id: &str) -> rusqlite::Result<(i64, Option<f64>)> {
+    let n: i64 = conn
+        .prepare_cached("SELECT COUNT(*) FROM calls WHERE rollout_id = ?1")?
+        .query_row(params![id], |r| r.get(0))?;
+    Ok((n, latest_reward(conn, id)?))
+}
+
+/// A kept protocol object (`Kept`) of this rollout: `(object, state)`.
+pub fn kept(
+    conn: &Connection,
+    rollout_id: &str,
+    id: &str,
+) -> rusqlite::Result<Option<(Value, Value)>> {
+    let row = conn
+        .prepare_cached("SELECT object, state FROM kept WHERE id = ?1 AND rollout_id = ?2")?
+        .query_row(params![id, rollout_id], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
+        })
+        .optional()?;
+    Ok(row.map(|(o, s)| {
+        (
+            serde_json::from_str(&o).unwrap_or(Value::Null),
+            serde_json::from_str(&s).unwrap_or(Value::Null),
+        )
+    }))
+}
+
+/// What a call carries besides its tokens, for online mode's grouping and
+/// export: the protocol, the harness's own request and the response id it
+/// was given, in seq order. (Kept out of `records`: the bodies are large and
+/// a training step never needs them.)
+pub fn call_bodies(conn: &Connection, rollout_id: &str) -> rusqlite::Result<Vec<CallBody>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT seq, protocol, harness_request, response_id FROM calls WHERE rollout_id = ?1 ORDER BY seq",
+    )?;
+    let rows = stmt.query_map(params![rollout_id], |r| {
+        Ok(CallBody {
+            seq: r.get(0)?,
+            protocol: r.get(1)?,
+            harness_request: r.get(2)?,
+            response_id: r.get(3)?,
+        })
+    })?;
+    rows.collect()
+}
+
+// ------------------------------------------------------------ online mode
+
+pub fn key_by_hash(c: &Connection, hash: &str) -> rusqlite::Result<Option<KeyRow>> {
+    c.query_row(
+        "SELECT id, name, defaults, created, revoked FROM app_keys WHERE token_hash = ?1 AND revoked IS NULL",
+        params![hash],
+        key_from_row,
+    )
+    .optional()
+}
+
+pub fn list_keys(c: &Connection) -> rusqlite::Result<Vec<KeyRow>> {
+    let mut stmt = c.prepare_cached(
+        "SELECT id, name, defaults, created, revoked FROM app_keys ORDER BY created",
+    )?;
+    let rows = stmt.query_map([], key_from_row)?;
+    rows.collect()
+}
+
+pub fn list_sessions(c: &Connection, f: &SessionFilter) -> rusqlite::Result<Vec<SessionRow>> {
+    let mut stmt = c.prepare_cached(
+        "SELECT s.rollout_id, s.key_id, k.name, s.session_key, s.user, s.n_calls, s.started,
+                s.updated, s.closed, s.trained,
+                (SELECT COUNT(*) FROM feedback f WHERE f.rollout_id = s.rollout_id) AS nf,
+                COALESCE(r.task, '{}')
+         FROM online_sessions s LEFT JOIN app_keys k ON k.id = s.key_id
+              LEFT JOIN rollouts r ON r.id = s.rollout_id
+         WHERE (?1 IS NULL OR s.key_id = ?1) AND (?2 IS NULL OR s.closed = ?2)
+           AND (?3 IS NULL OR (nf > 0) = ?3)
+           AND (?5 IS NULL OR s.updated >= ?5) AND (?6 IS NULL OR s.updated < ?6)
+         ORDER BY CASE WHEN ?7 THEN s.updated END, s.updated DESC, s.rollout_id LIMIT ?4",
+    )?;
+    let args = params![
+        f.key_id,
+        f.closed,
+        f.with_feedback,
+        f.limit,
+        f.updated_from,
+        f.updated_before,
+        f.oldest_first
+    ];
+    let rows = stmt.query_map(args, |r| {
+        Ok(SessionRow {
+            session_id: r.get(0)?,
+            key_id: r.get(1)?,
+            key_name: r.get(2)?,
+            session_key: r.get(3)?,
+            user: r.get(4)?,
+            n_calls: r.get(5)?,
+            started: r.get(6)?,
+            updated: r.get(7)?,
+            closed: r.get::<_, i64>(8)? != 0,
+            trained: r.get(9)?,
+            feedback: r.get(10)?,
+            task: r.get(11)?,
+        })
+    })?;
+    rows.collect()
+}
+
+/// The kept state of a protocol object (`resp_…`) in any session of this key.
+pub fn kept_state(c: &Connection, key_id: &str, id: &str) -> rusqlite::Result<Option<Value>> {
+    let s: Option<String> = c
+        .query_row(
+            "SELECT k.state FROM kept k JOIN online_sessions s ON s.rollout_id = k.rollout_id
+             WHERE k.id = ?1 AND s.key_id = ?2",
+            params![id, key_id],
+            |r| r.get(0),
+        )
+        .optional()?;
+    Ok(s.map(|s| serde_json::from_str(&s).unwrap_or(Value::Null)))
+}
+
+fn key_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
+    let d: String = r.get(2)?;
+    Ok(KeyRow {
+        id: r.get(0)?,
+        name: r.get(1)?,
+        defaults: serde_json::from_str(&d).unwrap_or(Value::Null),
+        created: r.get(3)?,
+        revoked: r.get(4)?,
+    })
+}
+
+/// Every feedback signal of a session, in timestamp then arrival order.
+pub fn feedback(conn: &Connection, rollout_id: &str) -> rusqlite::Result<Vec<FeedbackRecord>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT feedback_id, response_id, name, value, ts, after_training, data
+         FROM feedback WHERE rollout_id = ?1 ORDER BY ts, id",
+    )?;
+    let rows = stmt.query_map(params![rollout_id], |r| {
+        Ok(FeedbackRecord {
+            feedback_id: r.get(0)?,
+            response_id: r.get(1)?,
+            name: r.get(2)?,
+            value: r.get(3)?,
+            ts: r.get(4)?,
+            after_training: r.get::<_, i64>(5)? != 0,
+            data: r.get(6)?,
+        })
+    })?;
+    rows.collect()
+}
+
 /// Logprobs aligned with the completion: a flagged call whose engine sent
 /// fewer logprobs than ids is padded with NaN (unknown), extra ones dropped,
 /// the same as the columnar HTTP form.
@@ -274,6 +440,21 @@ impl Reader {
 
     pub fn events(&self, rollout_id: &str) -> Result<Vec<EventRecord>, GatewayError> {
         self.with(|c| events(c, rollout_id))
+    }
+
+    /// Online sessions as `list_sessions` selects them.
+    pub fn sessions(&self, filter: &SessionFilter) -> Result<Vec<SessionRow>, GatewayError> {
+        self.with(|c| list_sessions(c, filter))
+    }
+
+    /// Every feedback signal of a session.
+    pub fn feedback(&self, rollout_id: &str) -> Result<Vec<FeedbackRecord>, GatewayError> {
+        self.with(|c| feedback(c, rollout_id))
+    }
+
+    /// Each call's protocol, harness request and response id.
+    pub fn call_bodies(&self, rollout_id: &str) -> Result<Vec<CallBody>, GatewayError> {
+        self.with(|c| call_bodies(c, rollout_id))
     }
 
     /// The trainable calls of one rollout (empty for an unknown rollout).

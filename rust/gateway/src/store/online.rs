@@ -1,61 +1,17 @@
-//! Online-mode tables and the writer-side operations on them (run by the
-//! store's single writer, inside its transactions; see `store::apply`).
-//!
-//! - `app_keys`: application keys (SHA-256 of the key, never the key).
-//! - `online_sessions`: one row per session rollout: its key, explicit id,
-//!   the token tail (last prompt + completion, as length + SHA-256) that a
-//!   continuing prompt must start with, open/closed, and when it was trained.
-//! - `feedback`: every signal ever posted, unique per (key, feedback id).
+//! Online mode's side of the store: application keys, sessions (resolved
+//! inside the writer's transaction, see `crate::online` for the rules),
+//! feedback, and the trained mark. Everything here runs on the single writer
+//! (`super::apply`); the reads are in `super::reader`, the tables in
+//! `super::schema`, retention in `super::retention`.
 
 use rusqlite::{params, Connection, OptionalExtension};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use super::OnlineCall;
-use crate::store::CallRecord;
-
-pub const SCHEMA: &str = r#"
-CREATE TABLE IF NOT EXISTS app_keys (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    token_hash TEXT NOT NULL UNIQUE,
-    defaults TEXT NOT NULL,
-    created REAL NOT NULL,
-    revoked REAL
-);
-CREATE TABLE IF NOT EXISTS online_sessions (
-    rollout_id TEXT PRIMARY KEY,
-    key_id TEXT NOT NULL,
-    session_key TEXT,
-    user TEXT,
-    tail_len INTEGER NOT NULL DEFAULT 0,
-    tail_hash BLOB,
-    n_calls INTEGER NOT NULL DEFAULT 0,
-    started REAL NOT NULL,
-    updated REAL NOT NULL,
-    closed INTEGER NOT NULL DEFAULT 0,
-    trained REAL
-);
-CREATE INDEX IF NOT EXISTS online_sessions_key ON online_sessions(key_id, session_key, started);
-CREATE INDEX IF NOT EXISTS online_sessions_open ON online_sessions(key_id, closed, updated);
-CREATE TABLE IF NOT EXISTS feedback (
-    id INTEGER PRIMARY KEY,
-    key_id TEXT NOT NULL,
-    feedback_id TEXT NOT NULL,
-    rollout_id TEXT NOT NULL,
-    response_id TEXT,
-    name TEXT NOT NULL,
-    value REAL NOT NULL,
-    data TEXT NOT NULL,
-    ts REAL NOT NULL,
-    created REAL NOT NULL,
-    after_training INTEGER NOT NULL
-);
-CREATE UNIQUE INDEX IF NOT EXISTS feedback_key_id ON feedback(key_id, feedback_id);
-CREATE INDEX IF NOT EXISTS feedback_rollout ON feedback(rollout_id);
-CREATE INDEX IF NOT EXISTS calls_response_id ON calls(response_id);
-"#;
+use super::records::{CallRecord, Mode};
+use crate::error::ApiError;
+use std::sync::Arc;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct KeyRow {
@@ -91,6 +47,11 @@ pub enum Op {
         id: String,
     },
     Feedback(NewFeedback),
+    /// Sessions a training pass used (`online_sessions.trained`).
+    MarkTrained {
+        rollout_ids: Vec<String>,
+        when: f64,
+    },
     Sweep {
         idle_before: f64,
         retain_after: Option<f64>,
@@ -124,7 +85,132 @@ pub enum Outcome {
     Found(bool),
     Feedback(FeedbackOutcome),
     Swept(SweepReport),
-    Session { rollout_id: String, created: bool },
+    Session {
+        rollout_id: String,
+        created: bool,
+    },
+    /// Sessions marked trained (ids not found are not counted).
+    Marked(usize),
+}
+
+/// What an application key's defaults say (validated on creation).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct KeyDefaults {
+    /// `train` (default) or `eval`: the mode of its sessions.
+    pub mode: Option<String>,
+    /// Tags stored on every session (selection in `lightning train --online`).
+    pub tags: Vec<String>,
+    /// Store token ids but no text (request bodies, answer text).
+    pub redact: bool,
+    /// Sampling overrides. Off by default: production gets what it asks for.
+    pub temperature: Option<f64>,
+}
+
+impl KeyDefaults {
+    pub fn parse(v: Option<&Value>) -> Result<KeyDefaults, ApiError> {
+        let d: KeyDefaults = match v {
+            None | Some(Value::Null) => KeyDefaults::default(),
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
+                ApiError::bad_request(
+                    "invalid_defaults",
+                    format!("key defaults take {{mode, tags, redact, temperature}}: {e}"),
+                )
+            })?,
+        };
+        if let Some(m) = &d.mode {
+            if m != "train" && m != "eval" {
+                return Err(ApiError::bad_request(
+                    "invalid_mode",
+                    format!("defaults.mode {m:?} is not 'train' or 'eval'"),
+                ));
+            }
+        }
+        if d.temperature.is_some_and(|t| !(t.is_finite() && t >= 0.0)) {
+            return Err(ApiError::bad_request(
+                "invalid_defaults",
+                "defaults.temperature must be a finite number >= 0",
+            ));
+        }
+        Ok(d)
+    }
+}
+
+/// An application key, as the hot path needs it.
+#[derive(Debug, Clone)]
+pub struct AppKey {
+    pub id: String,
+    pub name: String,
+    pub mode: Mode,
+    pub defaults: KeyDefaults,
+}
+
+impl AppKey {
+    pub fn from_row(row: &KeyRow) -> AppKey {
+        let defaults: KeyDefaults =
+            serde_json::from_value(row.defaults.clone()).unwrap_or_default();
+        AppKey {
+            id: row.id.clone(),
+            name: row.name.clone(),
+            mode: if defaults.mode.as_deref() == Some("eval") {
+                Mode::Eval
+            } else {
+                Mode::Train
+            },
+            defaults,
+        }
+    }
+}
+
+/// One online call on its way to the store: whose it is and which session it names.
+#[derive(Debug, Clone)]
+pub struct OnlineCall {
+    pub key: Arc<AppKey>,
+    /// The explicit session id (rule 1), if the client sent one.
+    pub session: Option<String>,
+    /// Responses' `previous_response_id` (rule 2).
+    pub previous_response: Option<String>,
+    /// The protocol's user field, kept as a tag.
+    pub user: Option<String>,
+    pub window_s: f64,
+    pub idle_s: f64,
+}
+
+/// One session as `GET /admin/online/sessions` lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionRow {
+    pub session_id: String,
+    pub key_id: String,
+    pub key_name: Option<String>,
+    pub session_key: Option<String>,
+    pub user: Option<String>,
+    pub n_calls: i64,
+    pub started: f64,
+    pub updated: f64,
+    pub closed: bool,
+    pub trained: Option<f64>,
+    pub feedback: i64,
+    /// The session rollout's task (JSON text: key name, tags, user); the
+    /// admin listing leaves it out.
+    #[serde(skip)]
+    pub task: String,
+}
+
+/// Which sessions to list: all filters optional; newest activity first
+/// unless `oldest_first`.
+#[derive(Debug, Clone, Default)]
+pub struct SessionFilter {
+    pub key_id: Option<String>,
+    pub closed: Option<bool>,
+    pub with_feedback: Option<bool>,
+    /// At most this many (negative: no limit).
+    pub limit: i64,
+    /// Last active at or after (unix seconds).
+    pub updated_from: Option<f64>,
+    /// Last active before (unix seconds).
+    pub updated_before: Option<f64>,
+    /// Oldest activity first (a training pass) instead of newest first.
+    pub oldest_first: bool,
 }
 
 /// SHA-256 of ids as little-endian u32 (the tail a continuing prompt starts with).
@@ -152,100 +238,6 @@ pub fn prefix_hashes(ids: &[u32], lengths: &[usize]) -> Vec<[u8; 32]> {
         out.push(h.clone().finalize().into());
     }
     out
-}
-
-pub fn key_by_hash(c: &Connection, hash: &str) -> rusqlite::Result<Option<KeyRow>> {
-    c.query_row(
-        "SELECT id, name, defaults, created, revoked FROM app_keys WHERE token_hash = ?1 AND revoked IS NULL",
-        params![hash],
-        key_from_row,
-    )
-    .optional()
-}
-
-pub fn list_keys(c: &Connection) -> rusqlite::Result<Vec<KeyRow>> {
-    let mut stmt = c.prepare_cached(
-        "SELECT id, name, defaults, created, revoked FROM app_keys ORDER BY created",
-    )?;
-    let rows = stmt.query_map([], key_from_row)?;
-    rows.collect()
-}
-
-/// One session as `GET /admin/online/sessions` lists it.
-#[derive(Debug, Clone, Serialize)]
-pub struct SessionRow {
-    pub session_id: String,
-    pub key_id: String,
-    pub key_name: Option<String>,
-    pub session_key: Option<String>,
-    pub user: Option<String>,
-    pub n_calls: i64,
-    pub started: f64,
-    pub updated: f64,
-    pub closed: bool,
-    pub trained: Option<f64>,
-    pub feedback: i64,
-}
-
-/// Which sessions to list: all filters optional; newest activity first.
-#[derive(Debug, Clone, Default)]
-pub struct SessionFilter {
-    pub key_id: Option<String>,
-    pub closed: Option<bool>,
-    pub with_feedback: Option<bool>,
-    pub limit: i64,
-}
-
-pub fn list_sessions(c: &Connection, f: &SessionFilter) -> rusqlite::Result<Vec<SessionRow>> {
-    let mut stmt = c.prepare_cached(
-        "SELECT s.rollout_id, s.key_id, k.name, s.session_key, s.user, s.n_calls, s.started,
-                s.updated, s.closed, s.trained,
-                (SELECT COUNT(*) FROM feedback f WHERE f.rollout_id = s.rollout_id) AS nf
-         FROM online_sessions s LEFT JOIN app_keys k ON k.id = s.key_id
-         WHERE (?1 IS NULL OR s.key_id = ?1) AND (?2 IS NULL OR s.closed = ?2)
-           AND (?3 IS NULL OR (nf > 0) = ?3)
-         ORDER BY s.updated DESC, s.rollout_id LIMIT ?4",
-    )?;
-    let rows = stmt.query_map(params![f.key_id, f.closed, f.with_feedback, f.limit], |r| {
-        Ok(SessionRow {
-            session_id: r.get(0)?,
-            key_id: r.get(1)?,
-            key_name: r.get(2)?,
-            session_key: r.get(3)?,
-            user: r.get(4)?,
-            n_calls: r.get(5)?,
-            started: r.get(6)?,
-            updated: r.get(7)?,
-            closed: r.get::<_, i64>(8)? != 0,
-            trained: r.get(9)?,
-            feedback: r.get(10)?,
-        })
-    })?;
-    rows.collect()
-}
-
-/// The kept state of a protocol object (`resp_…`) in any session of this key.
-pub fn kept_state(c: &Connection, key_id: &str, id: &str) -> rusqlite::Result<Option<Value>> {
-    let s: Option<String> = c
-        .query_row(
-            "SELECT k.state FROM kept k JOIN online_sessions s ON s.rollout_id = k.rollout_id
-             WHERE k.id = ?1 AND s.key_id = ?2",
-            params![id, key_id],
-            |r| r.get(0),
-        )
-        .optional()?;
-    Ok(s.map(|s| serde_json::from_str(&s).unwrap_or(Value::Null)))
-}
-
-fn key_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
-    let d: String = r.get(2)?;
-    Ok(KeyRow {
-        id: r.get(0)?,
-        name: r.get(1)?,
-        defaults: serde_json::from_str(&d).unwrap_or(Value::Null),
-        created: r.get(3)?,
-        revoked: r.get(4)?,
-    })
 }
 
 /// The session this call belongs to, `(rollout id, created)`, creating it if
@@ -334,7 +326,7 @@ fn create_session(
     oc: &OnlineCall,
     now: f64,
 ) -> rusqlite::Result<(String, bool)> {
-    let rid = format!("on-{}", crate::auth::random_hex(10));
+    let rid = format!("on-{}", crate::util::random_hex(10));
     let task = json!({
         "app_key": oc.key.name,
         "key_id": oc.key.id,
@@ -342,10 +334,7 @@ fn create_session(
         "user": oc.user,
         "tags": oc.key.defaults.tags,
     });
-    let mode = match oc.key.mode {
-        crate::state::Mode::Eval => "eval",
-        crate::state::Mode::Train => "train",
-    };
+    let mode = oc.key.mode.as_str();
     conn.execute(
         "INSERT INTO rollouts(id, grp, task, mode, status, token_hash, created, updated, origin)
          VALUES (?1, NULL, ?2, ?3, 'running', 'online', ?4, ?4, 'online')",
@@ -434,7 +423,17 @@ pub fn apply(conn: &Connection, op: Op, now: f64) -> rusqlite::Result<Outcome> {
             idle_before,
             retain_after,
             retain_bytes,
-        } => sweep(conn, idle_before, retain_after, retain_bytes, now).map(Outcome::Swept),
+        } => super::retention::sweep(conn, idle_before, retain_after, retain_bytes, now)
+            .map(Outcome::Swept),
+        Op::MarkTrained { rollout_ids, when } => {
+            let mut stmt = conn
+                .prepare_cached("UPDATE online_sessions SET trained = ?1 WHERE rollout_id = ?2")?;
+            let mut n = 0;
+            for rid in &rollout_ids {
+                n += stmt.execute(params![when, rid])?;
+            }
+            Ok(Outcome::Marked(n))
+        }
     }
 }
 
@@ -525,74 +524,10 @@ pub fn feedback(conn: &Connection, f: &NewFeedback, now: f64) -> rusqlite::Resul
     })
 }
 
-fn sweep(
-    conn: &Connection,
-    idle_before: f64,
-    retain_after: Option<f64>,
-    retain_bytes: Option<u64>,
-    now: f64,
-) -> rusqlite::Result<SweepReport> {
-    conn.execute(
-        "UPDATE rollouts SET status = 'succeeded', updated = ?2 WHERE id IN
-           (SELECT rollout_id FROM online_sessions WHERE closed = 0 AND updated < ?1)",
-        params![idle_before, now],
-    )?;
-    let closed = conn.execute(
-        "UPDATE online_sessions SET closed = 1 WHERE closed = 0 AND updated < ?1",
-        params![idle_before],
-    )?;
-    let mut doomed: Vec<String> = Vec::new();
-    if let Some(after) = retain_after {
-        let mut stmt = conn.prepare_cached(
-            "SELECT rollout_id FROM online_sessions WHERE closed = 1 AND updated < ?1",
-        )?;
-        let rows = stmt.query_map(params![after], |r| r.get(0))?;
-        doomed.extend(rows.collect::<rusqlite::Result<Vec<String>>>()?);
-    }
-    if let Some(limit) = retain_bytes {
-        // Oldest first; every byte the session stores counts (ids, logprobs, bodies, text).
-        let mut stmt = conn.prepare_cached(
-            "SELECT s.rollout_id, s.closed, COALESCE(SUM(LENGTH(c.prompt_ids) + COALESCE(LENGTH(c.completion_ids), 0)
-                + COALESCE(LENGTH(c.logprobs), 0) + LENGTH(c.request) + COALESCE(LENGTH(c.harness_request), 0)
-                + COALESCE(LENGTH(c.text), 0)), 0)
-             FROM online_sessions s LEFT JOIN calls c ON c.rollout_id = s.rollout_id
-             GROUP BY s.rollout_id ORDER BY s.updated",
-        )?;
-        let rows: Vec<(String, bool, i64)> = stmt
-            .query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? != 0, r.get(2)?)))?
-            .collect::<rusqlite::Result<_>>()?;
-        let mut total: u64 = rows.iter().map(|r| r.2.max(0) as u64).sum();
-        for (rid, closed, bytes) in rows {
-            if total <= limit {
-                break;
-            }
-            if closed && !doomed.contains(&rid) {
-                doomed.push(rid);
-                total = total.saturating_sub(bytes.max(0) as u64);
-            }
-        }
-    }
-    for rid in &doomed {
-        for sql in [
-            "DELETE FROM calls WHERE rollout_id = ?1",
-            "DELETE FROM events WHERE rollout_id = ?1",
-            "DELETE FROM kept WHERE rollout_id = ?1",
-            "DELETE FROM feedback WHERE rollout_id = ?1",
-            "DELETE FROM online_sessions WHERE rollout_id = ?1",
-            "DELETE FROM rollouts WHERE id = ?1",
-        ] {
-            conn.execute(sql, params![rid])?;
-        }
-    }
-    Ok(SweepReport {
-        closed,
-        deleted: doomed.len(),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn prefix_hashes_match_whole_hashes() {
@@ -603,5 +538,20 @@ mod tests {
             assert_eq!(h, ids_hash(&ids[..*n]));
         }
         assert_ne!(ids_hash(&[1, 2]), ids_hash(&[1, 3]));
+    }
+
+    #[test]
+    fn defaults_are_validated() {
+        assert!(KeyDefaults::parse(Some(&json!({"mode": "prod"}))).is_err());
+        assert!(KeyDefaults::parse(Some(&json!({"temperatur": 1.0}))).is_err());
+        let d = KeyDefaults::parse(Some(&json!({"tags": ["a"], "redact": true})));
+        assert!(matches!(
+            d,
+            Ok(KeyDefaults {
+                redact: true,
+                temperature: None,
+                ..
+            })
+        ));
     }
 }

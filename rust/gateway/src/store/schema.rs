@@ -1,0 +1,196 @@
+//! The schema, in one place: every table and index, the columns added since
+//! the first release, and how a connection to the file is opened. The store
+//! (`super`) is the only code that opens the database.
+
+use rusqlite::{params, Connection, OptionalExtension};
+use std::path::Path;
+
+use crate::config::SyncMode;
+use crate::error::GatewayError;
+
+/// The rollout tables: what every gateway writes.
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS rollouts (
+    id TEXT PRIMARY KEY,
+    grp TEXT,
+    task TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    status TEXT NOT NULL,
+    token_hash TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rollouts_token ON rollouts(token_hash);
+CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts(grp);
+CREATE INDEX IF NOT EXISTS rollouts_status ON rollouts(status);
+CREATE TABLE IF NOT EXISTS calls (
+    id INTEGER PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    request_id TEXT NOT NULL,
+    choice_index INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    request TEXT NOT NULL,
+    prompt_ids BLOB,
+    completion_ids BLOB,
+    logprobs BLOB,
+    finish_reason TEXT,
+    text TEXT,
+    status TEXT NOT NULL,
+    flags TEXT NOT NULL,
+    delivered INTEGER NOT NULL,
+    retry_count INTEGER NOT NULL,
+    weight_version INTEGER NOT NULL,
+    upstream TEXT NOT NULL,
+    http_status INTEGER NOT NULL,
+    latency_ms REAL NOT NULL,
+    usage TEXT,
+    created REAL NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS calls_rollout_seq ON calls(rollout_id, seq);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    data TEXT NOT NULL,
+    created REAL NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS events_rollout_seq ON events(rollout_id, seq);
+CREATE TABLE IF NOT EXISTS kept (
+    id TEXT PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    protocol TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    object TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created REAL NOT NULL
+);
+"#;
+
+/// Columns added after the first release, with their definitions: a database
+/// created by an older gateway gets them on open (`ALTER TABLE ADD COLUMN`;
+/// rows written before read as the defaults). Existing columns never change name.
+const MIGRATIONS: [(&str, &str, &str); 4] = [
+    // The protocol the harness spoke (`openai_chat`, `openai_responses`, …);
+    // old rows were all chat completions or completions, told apart by `kind`.
+    ("calls", "protocol", "TEXT"),
+    // The harness's own request body, before translation (`request` holds
+    // the engine request). Stored on the first choice, like `request`.
+    ("calls", "harness_request", "TEXT"),
+    // The id the harness was given for the answer (`chatcmpl-…`, `resp_…`,
+    // `msg_…`): what online feedback names.
+    ("calls", "response_id", "TEXT"),
+    // `online` for sessions recorded from application keys (NULL: a rollout).
+    ("rollouts", "origin", "TEXT"),
+];
+
+fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    for (table, column, decl) in MIGRATIONS {
+        let exists: bool = conn.query_row(
+            &format!("SELECT COUNT(*) > 0 FROM pragma_table_info('{table}') WHERE name = ?1"),
+            params![column],
+            |r| r.get(0),
+        )?;
+        if !exists {
+            conn.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {column} {decl}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Online mode's tables (`super::online`):
+/// - `app_keys`: application keys (SHA-256 of the key, never the key).
+/// - `online_sessions`: one row per session rollout: its key, explicit id,
+///   the token tail (last prompt + completion, as length + SHA-256) that a
+///   continuing prompt must start with, open/closed, and when it was trained.
+/// - `feedback`: every signal ever posted, unique per (key, feedback id).
+const ONLINE_SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS app_keys (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    token_hash TEXT NOT NULL UNIQUE,
+    defaults TEXT NOT NULL,
+    created REAL NOT NULL,
+    revoked REAL
+);
+CREATE TABLE IF NOT EXISTS online_sessions (
+    rollout_id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    session_key TEXT,
+    user TEXT,
+    tail_len INTEGER NOT NULL DEFAULT 0,
+    tail_hash BLOB,
+    n_calls INTEGER NOT NULL DEFAULT 0,
+    started REAL NOT NULL,
+    updated REAL NOT NULL,
+    closed INTEGER NOT NULL DEFAULT 0,
+    trained REAL
+);
+CREATE INDEX IF NOT EXISTS online_sessions_key ON online_sessions(key_id, session_key, started);
+CREATE INDEX IF NOT EXISTS online_sessions_open ON online_sessions(key_id, closed, updated);
+CREATE TABLE IF NOT EXISTS feedback (
+    id INTEGER PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    feedback_id TEXT NOT NULL,
+    rollout_id TEXT NOT NULL,
+    response_id TEXT,
+    name TEXT NOT NULL,
+    value REAL NOT NULL,
+    data TEXT NOT NULL,
+    ts REAL NOT NULL,
+    created REAL NOT NULL,
+    after_training INTEGER NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS feedback_key_id ON feedback(key_id, feedback_id);
+CREATE INDEX IF NOT EXISTS feedback_rollout ON feedback(rollout_id);
+CREATE INDEX IF NOT EXISTS calls_response_id ON calls(response_id);
+"#;
+
+/// Creates what is missing (tables, indexes, later columns) on the writer's
+/// connection; a database from an older gateway is brought up to date.
+pub(super) fn create(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(SCHEMA)?;
+    migrate(conn)?;
+    conn.execute_batch(ONLINE_SCHEMA)
+}
+
+pub(super) fn open_conn(path: &Path, sync: SyncMode) -> Result<Connection, GatewayError> {
+    let conn = Connection::open(path).map_err(|e| GatewayError::store(path.display(), e))?;
+    let sync = match sync {
+        SyncMode::Full => "FULL",
+        SyncMode::Normal => "NORMAL",
+    };
+    conn.execute_batch(&format!(
+        "PRAGMA journal_mode=WAL; PRAGMA synchronous={sync}; PRAGMA busy_timeout=10000; PRAGMA foreign_keys=OFF;"
+    ))
+    .map_err(|e| GatewayError::store(path.display(), e))?;
+    Ok(conn)
+}
+
+/// The per-database secret rollout tokens derive from (made on first open).
+pub(super) fn load_or_create_secret(conn: &Connection) -> rusqlite::Result<Vec<u8>> {
+    let existing: Option<Vec<u8>> = conn
+        .query_row(
+            "SELECT value FROM meta WHERE key = 'token_secret'",
+            [],
+            |r| r.get(0),
+        )
+        .optional()?;
+    if let Some(s) = existing {
+        return Ok(s);
+    }
+    let mut secret = vec![0u8; 32];
+    getrandom::fill(&mut secret)
+        .map_err(|e| rusqlite::Error::InvalidParameterName(format!("no OS randomness: {e}")))?;
+    conn.execute(
+        "INSERT OR IGNORE INTO meta(key, value) VALUES ('token_secret', ?1)",
+        params![secret],
+    )?;
+    conn.query_row(
+        "SELECT value FROM meta WHERE key = 'token_secret'",
+        [],
+        |r| r.get(0),
+    )
+}
