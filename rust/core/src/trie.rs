@@ -82,6 +82,38 @@ pub fn lcp(a: &[u32], b: &[u32]) -> usize {
     i
 }
 
+/// Total common-prefix length of each pair, read in order: the least reading
+/// any prefix merge does on input laid out as one array per call (no trie, no
+/// output), which `benches/merge.py` measures. While one pair is compared, the
+/// first cache lines of the next are prefetched, so the floor is not inflated
+/// by a memory stall at every array's start (which the hardware prefetcher
+/// cannot foresee).
+pub fn lcp_pairs(pairs: &[(&[u32], &[u32])]) -> usize {
+    let mut n = 0;
+    for (i, (x, y)) in pairs.iter().enumerate() {
+        if let Some((nx, ny)) = pairs.get(i + 1) {
+            prefetch_start(nx);
+            prefetch_start(ny);
+        }
+        n += lcp(x, y);
+    }
+    n
+}
+
+/// Hint the first four cache lines of `x` into the cache.
+#[inline]
+#[allow(unsafe_code)] // the one intrinsic below; see its SAFETY note
+fn prefetch_start(x: &[u32]) {
+    #[cfg(target_arch = "x86_64")]
+    for k in (0..x.len().min(64)).step_by(16) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch is a hint that never faults; the address is inside `x`.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(x.as_ptr().add(k).cast::<i8>()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+}
+
 /// Common prefix of two sequences given as (up to) two pieces each.
 fn lcp_pieces(a: [&[u32]; 2], b: [&[u32]; 2]) -> usize {
     let (mut ai, mut bi) = (0usize, 0usize);
@@ -629,6 +661,40 @@ pub struct SampleMut<'o> {
     pub call_index: &'o mut [i32],
 }
 
+/// The flat output of a merge's samples: one array per field, every kept
+/// sample a range of it (see [`crate::origin::CallIndex::spans`]).
+#[derive(Debug, Clone, Default)]
+pub struct SampleColumns {
+    pub tokens: Vec<u32>,
+    pub weights: Vec<f32>,
+    pub logprobs: Vec<f32>,
+    pub call_index: Vec<i32>,
+}
+
+impl SampleColumns {
+    /// Columns of `len` tokens from `arrays`, their contents unspecified until
+    /// [`MergePlan::write`] fills them (it writes every element when `len` is
+    /// the plan's `stats.sample_tokens`).
+    pub fn take(len: usize, arrays: &impl Arrays) -> Self {
+        SampleColumns {
+            tokens: arrays.take(len),
+            weights: arrays.take(len),
+            logprobs: arrays.take(len),
+            call_index: arrays.take(len),
+        }
+    }
+
+    /// The columns as one writable sample-sized window.
+    pub fn as_mut(&mut self) -> SampleMut<'_> {
+        SampleMut {
+            tokens: &mut self.tokens,
+            weights: &mut self.weights,
+            logprobs: &mut self.logprobs,
+            call_index: &mut self.call_index,
+        }
+    }
+}
+
 impl SampleMut<'_> {
     /// The first `len` positions of every buffer, and the rest.
     fn split(self, len: usize) -> (Self, Self) {
@@ -1017,10 +1083,17 @@ pub struct TreeIndex {
 
 impl TreeIndex {
     pub fn new(tree: &PackedTree) -> Self {
-        let bounds = &tree.tree_offsets;
-        let mut children = HashMap::with_capacity(tree.tokens.len());
+        Self::from_parts(&tree.tokens, &tree.parent, &tree.tree_offsets)
+    }
+
+    /// The index of a packed tree given as its `tokens`, `parent` and
+    /// `tree_offsets` arrays alone (what a lookup reads), without copying them
+    /// into a [`PackedTree`].
+    pub fn from_parts(tokens: &[u32], parent: &[i64], tree_offsets: &[i64]) -> Self {
+        let bounds = tree_offsets;
+        let mut children = HashMap::with_capacity(tokens.len());
         let mut k = 0usize;
-        for (i, (&p, &t)) in tree.parent.iter().zip(&tree.tokens).enumerate() {
+        for (i, (&p, &t)) in parent.iter().zip(tokens).enumerate() {
             while k + 2 < bounds.len() && i as i64 >= bounds[k + 1] {
                 k += 1;
             }
@@ -1117,6 +1190,78 @@ mod tests {
         // Pieces split at different points still compare as one sequence.
         assert_eq!(lcp_pieces([&a[..5], &a[5..50]], [&a[..30], &a[30..40]]), 40);
         assert_eq!(lcp_pieces([&a[..5], &[]], [&[], &a[..3]]), 3);
+    }
+
+    #[test]
+    fn lcp_pairs_sums_each_pairs_common_prefix() {
+        let a: Vec<u32> = (0..200).collect();
+        let mut b = a.clone();
+        b[150] = 0;
+        let pairs: [(&[u32], &[u32]); 4] = [(&a, &b), (&a[..7], &a), (&[], &a), (&a[1..], &a)];
+        // The obvious count: walk each pair until the first difference.
+        let plain: usize = pairs
+            .iter()
+            .map(|(x, y)| x.iter().zip(y.iter()).take_while(|(p, q)| p == q).count())
+            .sum();
+        assert_eq!((lcp_pairs(&pairs), plain), (157, 157));
+        assert_eq!(lcp_pairs(&[]), 0);
+    }
+
+    #[test]
+    fn sample_columns_take_the_plans_writes() {
+        let calls = [
+            call("r", &[1, 2], &[3], None),
+            call("r", &[1, 4], &[5], None),
+        ];
+        let p = plan(&calls, None).unwrap();
+        let pool = ArrayPool::new(8);
+        pool.give(AnyVec::U32(vec![99; 8]));
+        let mut cols = SampleColumns::take(p.stats.sample_tokens, &pool);
+        p.write(&calls, cols.as_mut());
+        // The same merge written sample by sample, then laid end to end.
+        let m = merge(&calls, None).unwrap();
+        let flat = |f: fn(&Sample) -> Vec<u32>| m.samples.iter().flat_map(f).collect::<Vec<_>>();
+        assert_eq!(cols.tokens, flat(|s| s.tokens.clone()));
+        let call_index: Vec<i32> = m
+            .samples
+            .iter()
+            .flat_map(|s| s.call_index.clone())
+            .collect();
+        let weights: Vec<f32> = m.samples.iter().flat_map(|s| s.weights.clone()).collect();
+        let logprobs: Vec<u32> = m
+            .samples
+            .iter()
+            .flat_map(|s| s.logprobs.iter().map(|l| l.to_bits()))
+            .collect();
+        assert_eq!((cols.call_index, cols.weights), (call_index, weights));
+        assert_eq!(
+            cols.logprobs
+                .iter()
+                .map(|l| l.to_bits())
+                .collect::<Vec<_>>(),
+            logprobs
+        );
+    }
+
+    #[test]
+    fn index_from_parts_is_the_trees_index() {
+        let calls = [
+            CallView {
+                group: Some("g0"),
+                ..call("a", &[1, 2], &[3], None)
+            },
+            CallView {
+                group: Some("g1"),
+                ..call("b", &[1, 2], &[4], None)
+            },
+        ];
+        let tree = pack(&calls, None, true, &Fresh).unwrap();
+        let parts = TreeIndex::from_parts(&tree.tokens, &tree.parent, &tree.tree_offsets);
+        let whole = TreeIndex::new(&tree);
+        for seq in [&[1, 2, 3][..], &[1, 2, 4], &[1, 2, 5], &[2]] {
+            assert_eq!(parts.locate(seq), whole.locate(seq));
+        }
+        assert_eq!(TreeIndex::from_parts(&[], &[], &[]).locate(&[1]), Err(0));
     }
 
     #[test]

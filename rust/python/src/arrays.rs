@@ -1,4 +1,6 @@
-//! Output arrays that go back to a pool when numpy is done with them.
+//! Arrays across the boundary: token ids and logprobs in (numpy buffers or
+//! lists, checked and converted once), and output arrays out that go back to
+//! a pool when numpy is done with them.
 //!
 //! A merge's samples and packed trees are written into arrays from one
 //! process-wide [`ArrayPool`]. Each is handed to numpy with a small owner object
@@ -8,8 +10,12 @@
 
 use lightning_core::{AnyVec, ArrayPool, Plain};
 use numpy::ndarray::ArrayView1;
-use numpy::{Element, PyArray1};
+use numpy::{
+    dtype, Element, IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
 /// About two results' worth: a packed tree has ten token-length arrays, samples four.
 pub static POOL: ArrayPool = ArrayPool::new(32);
@@ -45,6 +51,179 @@ pub fn pooled<T: Plain + Element>(py: Python<'_>, v: Vec<T>) -> PyResult<Bound<'
     // object, so it outlives the array; it is never resized or moved out of
     // `owner` until `owner` is dropped, so its buffer stays where the array points.
     Ok(unsafe { PyArray1::borrow_from_array(&view, owner.clone().into_any()) })
+}
+
+const U32_RANGE: &str = "outside the uint32 token-id range [0, 4294967295]";
+
+/// Convert a numpy integer array of element type `T` to token ids.
+fn ids_from_typed<T>(arr: &Bound<'_, PyAny>, field: &str) -> Result<Option<Vec<u32>>, String>
+where
+    T: Element + Copy + TryInto<u32> + std::fmt::Display,
+{
+    let Ok(a) = arr.cast::<PyArray1<T>>() else {
+        return Ok(None);
+    };
+    let ro = a
+        .try_readonly()
+        .map_err(|e| format!("{field} cannot be read: {e}"))?;
+    let view = ro.as_array();
+    let mut out = Vec::with_capacity(view.len());
+    for (i, &v) in view.iter().enumerate() {
+        match v.try_into() {
+            Ok(x) => out.push(x),
+            Err(_) => return Err(format!("{field}[{i}] = {v} is {U32_RANGE}")),
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Token ids from any Python sequence of ints (the list path: one extraction
+/// per element, unavoidable for Python ints).
+fn ids_from_sequence(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Vec<u32>, String>> {
+    let describe = |i: usize, item: &Bound<'_, PyAny>| -> String {
+        let shown = item
+            .repr()
+            .map(|r| r.to_string())
+            .unwrap_or_else(|_| "?".into());
+        if item.is_instance_of::<pyo3::types::PyInt>() {
+            format!("{field}[{i}] = {shown} is {U32_RANGE}")
+        } else {
+            let ty = item
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into());
+            format!("{field}[{i}] = {shown} ({ty}) is not an integer; token ids must be integers")
+        }
+    };
+    let mut out = Vec::new();
+    if let Ok(list) = obj.cast::<PyList>() {
+        out.reserve(list.len());
+        for (i, item) in list.iter().enumerate() {
+            match item.extract::<u32>() {
+                Ok(v) => out.push(v),
+                Err(_) => return Ok(Err(describe(i, &item))),
+            }
+        }
+        return Ok(Ok(out));
+    }
+    let iter = match obj.try_iter() {
+        Ok(it) => it,
+        Err(_) => {
+            let ty = obj.get_type().name()?.to_string();
+            return Ok(Err(format!(
+                "{field} must be a list or 1-D numpy array of integers, got {ty}"
+            )));
+        }
+    };
+    for (i, item) in iter.enumerate() {
+        let item = item?;
+        match item.extract::<u32>() {
+            Ok(v) => out.push(v),
+            Err(_) => return Ok(Err(describe(i, &item))),
+        }
+    }
+    Ok(Ok(out))
+}
+
+/// Mark an array we created read-only: `Call` is immutable.
+pub fn freeze<T: Element>(arr: Bound<'_, PyArray1<T>>) -> PyResult<Py<PyArray1<T>>> {
+    arr.call_method1("setflags", (false,))?;
+    Ok(arr.unbind())
+}
+
+/// Token ids as a uint32 numpy array; `Err(String)` describes bad input (the
+/// caller raises it as its own error). The one place ids cross from Python:
+/// a C-contiguous uint32 array is kept as is (no copy, like `np.asarray`),
+/// another integer array is converted in one typed pass with each value
+/// range-checked, and only a list (or an exotic dtype) is read per element.
+pub fn to_ids(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Py<PyArray1<u32>>, String>> {
+    let py = obj.py();
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        if arr.ndim() != 1 {
+            return Ok(Err(format!(
+                "{field} must be 1-D, got an array of shape {:?}",
+                arr.shape()
+            )));
+        }
+        let dt = arr.dtype();
+        if dt.is_equiv_to(&dtype::<u32>(py)) && arr.is_c_contiguous() {
+            // Zero copy: the Call shares the caller's buffer (like np.asarray).
+            let a = obj.cast::<PyArray1<u32>>()?;
+            return Ok(Ok(a.clone().unbind()));
+        }
+        if !matches!(dt.kind(), b'i' | b'u') {
+            return Ok(Err(format!(
+                "{field} is a numpy array of dtype {}; token ids must be integers",
+                dt.str()?
+            )));
+        }
+        macro_rules! try_type {
+            ($($t:ty),*) => {$(
+                match ids_from_typed::<$t>(obj, field) {
+                    Ok(Some(v)) => return Ok(Ok(freeze(v.into_pyarray(py))?)),
+                    Ok(None) => {}
+                    Err(e) => return Ok(Err(e)),
+                }
+            )*};
+        }
+        try_type!(i64, i32, u32, u64, u16, u8, i16, i8);
+        // Non-native byte order or an exotic integer type: go through Python ints.
+        let list = obj.call_method0("tolist")?;
+        return ids_from_sequence(&list, field)
+            .map(|r| r.and_then(|v| freeze(v.into_pyarray(py)).map_err(|e| e.to_string())));
+    }
+    Ok(match ids_from_sequence(obj, field)? {
+        Ok(v) => Ok(freeze(v.into_pyarray(py))?),
+        Err(e) => Err(e),
+    })
+}
+
+/// Logprobs as a float32 numpy array; `Err(String)` describes bad input.
+pub fn to_logprobs(obj: &Bound<'_, PyAny>) -> PyResult<Result<Py<PyArray1<f32>>, String>> {
+    let py = obj.py();
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        if arr.ndim() != 1 {
+            return Ok(Err(format!(
+                "logprobs must be 1-D, got an array of shape {:?}",
+                arr.shape()
+            )));
+        }
+        let dt = arr.dtype();
+        if dt.is_equiv_to(&dtype::<f32>(py)) && arr.is_c_contiguous() {
+            return Ok(Ok(obj.cast::<PyArray1<f32>>()?.clone().unbind()));
+        }
+        if !matches!(dt.kind(), b'f' | b'i' | b'u') {
+            return Ok(Err(format!(
+                "logprobs is a numpy array of dtype {}; logprobs must be floats",
+                dt.str()?
+            )));
+        }
+        let converted = obj.call_method1("astype", (dtype::<f32>(py),))?;
+        let converted = converted.cast_into::<PyArray1<f32>>()?;
+        return Ok(Ok(freeze(converted)?));
+    }
+    let iter = match obj.try_iter() {
+        Ok(it) => it,
+        Err(_) => {
+            let ty = obj.get_type().name()?.to_string();
+            return Ok(Err(format!(
+                "logprobs must be a list or 1-D numpy array of floats, got {ty}"
+            )));
+        }
+    };
+    let mut out = Vec::new();
+    for (i, item) in iter.enumerate() {
+        let item = item?;
+        match item.extract::<f64>() {
+            Ok(v) => out.push(v as f32),
+            Err(_) => {
+                let shown = item.repr()?.to_string();
+                return Ok(Err(format!("logprobs[{i}] = {shown} is not a number")));
+            }
+        }
+    }
+    Ok(Ok(freeze(out.into_pyarray(py))?))
 }
 
 /// Free the arrays that earlier merge results left for reuse; returns the bytes

@@ -5,192 +5,22 @@
 //! error; `merge_calls` borrows every buffer read-only, releases the GIL for the
 //! whole merge, and hands the output vectors to numpy without copying.
 
-use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use lightning_core::{Arrays, Call, CallView, MergePlan, PackedTree, SampleMut, TreeIndex};
-use numpy::{
-    dtype, Element, IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray,
-    PyUntypedArrayMethods,
+use lightning_core::{
+    Call, CallIndex, CallView, MergePlan, PackedTree, RolloutKey, SampleColumns, TokenOrigin,
+    TreeIndex,
 };
+use numpy::{Element, IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PySlice};
+use pyo3::types::{PyDict, PySlice};
 
-use crate::arrays::{pooled, POOL};
+use crate::arrays::{freeze, pooled, to_ids, to_logprobs, POOL};
 use crate::errors::{core_error, invalid_call};
 use crate::tokenizer::PyTokenizer;
-
-const U32_RANGE: &str = "outside the uint32 token-id range [0, 4294967295]";
-
-/// Convert a numpy integer array of element type `T` to token ids.
-fn ids_from_typed<T>(arr: &Bound<'_, PyAny>, field: &str) -> Result<Option<Vec<u32>>, String>
-where
-    T: Element + Copy + TryInto<u32> + std::fmt::Display,
-{
-    let Ok(a) = arr.cast::<PyArray1<T>>() else {
-        return Ok(None);
-    };
-    let ro = a
-        .try_readonly()
-        .map_err(|e| format!("{field} cannot be read: {e}"))?;
-    let view = ro.as_array();
-    let mut out = Vec::with_capacity(view.len());
-    for (i, &v) in view.iter().enumerate() {
-        match v.try_into() {
-            Ok(x) => out.push(x),
-            Err(_) => return Err(format!("{field}[{i}] = {v} is {U32_RANGE}")),
-        }
-    }
-    Ok(Some(out))
-}
-
-/// Token ids from any Python sequence of ints (the list path: one extraction
-/// per element, unavoidable for Python ints).
-fn ids_from_sequence(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Vec<u32>, String>> {
-    let describe = |i: usize, item: &Bound<'_, PyAny>| -> String {
-        let shown = item
-            .repr()
-            .map(|r| r.to_string())
-            .unwrap_or_else(|_| "?".into());
-        if item.is_instance_of::<pyo3::types::PyInt>() {
-            format!("{field}[{i}] = {shown} is {U32_RANGE}")
-        } else {
-            let ty = item
-                .get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_else(|_| "?".into());
-            format!("{field}[{i}] = {shown} ({ty}) is not an integer; token ids must be integers")
-        }
-    };
-    let mut out = Vec::new();
-    if let Ok(list) = obj.cast::<PyList>() {
-        out.reserve(list.len());
-        for (i, item) in list.iter().enumerate() {
-            match item.extract::<u32>() {
-                Ok(v) => out.push(v),
-                Err(_) => return Ok(Err(describe(i, &item))),
-            }
-        }
-        return Ok(Ok(out));
-    }
-    let iter = match obj.try_iter() {
-        Ok(it) => it,
-        Err(_) => {
-            let ty = obj.get_type().name()?.to_string();
-            return Ok(Err(format!(
-                "{field} must be a list or 1-D numpy array of integers, got {ty}"
-            )));
-        }
-    };
-    for (i, item) in iter.enumerate() {
-        let item = item?;
-        match item.extract::<u32>() {
-            Ok(v) => out.push(v),
-            Err(_) => return Ok(Err(describe(i, &item))),
-        }
-    }
-    Ok(Ok(out))
-}
-
-/// Mark an array we created read-only: `Call` is immutable.
-fn freeze<T: Element>(arr: Bound<'_, PyArray1<T>>) -> PyResult<Py<PyArray1<T>>> {
-    arr.call_method1("setflags", (false,))?;
-    Ok(arr.unbind())
-}
-
-/// Token ids as a uint32 numpy array; `Err(String)` describes bad input.
-fn to_ids(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Py<PyArray1<u32>>, String>> {
-    let py = obj.py();
-    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        if arr.ndim() != 1 {
-            return Ok(Err(format!(
-                "{field} must be 1-D, got an array of shape {:?}",
-                arr.shape()
-            )));
-        }
-        let dt = arr.dtype();
-        if dt.is_equiv_to(&dtype::<u32>(py)) && arr.is_c_contiguous() {
-            // Zero copy: the Call shares the caller's buffer (like np.asarray).
-            let a = obj.cast::<PyArray1<u32>>()?;
-            return Ok(Ok(a.clone().unbind()));
-        }
-        if !matches!(dt.kind(), b'i' | b'u') {
-            return Ok(Err(format!(
-                "{field} is a numpy array of dtype {}; token ids must be integers",
-                dt.str()?
-            )));
-        }
-        macro_rules! try_type {
-            ($($t:ty),*) => {$(
-                match ids_from_typed::<$t>(obj, field) {
-                    Ok(Some(v)) => return Ok(Ok(freeze(v.into_pyarray(py))?)),
-                    Ok(None) => {}
-                    Err(e) => return Ok(Err(e)),
-                }
-            )*};
-        }
-        try_type!(i64, i32, u32, u64, u16, u8, i16, i8);
-        // Non-native byte order or an exotic integer type: go through Python ints.
-        let list = obj.call_method0("tolist")?;
-        return ids_from_sequence(&list, field)
-            .map(|r| r.and_then(|v| freeze(v.into_pyarray(py)).map_err(|e| e.to_string())));
-    }
-    Ok(match ids_from_sequence(obj, field)? {
-        Ok(v) => Ok(freeze(v.into_pyarray(py))?),
-        Err(e) => Err(e),
-    })
-}
-
-/// Logprobs as a float32 numpy array; `Err(String)` describes bad input.
-fn to_logprobs(obj: &Bound<'_, PyAny>) -> PyResult<Result<Py<PyArray1<f32>>, String>> {
-    let py = obj.py();
-    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        if arr.ndim() != 1 {
-            return Ok(Err(format!(
-                "logprobs must be 1-D, got an array of shape {:?}",
-                arr.shape()
-            )));
-        }
-        let dt = arr.dtype();
-        if dt.is_equiv_to(&dtype::<f32>(py)) && arr.is_c_contiguous() {
-            return Ok(Ok(obj.cast::<PyArray1<f32>>()?.clone().unbind()));
-        }
-        if !matches!(dt.kind(), b'f' | b'i' | b'u') {
-            return Ok(Err(format!(
-                "logprobs is a numpy array of dtype {}; logprobs must be floats",
-                dt.str()?
-            )));
-        }
-        let converted = obj.call_method1("astype", (dtype::<f32>(py),))?;
-        let converted = converted.cast_into::<PyArray1<f32>>()?;
-        return Ok(Ok(freeze(converted)?));
-    }
-    let iter = match obj.try_iter() {
-        Ok(it) => it,
-        Err(_) => {
-            let ty = obj.get_type().name()?.to_string();
-            return Ok(Err(format!(
-                "logprobs must be a list or 1-D numpy array of floats, got {ty}"
-            )));
-        }
-    };
-    let mut out = Vec::new();
-    for (i, item) in iter.enumerate() {
-        let item = item?;
-        match item.extract::<f64>() {
-            Ok(v) => out.push(v as f32),
-            Err(_) => {
-                let shown = item.repr()?.to_string();
-                return Ok(Err(format!("logprobs[{i}] = {shown} is not a number")));
-            }
-        }
-    }
-    Ok(Ok(freeze(out.into_pyarray(py))?))
-}
 
 /// One model call of a rollout: exact prompt ids, completion ids and rollout
 /// logprobs. Ids accept lists or numpy integer arrays and are stored as uint32
@@ -383,8 +213,8 @@ struct SampleBuffers {
     weights: Py<PyArray1<f32>>,
     logprobs: Py<PyArray1<f32>>,
     call_index: Py<PyArray1<i32>>,
-    /// Weight version of each input call.
-    call_versions: Arc<[i64]>,
+    /// Weight version (and rollout, group) of each input call.
+    index: Arc<CallIndex>,
 }
 
 impl PySample {
@@ -449,12 +279,8 @@ impl PySample {
     fn weight_version<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let ci = self.view(py, &self.buffers.call_index)?;
         let ci = ci.readonly();
-        let versions = &self.buffers.call_versions;
-        let out: Vec<i64> = ci
-            .as_array()
-            .iter()
-            .map(|&c| if c < 0 { -1 } else { versions[c as usize] })
-            .collect();
+        let ci = ci.as_slice().map_err(|e| invalid_call(py, e.to_string()))?;
+        let out = self.buffers.index.versions_of(ci);
         Ok(out.into_pyarray(py))
     }
 
@@ -657,20 +483,17 @@ pub struct PyPackedTree {
 impl PyPackedTree {
     /// A tree of plain sequences (`pack_sequences`): no rollouts, groups or versions.
     fn from_core(py: Python<'_>, t: PackedTree) -> PyResult<Self> {
-        let n = t.tokens.len();
-        let none = TokenOrigin {
-            rollout: vec![-1; n],
-            group: vec![-1; n],
-            weight_version: vec![-1; n],
-            call_rollout: Vec::new(),
-            rollout_ids: Vec::new(),
-            groups: Vec::new(),
-        };
-        Self::new(py, t, none)
+        let none = TokenOrigin::none(t.tokens.len());
+        Self::new(py, t, none, Vec::new())
     }
 
     /// The token-length arrays go to numpy as pooled arrays (see `arrays`).
-    fn new(py: Python<'_>, t: PackedTree, o: TokenOrigin) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        t: PackedTree,
+        o: TokenOrigin,
+        rollout_ids: Vec<String>,
+    ) -> PyResult<Self> {
         Ok(PyPackedTree {
             tokens: pooled(py, t.tokens)?.unbind(),
             parent: pooled(py, t.parent)?.unbind(),
@@ -685,21 +508,11 @@ impl PyPackedTree {
             group: pooled(py, o.group)?.unbind(),
             weight_version: pooled(py, o.weight_version)?.unbind(),
             call_rollout: o.call_rollout.into_pyarray(py).unbind(),
-            rollout_ids: o.rollout_ids,
+            rollout_ids,
             groups: o.groups,
             index: OnceLock::new(),
         })
     }
-}
-
-/// Where each token of a packed tree came from (see [`PyPackedTree`]).
-struct TokenOrigin {
-    rollout: Vec<i32>,
-    group: Vec<i32>,
-    weight_version: Vec<i64>,
-    call_rollout: Vec<i32>,
-    rollout_ids: Vec<String>,
-    groups: Vec<String>,
 }
 
 #[pymethods]
@@ -718,16 +531,15 @@ impl PyPackedTree {
             .as_slice()
             .map_err(|e| invalid_call(py, e.to_string()))?;
         let index = self.index.get_or_init(|| {
-            let parent = self.parent.bind(py).readonly();
             let tokens = self.tokens.bind(py).readonly();
+            let parent = self.parent.bind(py).readonly();
             let bounds = self.tree_offsets.bind(py).readonly();
-            let tree = PackedTree {
-                parent: parent.as_slice().map(<[i64]>::to_vec).unwrap_or_default(),
-                tokens: tokens.as_slice().map(<[u32]>::to_vec).unwrap_or_default(),
-                tree_offsets: bounds.as_slice().map(<[i64]>::to_vec).unwrap_or_default(),
-                ..PackedTree::default()
-            };
-            TreeIndex::new(&tree)
+            // Our own arrays, C-contiguous as made; none reads as an empty tree.
+            TreeIndex::from_parts(
+                tokens.as_slice().unwrap_or_default(),
+                parent.as_slice().unwrap_or_default(),
+                bounds.as_slice().unwrap_or_default(),
+            )
         });
         match py.detach(|| index.locate(ids)) {
             Ok(nodes) => Ok(nodes.into_pyarray(py)),
@@ -754,17 +566,6 @@ impl PyPackedTree {
     }
 }
 
-/// Per-call facts the outputs are annotated with.
-#[derive(Debug)]
-struct CallIndex {
-    /// Rollout (index into the result's rollouts) of each call.
-    rollout: Vec<i32>,
-    /// Group (index into `groups`, -1 for none) of each call.
-    group: Vec<i32>,
-    version: Arc<[i64]>,
-    groups: Vec<String>,
-}
-
 /// The result of `merge_calls` (or of a store read): `samples`, `divergences`,
 /// `stats`, `rollouts`, and the packed-tree form on demand.
 #[pyclass(name = "MergeResult", module = "lightning._core", frozen)]
@@ -776,7 +577,7 @@ pub struct PyMergeResult {
     stats: Py<PyMergeStats>,
     calls: Vec<Py<PyCall>>,
     rollouts: Vec<Py<PyRolloutInfo>>,
-    index: CallIndex,
+    index: Arc<CallIndex>,
     max_tokens: Option<usize>,
     /// Seconds borrowing the inputs and planning (tries + layout).
     plan_timings: [(&'static str, f64); 2],
@@ -802,43 +603,31 @@ impl PyMergeResult {
         let t0 = Instant::now();
         // One buffer per field for all samples, from the pool of dropped
         // results' arrays (see `arrays`): reused memory costs no page faults.
-        let n = self.plan.stats.sample_tokens;
-        let (mut tokens, mut weights) = (POOL.take(n), POOL.take(n));
-        let (mut logprobs, mut call_index) = (POOL.take(n), POOL.take(n));
+        let mut cols = SampleColumns::take(self.plan.stats.sample_tokens, &POOL);
         let t1 = Instant::now();
         // `plan.write` writes every element (the kept samples tile
         // [0, sample_tokens) exactly), so the buffers' old contents never show.
-        py.detach(|| {
-            let out = SampleMut {
-                tokens: &mut tokens,
-                weights: &mut weights,
-                logprobs: &mut logprobs,
-                call_index: &mut call_index,
-            };
-            self.plan.write(&views, out)
-        });
+        py.detach(|| self.plan.write(&views, cols.as_mut()));
         let buffers = SampleBuffers {
-            tokens: pooled(py, tokens)?.unbind(),
-            weights: pooled(py, weights)?.unbind(),
-            logprobs: pooled(py, logprobs)?.unbind(),
-            call_index: pooled(py, call_index)?.unbind(),
-            call_versions: Arc::clone(&self.index.version),
+            tokens: pooled(py, cols.tokens)?.unbind(),
+            weights: pooled(py, cols.weights)?.unbind(),
+            logprobs: pooled(py, cols.logprobs)?.unbind(),
+            call_index: pooled(py, cols.call_index)?.unbind(),
+            index: Arc::clone(&self.index),
         };
         let t2 = Instant::now();
         let buffers = Arc::new(buffers);
-        let mut start = 0;
         let mut samples = Vec::with_capacity(self.plan.stats.samples);
-        for info in self.plan.samples(&views) {
+        for span in self.index.spans(&self.plan, &views) {
             let s = PySample {
-                rollout_id: info.rollout_id.to_string(),
-                group: info.group.map(str::to_string),
-                rollout_index: self.index.rollout[info.first_call] as usize,
+                rollout_id: span.info.rollout_id.to_string(),
+                group: span.info.group.map(str::to_string),
+                rollout_index: span.rollout,
                 buffers: Arc::clone(&buffers),
-                start,
-                len: info.len,
-                truncated: info.truncated,
+                start: span.start,
+                len: span.info.len,
+                truncated: span.info.truncated,
             };
-            start += info.len;
             samples.push(Py::new(py, s)?);
         }
         let _ = self.sample_timings.set([
@@ -901,40 +690,15 @@ impl PyMergeResult {
         let max_tokens = self.max_tokens;
         let index = &self.index;
         let plan = &self.plan;
-        let (t, rollout, group, version) = py
-            .detach(|| {
-                // Per rollout, the plan's tries are the trees: lay them out
-                // rather than build them again.
-                let t = if across_rollouts {
-                    lightning_core::pack(&views, max_tokens, true, &POOL)?
-                } else {
-                    plan.pack(&views, max_tokens, &POOL)?
-                };
-                let tree_group: Vec<i32> = t
-                    .tree_call
-                    .iter()
-                    .map(|&c| index.group[c as usize])
-                    .collect();
-                let group = t.by_tree(&tree_group, &POOL);
-                let rollout = t.by_first_generator(&index.rollout, -1, &POOL);
-                let version = t.by_first_generator(&index.version, -1, &POOL);
-                Ok::<_, lightning_core::CoreError>((t, rollout, group, version))
-            })
+        let (t, origin) = py
+            .detach(|| index.pack(plan, &views, max_tokens, across_rollouts, &POOL))
             .map_err(|e| core_error(py, e))?;
         let rollout_ids = self
             .rollouts
             .iter()
             .map(|r| r.get().rollout_id.clone())
             .collect();
-        let origin = TokenOrigin {
-            rollout,
-            group,
-            weight_version: version,
-            call_rollout: self.index.rollout.clone(),
-            rollout_ids,
-            groups: self.index.groups.clone(),
-        };
-        PyPackedTree::new(py, t, origin)
+        PyPackedTree::new(py, t, origin, rollout_ids)
     }
 
     /// Seconds spent borrowing inputs and planning (GIL released), and, once
@@ -961,82 +725,35 @@ impl PyMergeResult {
     }
 }
 
-/// The rollouts of a merge and every call's rollout, group and weight version.
-/// A call whose group differs from its rollout record's is an error.
+/// The rollouts of a merge (`given`, then those only the calls name) and
+/// every call's rollout, group and weight version (see `CallIndex::new`).
 fn index_calls(
     py: Python<'_>,
     calls: &[Bound<'_, PyCall>],
+    views: &[CallView<'_>],
     given: Vec<PyRolloutInfo>,
 ) -> PyResult<(Vec<PyRolloutInfo>, CallIndex)> {
+    let keys: Vec<RolloutKey<'_>> = given
+        .iter()
+        .map(|r| RolloutKey {
+            rollout_id: &r.rollout_id,
+            group: r.group.as_deref(),
+        })
+        .collect();
+    let versions: Vec<u64> = calls.iter().map(|c| c.get().weight_version).collect();
+    let index = CallIndex::new(&keys, views, &versions).map_err(|e| core_error(py, e))?;
+    drop(keys);
     let mut rollouts = given;
-    let mut at: HashMap<String, usize> = HashMap::with_capacity(rollouts.len());
-    for (i, r) in rollouts.iter().enumerate() {
-        if at.insert(r.rollout_id.clone(), i).is_some() {
-            return Err(invalid_call(
-                py,
-                format!(
-                    "rollouts lists {:?} twice; pass each rollout once",
-                    r.rollout_id
-                ),
-            ));
-        }
+    for &i in &index.unlisted {
+        let c = calls[i].get();
+        rollouts.push(PyRolloutInfo::new(
+            c.rollout_id.clone(),
+            c.group.clone(),
+            None,
+            None,
+            None,
+        ));
     }
-    let mut index = CallIndex {
-        rollout: Vec::with_capacity(calls.len()),
-        group: Vec::with_capacity(calls.len()),
-        version: Arc::from(Vec::new()),
-        groups: Vec::new(),
-    };
-    let mut versions = Vec::with_capacity(calls.len());
-    for (i, c) in calls.iter().enumerate() {
-        let c = c.get();
-        let r = match at.get(&c.rollout_id) {
-            Some(&r) => {
-                if rollouts[r].group != c.group {
-                    return Err(invalid_call(
-                        py,
-                        format!(
-                            "call {i}: group {} differs from group {} of its rollout {:?}; \
-                             pass the rollout records the calls were read with",
-                            py_repr(c.group.as_deref()),
-                            py_repr(rollouts[r].group.as_deref()),
-                            c.rollout_id
-                        ),
-                    ));
-                }
-                r
-            }
-            None => {
-                at.insert(c.rollout_id.clone(), rollouts.len());
-                rollouts.push(PyRolloutInfo::new(
-                    c.rollout_id.clone(),
-                    c.group.clone(),
-                    None,
-                    None,
-                    None,
-                ));
-                rollouts.len() - 1
-            }
-        };
-        index.rollout.push(r as i32);
-        versions.push(i64::try_from(c.weight_version).unwrap_or(i64::MAX));
-    }
-    let mut group_at: HashMap<&str, i32> = HashMap::new();
-    for r in &rollouts {
-        if let Some(g) = r.group.as_deref() {
-            if !group_at.contains_key(g) {
-                group_at.insert(g, index.groups.len() as i32);
-                index.groups.push(g.to_string());
-            }
-        }
-    }
-    for c in calls {
-        let g = c.get().group.as_deref();
-        index
-            .group
-            .push(g.and_then(|g| group_at.get(g).copied()).unwrap_or(-1));
-    }
-    index.version = Arc::from(versions);
     Ok((rollouts, index))
 }
 
@@ -1058,10 +775,10 @@ pub(crate) fn merge_pycalls(
             ))
         })?),
     };
-    let (rollouts, index) = index_calls(py, &pycalls, rollouts)?;
     let t0 = Instant::now();
     let views = views(&pycalls)?;
     let t1 = Instant::now();
+    let (rollouts, index) = index_calls(py, &pycalls, &views, rollouts)?;
     let mut plan = py
         .detach(|| lightning_core::plan(&views, max_tokens))
         .map_err(|e| core_error(py, e))?;
@@ -1117,7 +834,7 @@ pub(crate) fn merge_pycalls(
             .into_iter()
             .map(|r| Py::new(py, r))
             .collect::<PyResult<_>>()?,
-        index,
+        index: Arc::new(index),
         max_tokens,
         sample_timings: OnceLock::new(),
     })
@@ -1199,9 +916,7 @@ fn _common_prefix_u32(
 /// compares took, on one thread with the GIL released. `benches/merge.py` pairs
 /// every call's prompt with its rollout's previous call: the least reading any
 /// prefix merge does on input laid out as one array per call (no trie, no
-/// output). While one pair is compared, the first cache lines of the next are
-/// prefetched, so the floor is not inflated by a memory stall at every array's
-/// start (which the hardware prefetcher cannot foresee).
+/// output; see `lightning_core::lcp_pairs`).
 #[pyfunction]
 fn _common_prefix_pairs_u32(
     py: Python<'_>,
@@ -1221,29 +936,9 @@ fn _common_prefix_pairs_u32(
         .collect::<PyResult<Vec<(&[u32], &[u32])>>>()?;
     Ok(py.detach(|| {
         let t = Instant::now();
-        let mut n = 0;
-        for (i, (x, y)) in pairs.iter().enumerate() {
-            if let Some((nx, ny)) = pairs.get(i + 1) {
-                prefetch_start(nx);
-                prefetch_start(ny);
-            }
-            n += lightning_core::trie::lcp(x, y);
-        }
+        let n = lightning_core::lcp_pairs(&pairs);
         (n, t.elapsed().as_secs_f64())
     }))
-}
-
-/// Hint the first four cache lines of `x` into the cache.
-#[inline]
-fn prefetch_start(x: &[u32]) {
-    #[cfg(target_arch = "x86_64")]
-    for k in (0..x.len().min(64)).step_by(16) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: a prefetch is a hint that never faults; the address is inside `x`.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(x.as_ptr().add(k).cast::<i8>()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
 }
 
 /// The packed tree of plain token sequences: one forest in which every shared
