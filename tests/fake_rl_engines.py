@@ -6,27 +6,31 @@ refuse, with the real server's status: a body that does not fit the request mode
 (vLLM is FastAPI: 422; SGLang answers ``{"success": false}`` with 400), a transfer
 before the group exists. The vLLM fake also holds our choreography to the order
 vLLM's docs lay out (pause → start → update+ → finish → resume; 400 otherwise),
-which is stricter than vLLM itself: its disk backend only insists on start before
-update and on an update before finish.
+which is stricter than vLLM itself.
 
 Payload models mirror, field for field:
 - vLLM ``vllm/entrypoints/rl/online/api_router.py`` (routes, ``Body(embed=True)``
   wrappers, ``mode`` as a query parameter), ``NCCLWeightTransferInitInfo``,
-  ``NCCLWeightTransferUpdateInfo`` (``weight_transfer/nccl_engine.py``),
-  ``DiskWeightTransferUpdateInfo`` (``weight_transfer/disk_engine.py``);
+  ``NCCLWeightTransferUpdateInfo`` (``weight_transfer/nccl_common.py`` and
+  ``nccl_engine.py`` of vllm 0.34.0);
 - SGLang ``python/sglang/srt/managers/io_struct.py`` (``InitWeightsUpdateGroupReqInput``,
   ``UpdateWeightsFromDistributedReqInput``, ``UpdateWeightFromDiskReqInput``,
   ``UpdateWeightsFromTensorReqInput``, ``PauseGenerationReqInput``).
 
-The data plane is real too: on init the fake joins the trainer's process group
-(gloo, ``lightning.run.weight_sync.join_group``) as ``rank_offset`` and on update
-receives one broadcast per tensor, so tests compare what arrived with what was sent.
+The data plane is real too: on init the fake starts a process of its own
+(tests/engine_side.py) that joins the trainer's process group over gloo as
+``rank_offset`` — for SGLang with SGLang's own ``init_custom_process_group`` from the
+pinned release (tests/engine_envs.py), for vLLM (whose receiver is PyNccl, GPU only)
+with ``lightning.run.weight_sync.join_group`` — and on update receives one broadcast
+per tensor, so tests compare what arrived with what was sent.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -44,37 +48,31 @@ class _Strict(BaseModel):
 
 
 class VllmNcclInit(_Strict):
-    master_address: str
-    master_port: int
+    master_address: str | None = None
+    master_port: int | None = None
     rank_offset: int
     world_size: int
+    nccl_unique_id_b64: str | None = None
+    packed: bool = False
+    packed_buffer_size_bytes: int = 1 << 30
+    packed_num_buffers: int = 2
+    use_load_plan: bool = False
+    metadata: list[tuple[str, str, list[int]]] | None = None
 
 
 class VllmNcclUpdate(_Strict):
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    packed: bool = False
-    packed_buffer_size_bytes: int | None = None
-    packed_num_buffers: int | None = None
+    """vLLM 0.34.0: the packed wire params moved to the init info; any other field
+    is refused (``update_info_cls(**update_dict)``)."""
+
+    names: list[str] = []
+    dtype_names: list[str] = []
+    shapes: list[list[int]] = []
+    src: int = 0
 
     @model_validator(mode="after")
     def _lengths(self) -> VllmNcclUpdate:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError("`dtype_names` and `shapes` should be of the same size as `names`")
-        return self
-
-
-class VllmDiskUpdate(_Strict):
-    path: str
-
-    @model_validator(mode="after")
-    def _dir(self) -> VllmDiskUpdate:
-        p = Path(self.path)
-        if not p.is_absolute() or not p.is_dir():
-            raise ValueError("`path` must be an absolute local directory")
-        if not any(f.suffix == ".safetensors" for f in p.iterdir()):
-            raise ValueError("Shared-disk checkpoint directory contains no safetensors files")
         return self
 
 
@@ -141,7 +139,9 @@ class _Refused(Exception):
 class FakeEngine:
     """Base: a threaded HTTP server whose routes are methods ``r_<name>``."""
 
-    def __init__(self) -> None:
+    def __init__(self, data_plane: Literal["sglang", "lightning"] = "lightning") -> None:
+        self.data_plane = data_plane
+        self.side: subprocess.Popen[str] | None = None
         self.log: list[tuple[str, Any]] = []
         self.lock = threading.Lock()
         self.weights: dict[str, Any] = {}
@@ -189,31 +189,70 @@ class FakeEngine:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        if self.side is not None:
+            self.side.kill()
+            self.side.wait()
+            for pipe in (self.side.stdin, self.side.stdout):
+                if pipe is not None:
+                    pipe.close()
 
     # -- shared data plane ------------------------------------------------------
 
     def _join(self, address: str, port: int, rank: int, world: int, name: str) -> None:
-        from lightning.run.weight_sync import join_group
+        """Join in a process of its own (engine_side.py): with SGLang's own
+        ``init_custom_process_group`` when ``data_plane == "sglang"``."""
+        if self.data_plane == "sglang":
+            from engine_envs import engines_python
 
-        self.group = join_group(
-            address,
-            port,
-            rank=rank,
-            world_size=world,
-            backend="gloo",
-            group_name=name,
-            timeout_s=60.0,
+            python = str(engines_python())
+        else:
+            python = sys.executable
+        script = Path(__file__).with_name("engine_side.py")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        if self.data_plane == "sglang":
+            env.pop("PYTHONPATH")  # the engine's environment, not ours
+        self.side = subprocess.Popen(
+            [python, str(script), "--join", self.data_plane],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
+        self._ask(
+            {
+                "op": "join",
+                "address": address,
+                "port": port,
+                "rank": rank,
+                "world": world,
+                "name": name,
+            }
+        )
+        self.group = name
+
+    def _ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.side is not None and self.side.stdin and self.side.stdout
+        self.side.stdin.write(json.dumps(cmd) + "\n")
+        self.side.stdin.flush()
+        line = self.side.stdout.readline()
+        answer = json.loads(line) if line else {"ok": False, "error": "engine side exited"}
+        if not answer["ok"]:
+            raise _Refused(400, {"success": False, "message": answer["error"]})
+        return answer
 
     def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        import tempfile
+
         import torch
 
         if self.group is None:
             raise _Refused(400, {"error": "weight transfer not initialized"})
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            buf = torch.empty(shape, dtype=getattr(torch, dtype))
-            self.group.broadcast(buf, 0).wait()
-            self.weights[name] = buf
+        with tempfile.TemporaryDirectory() as d:
+            out = str(Path(d) / "got.pt")
+            self._ask(
+                {"op": "recv", "names": names, "dtypes": dtypes, "shapes": shapes, "out": out}
+            )
+            self.weights.update(torch.load(out))
 
     def _load_dir(self, path: str) -> None:
         from safetensors.torch import load_file
@@ -234,7 +273,7 @@ def _parse(model: type[BaseModel], body: Any, status: int, shape: str = "fastapi
 class FakeVllm(FakeEngine):
     """vLLM ``--weight-transfer-config '{"backend": ...}'`` with VLLM_SERVER_DEV_MODE=1."""
 
-    def __init__(self, backend: Literal["nccl", "disk"]) -> None:
+    def __init__(self, backend: Literal["nccl"] = "nccl") -> None:
         super().__init__()
         self.backend = backend
         self.paused = False
@@ -264,9 +303,15 @@ class FakeVllm(FakeEngine):
         info = self._embedded(body, "init_info")
         if self.backend == "nccl":
             init = _parse(VllmNcclInit, info, 422)
-            self._join(init.master_address, init.master_port, init.rank_offset, init.world_size, "")
-        elif info != {}:
-            raise _Refused(422, {"detail": "disk backend takes empty init_info"})
+            if init.packed:
+                raise _Refused(400, {"error": "fake receives unpacked broadcasts only"})
+            self._join(
+                init.master_address,
+                init.master_port,
+                init.rank_offset,
+                init.world_size,
+                "vllm_fake",
+            )
         self.initialized = True
         return {"message": "Weight transfer initialized"}
 
@@ -286,11 +331,7 @@ class FakeVllm(FakeEngine):
             raise _Refused(400, {"error": "start_weight_update must be called first"})
         if self.backend == "nccl":
             upd = _parse(VllmNcclUpdate, info, 422)
-            if upd.packed:
-                raise _Refused(400, {"error": "fake receives unpacked broadcasts only"})
             self._receive(upd.names, upd.dtype_names, upd.shapes)
-        else:
-            self._load_dir(_parse(VllmDiskUpdate, info, 422).path)
         self.updates_in_session += 1
         return {"message": "Weights updated"}
 
@@ -305,8 +346,11 @@ class FakeVllm(FakeEngine):
 
 
 class FakeSglang(FakeEngine):
-    def __init__(self) -> None:
-        super().__init__()
+    """SGLang's control plane; its data plane is SGLang's own group join (the pinned
+    release, tests/engine_envs.py) unless ``data_plane="lightning"``."""
+
+    def __init__(self, data_plane: Literal["sglang", "lightning"] = "sglang") -> None:
+        super().__init__(data_plane)
         self.paused: str | None = None
         self.group_name: str | None = None
 

@@ -14,12 +14,12 @@ from safetensors.torch import save_file
 
 from fake_rl_engines import FakeSglang, FakeVllm
 from lightning.run.weight_sync import (
-    DiskTransport,
     EmbeddedSync,
     SglangDiskSync,
     SglangDistributedSync,
     SglangTensorSync,
     TorchDistTransport,
+    VllmNcclSync,
     VllmSync,
     WeightSyncError,
     WeightUpdate,
@@ -61,15 +61,17 @@ class GlooVllmTransport(TorchDistTransport):
     real data plane is vLLM's PyNccl: lightning.run.weight_sync.VllmNcclTransport)."""
 
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
-        return vllm_nccl_init_info(self.master_address, self.master_port, rank_offset, world_size)
+        return vllm_nccl_init_info(
+            self.master_address, self.master_port, rank_offset, world_size, packed=False
+        )
 
     def update_info(self, update: WeightUpdate) -> dict[str, Any]:
-        return vllm_nccl_update_info(update.metas(), packed=False)
+        return vllm_nccl_update_info(update.metas())
 
 
 def test_vllm_nccl_choreography_two_engines(update: WeightUpdate) -> None:
     engines = [FakeVllm("nccl"), FakeVllm("nccl")]
-    transport = GlooVllmTransport("127.0.0.1", _port(), backend="gloo", group_name="")
+    transport = GlooVllmTransport("127.0.0.1", _port(), backend="gloo", group_name="vllm_fake")
     sync = VllmSync([e.root + "/v1" for e in engines], transport)
     try:
         sync.setup()
@@ -97,24 +99,10 @@ def test_vllm_nccl_choreography_two_engines(update: WeightUpdate) -> None:
     assert names == [n for n, _ in update.tensors()]
 
 
-def test_vllm_disk_choreography(update: WeightUpdate) -> None:
-    engine = FakeVllm("disk")
-    sync = VllmSync([engine.root], DiskTransport())
-    try:
-        sync.setup()
-        sync.push(update)
-    finally:
-        sync.close()
-        engine.stop()
-    assert engine.log[0] == ("init_weight_transfer_engine", {"init_info": {}})
-    assert engine.log[3] == ("update_weights", {"update_info": {"path": str(update.path)}})
-    assert engine.log[4] == ("finish_weight_update", {"weight_version": "3"})
-    _same(engine.weights, update)
-
-
 def test_vllm_refusal_is_an_error_naming_the_engine_and_resumes(update: WeightUpdate) -> None:
-    engine = FakeVllm("disk")
-    sync = VllmSync([engine.root], DiskTransport())
+    engine = FakeVllm("nccl")
+    transport = GlooVllmTransport("127.0.0.1", _port(), backend="gloo", group_name="vllm_fake")
+    sync = VllmSync([engine.root], transport)
     try:
         # No init: the engine refuses start_weight_update; generation must resume.
         with pytest.raises(WeightSyncError, match=r"start_weight_update answered 400"):
@@ -124,6 +112,35 @@ def test_vllm_refusal_is_an_error_naming_the_engine_and_resumes(update: WeightUp
         engine.stop()
     assert engine.routes() == ["pause", "start_weight_update", "resume"]
     assert not engine.paused
+
+
+def test_sglang_own_join_receives_the_trainers_broadcast() -> None:
+    """SGLang's ``init_custom_process_group`` (the pinned release, in its own process,
+    called as SGLang's weight updater calls it) on one side, our transport on the
+    other: the group forms and a broadcast arrives. Before the trainer joined the way
+    SGLang does, this timed out on mismatched store keys."""
+    engine = FakeSglang(data_plane="sglang")
+    transport = TorchDistTransport("127.0.0.1", _port(), backend="gloo", timeout_s=60)
+    sync = SglangDistributedSync([engine.root], transport)
+    try:
+        sync.setup()
+        assert engine.side is not None
+        sent = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        update = _memory_update({"w": sent})
+        sync.push(update)
+    finally:
+        sync.close()
+        engine.stop()
+    assert engine.log[0][1]["group_name"] == "lightning_weight_sync"
+    assert torch.equal(engine.weights["w"], sent)
+
+
+def _memory_update(tensors: dict[str, torch.Tensor]) -> WeightUpdate:
+    class InMemory(WeightUpdate):
+        def tensors(self) -> Any:
+            return iter(tensors.items())
+
+    return InMemory(version=1, path=Path("/nonexistent"))
 
 
 def test_sglang_distributed_choreography_with_pause(update: WeightUpdate) -> None:
@@ -221,10 +238,19 @@ def test_embedded_load_weights(update: WeightUpdate) -> None:
 
 
 def test_factory() -> None:
-    engine = FakeVllm("disk")
-    sync = make_weight_sync("vllm-disk", [engine.root + "/v1"])
-    assert isinstance(sync, VllmSync) and isinstance(sync.transport, DiskTransport)
-    sync.close()
-    engine.stop()
+    with pytest.raises(ValueError, match=r"no vLLM release has a disk.*use 'vllm-nccl'"):
+        make_weight_sync("vllm-disk", ["http://x"])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="vllm-ipc"):
         make_weight_sync("vllm-ipc", ["http://x"])
+    sync = make_weight_sync("vllm-nccl", ["http://x/v1"], world_sizes=[2])
+    assert isinstance(sync, VllmNcclSync) and (sync.world, sync.offsets) == (3, {"http://x": 1})
+    sync.close()
+
+
+def test_config_names_the_replacement_of_vllm_disk() -> None:
+    from pydantic import ValidationError
+
+    from lightning.config import EngineSection
+
+    with pytest.raises(ValidationError, match=r"vllm-disk' was removed.*use 'vllm-nccl'"):
+        EngineSection(kind="external", urls=["http://x/v1"], weight_sync="vllm-disk")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lightning.gateway.server import GatewayConfig, UpstreamConfig
 from lightning.modes import (
@@ -62,6 +62,13 @@ class ModelSection(_Section):
         return path
 
 
+VLLM_DISK_GONE = (
+    "weight_sync = 'vllm-disk' was removed: no vLLM release has a disk weight-transfer "
+    "backend (vLLM 0.34.0 has nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n); use "
+    "'vllm-nccl', or 'sglang-disk' with SGLang"
+)
+
+
 class EngineSection(_Section):
     """Where generation happens.
 
@@ -80,7 +87,6 @@ class EngineSection(_Section):
         "sglang-disk",
         "sglang-distributed",
         "sglang-tensor",
-        "vllm-disk",
         "vllm-nccl",
         "none",
     ] = "embedded"
@@ -104,6 +110,13 @@ class EngineSection(_Section):
     chat_template: str | None = None
     tool_call_parser: Literal["auto", "hermes", "none"] = "auto"
     max_model_len: int | None = None
+
+    @field_validator("weight_sync", mode="before")
+    @classmethod
+    def _no_vllm_disk(cls, v: Any) -> Any:
+        if v == "vllm-disk":
+            raise ValueError(VLLM_DISK_GONE)
+        return v
 
     @model_validator(mode="after")
     def _urls(self) -> EngineSection:

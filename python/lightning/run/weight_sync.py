@@ -38,29 +38,26 @@ Engine APIs, with the sources every endpoint and payload was checked against:
     ``continue_generation`` around the update for users who would rather abort
     (``abort``) or requeue (``retract``) long generations than wait for them.
 
-``vllm-disk`` / ``vllm-nccl`` / ``vllm-ipc`` (vLLM's RL endpoints)
-    ``vllm/entrypoints/rl/online/api_router.py`` (vllm-project/vllm, read 2026-12;
-    the server needs ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config
-    '{"backend": "nccl"|"ipc"|"disk"}'``, docs: docs.vllm.ai/en/latest/training/
-    weight_transfer/). The four-phase protocol:
+``vllm-nccl`` / ``vllm-ipc`` (vLLM's RL endpoints)
+    ``vllm/entrypoints/rl/online/api_router.py`` and ``vllm/distributed/
+    weight_transfer/`` of vllm 0.34.0 (the newest on PyPI, 2026-12-05; the server
+    needs ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend":
+    "nccl"}'``; released backends: nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n —
+    no disk backend, so ``vllm-disk`` is gone). Per push: ``POST /pause?mode=wait``
+    (in-flight requests finish on the old weights), then vLLM's own trainer engine
+    ``NCCLTrainerWeightTransferEngine.send_weights()`` drives ``/start_weight_update``,
+    ``/update_weights {"update_info": NCCLWeightTransferUpdateInfo{names,
+    dtype_names, shapes[, src]}}`` (parsed strictly: no other field) while it
+    broadcasts, and ``/finish_weight_update {"weight_version"}`` through our
+    :class:`_VllmClients`; then ``POST /resume``. ``packed`` and the buffer sizes are
+    init-time fields (``NCCLTrainerInitInfo`` → the workers' init info), sent once
+    by ``trainer_init`` with ``/init_weight_transfer_engine``.
 
-    - once: ``POST /init_weight_transfer_engine {"init_info": {...}}`` (NCCL:
-      ``NCCLWeightTransferInitInfo{master_address, master_port, rank_offset,
-      world_size}``, a collective like SGLang's; disk: ``{}``);
-    - per push: ``POST /pause?mode=wait`` (in-flight requests finish on the old
-      weights), ``POST /start_weight_update``, ``POST /update_weights
-      {"update_info": {...}}`` (NCCL: ``NCCLWeightTransferUpdateInfo{names,
-      dtype_names, shapes, packed}``, received while the request is open; disk:
-      ``DiskWeightTransferUpdateInfo{path}``, an absolute directory of
-      safetensors), ``POST /finish_weight_update {"weight_version": "N"}``,
-      ``POST /resume``.
-
-Data-plane caveat: vLLM's NCCL receiver joins through its own
-``StatelessProcessGroup`` + ``PyNcclCommunicator``, so the trainer side must be
-vLLM's ``NCCLWeightTransferEngine.trainer_init`` / ``trainer_send_weights``
-(:class:`VllmNcclTransport`, needs ``vllm`` importable on the trainer). SGLang's
-receiver is a plain ``torch.distributed`` group, which :class:`TorchDistTransport`
-joins (``nccl`` on GPUs, ``gloo`` on CPUs and in the tests).
+Verified: SGLang's group join (the trainer side joins a group built by SGLang
+0.5.23's own ``init_custom_process_group`` in tests/test_weight_sync.py). Not
+verified on a CPU: vLLM's NCCL data plane (its receiver and
+``NCCLTrainerWeightTransferEngine`` use PyNccl, GPU only); ``vllm-nccl`` logs
+:data:`VLLM_NCCL_UNVERIFIED` at setup.
 """
 
 from __future__ import annotations
@@ -77,6 +74,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import httpx
 
 from lightning._core import LightningError
+from lightning.config import VLLM_DISK_GONE
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +86,6 @@ SyncKind = Literal[
     "sglang-disk",
     "sglang-distributed",
     "sglang-tensor",
-    "vllm-disk",
     "vllm-nccl",
     "vllm-ipc",
     "none",
@@ -159,16 +156,6 @@ class Transport(ABC):
         pass
 
 
-class DiskTransport(Transport):
-    """The weights are already on a disk every engine can read: send the path."""
-
-    def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
-        return {}
-
-    def update_info(self, update: WeightUpdate) -> dict[str, Any]:
-        return {"path": str(update.path.resolve())}
-
-
 class TorchDistTransport(Transport):
     """A ``torch.distributed`` process group of its own (not the default group, so
     it lives beside torchrun's), rendezvous through a TCP store at
@@ -225,11 +212,16 @@ class TorchDistTransport(Transport):
     def send(self, update: WeightUpdate) -> None:
         if self.group is None:
             raise WeightSyncError("TorchDistTransport.send before open(): call setup() first")
+        import torch.distributed as dist
+
         device = "cuda" if self.backend == "nccl" else "cpu"
         for _, tensor in update.tensors():
-            self.group.broadcast(tensor.to(device).contiguous(), 0).wait()
+            # What SGLang's update_weights_from_distributed receives, one per name.
+            dist.broadcast(tensor.to(device).contiguous(), src=0, group=self.group)
 
     def close(self) -> None:
+        if self.group is not None:
+            leave_group(self.group)
         self.group = None
 
 
@@ -243,80 +235,79 @@ def join_group(
     group_name: str,
     timeout_s: float = 600.0,
 ) -> Any:
-    """A standalone process group (TCP store + backend), as both sides build it."""
+    """A standalone process group, built the way SGLang's engine side builds it.
+
+    SGLang's ``WeightUpdater.init_weights_update_group`` (sglang 0.5.23,
+    ``srt/model_executor/model_runner_components/weight_updater.py``) joins with
+    ``sglang.srt.utils.init_custom_process_group(backend, init_method=
+    "tcp://{master_address}:{master_port}", world_size, rank=rank_offset + tp_rank,
+    group_name)`` (the helper verl and OpenRLHF use on both sides). That helper takes
+    torch's own ``tcp://`` rendezvous (a TCP store hosted by rank 0), wraps it in
+    ``PrefixStore(group_name)`` and hands it to torch's process-group factory, which
+    prefixes its keys with ``"{group_name}/"`` again. The store keys of both sides
+    must agree to the byte, so the trainer goes through the same three torch steps
+    rather than building a backend by hand (tests/test_weight_sync.py runs SGLang's
+    function on the other side). ``group_name`` must be non-empty (SGLang asserts it)
+    and unique in this process; :func:`leave_group` frees it.
+    """
     from datetime import timedelta
 
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    if not group_name:
+        raise ValueError("group_name is empty: SGLang refuses an unnamed weight-update group")
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    # torch 2.6 renamed the options argument of the factory (pg_options -> backend_options).
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    options = "backend_options" if (major, minor) >= (2, 6) else "pg_options"
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        c10d.PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+        **{options: None},
+    )
+    # Group ranks are global ranks: lets torch.distributed.broadcast(group=...) work.
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def leave_group(group: Any) -> None:
+    """Destroy a group made by :func:`join_group` (its name can be joined again)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(
-        master_address,
-        master_port,
-        world_size,
-        is_master=rank == 0,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
-    prefixed = dist.PrefixStore(f"{group_name}/", store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout_s))
-    return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    dist.destroy_process_group(group)
 
 
 def vllm_nccl_init_info(
-    master_address: str, master_port: int, rank_offset: int, world_size: int
+    master_address: str, master_port: int, rank_offset: int, world_size: int, *, packed: bool
 ) -> dict[str, Any]:
-    """vLLM's ``NCCLWeightTransferInitInfo`` (``weight_transfer/nccl_engine.py``)."""
+    """vLLM's worker-side ``NCCLWeightTransferInitInfo`` (vllm 0.34.0,
+    ``weight_transfer/nccl_common.py``): the packed wire params live here."""
     return {
         "master_address": master_address,
         "master_port": master_port,
         "rank_offset": rank_offset,
         "world_size": world_size,
-    }
-
-
-def vllm_nccl_update_info(metas: Sequence[TensorMeta], *, packed: bool) -> dict[str, Any]:
-    """vLLM's ``NCCLWeightTransferUpdateInfo`` (``weight_transfer/nccl_engine.py``)."""
-    return {
-        "names": [m.name for m in metas],
-        "dtype_names": [m.dtype for m in metas],
-        "shapes": [m.shape for m in metas],
         "packed": packed,
     }
 
 
-class VllmNcclTransport(Transport):
-    """vLLM's own trainer side of its NCCL backend (``NCCLWeightTransferEngine``)."""
-
-    def __init__(self, master_address: str, master_port: int, *, packed: bool = True) -> None:
-        self.master_address = master_address
-        self.master_port = master_port
-        self.packed = packed
-        self.group: Any = None
-
-    def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
-        return vllm_nccl_init_info(self.master_address, self.master_port, rank_offset, world_size)
-
-    def open(self, world_size: int) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-        self.group = NCCLWeightTransferEngine.trainer_init(
-            {
-                "master_address": self.master_address,
-                "master_port": self.master_port,
-                "world_size": world_size,
-            }
-        )
-
-    def update_info(self, update: WeightUpdate) -> dict[str, Any]:
-        return vllm_nccl_update_info(update.metas(), packed=self.packed)
-
-    def send(self, update: WeightUpdate) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-        tensors = ((n, t.cuda()) for n, t in update.tensors())
-        NCCLWeightTransferEngine.trainer_send_weights(
-            tensors, {"group": self.group, "packed": self.packed}
-        )
+def vllm_nccl_update_info(metas: Sequence[TensorMeta]) -> dict[str, Any]:
+    """vLLM's ``NCCLWeightTransferUpdateInfo`` (vllm 0.34.0, ``nccl_engine.py``),
+    parsed as ``NCCLWeightTransferUpdateInfo(**update_info)``: no other field."""
+    return {
+        "names": [m.name for m in metas],
+        "dtype_names": [m.dtype for m in metas],
+        "shapes": [m.shape for m in metas],
+    }
 
 
 class PlainTransport(Transport):
@@ -588,6 +579,129 @@ class VllmSync(WeightSync):
         super().close()
 
 
+VLLM_NCCL_UNVERIFIED = (
+    "weight_sync = 'vllm-nccl' is experimental: it drives vLLM's own trainer side "
+    "(vllm 0.34.0 NCCLTrainerWeightTransferEngine) through our HTTP client, but its "
+    "PyNccl data plane needs CUDA and has not run in lightning's tests; only the "
+    "payload shapes were checked, against vLLM's source"
+)
+
+
+class _VllmClients:
+    """vLLM's ``VLLMWeightSyncClient`` protocol (four methods, structural) over every
+    engine at once: vLLM's trainer engine drives it; each engine gets its own
+    ``rank_offset`` in the one transfer group."""
+
+    def __init__(self, sync: VllmNcclSync) -> None:
+        self.sync = sync
+        self.version: str | None = None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        s = self.sync
+
+        def one(root: str) -> None:
+            info = {**init_info, "rank_offset": s.offsets[root], "world_size": s.world}
+            s._post(root, "/init_weight_transfer_engine", {"init_info": info})
+
+        s._all(one)
+
+    def start_weight_update(self) -> None:
+        self.sync._all(lambda r: self.sync._post(r, "/start_weight_update"))
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        body = {"update_info": update_info}
+        self.sync._all(lambda r: self.sync._post(r, "/update_weights", body))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = {"weight_version": weight_version or self.version}
+        self.sync._all(lambda r: self.sync._post(r, "/finish_weight_update", body))
+
+
+def _update_source() -> Any:
+    """A vLLM ``WeightSource`` over the update being pushed (rank 0 sends all)."""
+    from functools import cached_property
+
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class UpdateSource(WeightSource):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.update: WeightUpdate | None = None
+
+        def use(self, update: WeightUpdate) -> None:
+            self.update = update
+            self.__dict__.pop("metadata", None)  # fixed within one push
+
+        @cached_property
+        def metadata(self) -> list[Any]:
+            if self.update is None:
+                return []
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.update.tensors()]
+
+        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+            assert self.update is not None
+            for name, tensor in self.update.tensors():
+                yield name, tensor.cuda()
+
+    return UpdateSource()
+
+
+class VllmNcclSync(WeightSync):
+    """vLLM's NCCL backend, sent by vLLM's own ``NCCLTrainerWeightTransferEngine``
+    (needs ``vllm`` importable on the trainer); experimental, see
+    :data:`VLLM_NCCL_UNVERIFIED`."""
+
+    def __init__(
+        self,
+        roots: Sequence[str],
+        master_address: str,
+        master_port: int,
+        *,
+        world_sizes: Sequence[int] | None = None,
+        packed: bool = True,
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(roots, timeout_s=timeout_s)
+        self.master_address, self.master_port, self.packed = master_address, master_port, packed
+        self.world, self.offsets = self._group_ranks(world_sizes)
+        self.client = _VllmClients(self)
+        self.engine: Any = None
+
+    def setup(self) -> None:
+        log.warning(VLLM_NCCL_UNVERIFIED)
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
+        )
+
+        self.source = _update_source()
+        info = NCCLTrainerInitInfo(
+            master_address=self.master_address,
+            master_port=self.master_port,
+            world_size=self.world,
+            packed=self.packed,
+            rank=0,
+        )
+        self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=self.client, source=self.source
+        )
+
+    def push(self, update: WeightUpdate) -> None:
+        if self.engine is None:
+            raise WeightSyncError("VllmNcclSync.push before setup()")
+        self._all(lambda r: self._post(r, "/pause", params={"mode": "wait"}))
+        try:
+            self.source.use(update)
+            self.client.version = str(update.version)
+            self.engine.send_weights()
+        finally:
+            self._all(lambda r: self._post(r, "/resume"))
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        super().close()
+
+
 class NoSync(WeightSync):
     """Engines that are not updated (evaluation-only runs, LoRA served elsewhere)."""
 
@@ -619,11 +733,11 @@ def make_weight_sync(
         return SglangDistributedSync(
             roots, transport, world_sizes=world_sizes, pause_mode=pause_mode
         )
-    if kind == "vllm-disk":
-        return VllmSync(roots, DiskTransport(), world_sizes=world_sizes)
+    if kind == "vllm-disk":  # type: ignore[comparison-overlap]  # a removed kind, named
+        raise ValueError(VLLM_DISK_GONE)
     if kind == "vllm-nccl":
         port = master_port or _free_port(master_address)
-        return VllmSync(roots, VllmNcclTransport(master_address, port), world_sizes=world_sizes)
+        return VllmNcclSync(roots, master_address, port, world_sizes=world_sizes)
     if kind == "vllm-ipc":
         raise ValueError(
             "weight_sync = 'vllm-ipc' needs a trainer colocated on the engine's GPU; build "
