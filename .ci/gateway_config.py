@@ -51,7 +51,7 @@ def render(schema: dict[str, Any]) -> str:
 
 
 def target() -> Path:
-    from lightning.gateway import GatewayConfig
+    from lightning.gateway.server import GatewayConfig
 
     path = inspect.getsourcefile(GatewayConfig)
     assert path is not None

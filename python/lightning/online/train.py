@@ -428,7 +428,7 @@ def mark_trained(
         from lightning import _core
 
         return _core.mark_trained(str(db), list(rollout_ids), when)
-    from lightning.client import GatewayClient
+    from lightning.gateway.client import GatewayClient
 
     with GatewayClient(gateway, admin_key) as client:
         body = {"session_ids": list(rollout_ids), "trained_at": when}
