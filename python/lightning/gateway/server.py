@@ -112,6 +112,25 @@ class GatewayConfig(BaseModel):
         description="While the store cannot write: refuse new calls (503) or serve them unrecorded",
     )
     drain_timeout_s: float = Field(default=_DEFAULTS["drain_timeout_s"], ge=0)
+    body_timeout_s: float = Field(
+        default=_DEFAULTS["body_timeout_s"],
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest time a client may take to send a whole request body (408 after it)",
+    )
+    max_n: int = Field(
+        default=_DEFAULTS["max_n"], gt=0, description="Most answers per request (n, best_of); 400 above"
+    )
+    max_output_tokens: int = Field(
+        default=_DEFAULTS["max_output_tokens"],
+        gt=0,
+        description="Most tokens one answer may ask for (max_tokens, max_output_tokens); 400 above",
+    )
+    max_top_logprobs: int = Field(
+        default=_DEFAULTS["max_top_logprobs"],
+        ge=0,
+        description="Most alternatives per token (top_logprobs, completions' logprobs); 400 above",
+    )
     online: OnlineSection = Field(default_factory=OnlineSection)
     threads: int = Field(
         default=2, ge=1, description="tokio worker threads (not sent to Rust config)"

@@ -138,6 +138,17 @@ pub struct Config {
     pub on_store_failure: StoreFailure,
     /// Seconds graceful shutdown waits for in-flight calls.
     pub drain_timeout_s: f64,
+    /// Longest time, seconds, a client may take to send a whole request
+    /// body, however steadily it trickles (408 after it).
+    pub body_timeout_s: f64,
+    /// Most answers one request may ask for (`n`, `best_of`); 400 above.
+    pub max_n: u64,
+    /// Most tokens one answer may ask for (`max_tokens`,
+    /// `max_completion_tokens`, `max_output_tokens`); 400 above.
+    pub max_output_tokens: u64,
+    /// Most alternatives per token a request may ask for (`top_logprobs`,
+    /// completions' `logprobs`); 400 above.
+    pub max_top_logprobs: u64,
     /// Online mode: sessions, idle closing, retention (`[online]`).
     pub online: crate::online::OnlineConfig,
 }
@@ -171,6 +182,10 @@ impl Default for Config {
             sync: SyncMode::Full,
             on_store_failure: StoreFailure::Refuse,
             drain_timeout_s: 30.0,
+            body_timeout_s: 300.0,
+            max_n: 16,
+            max_output_tokens: 262_144,
+            max_top_logprobs: 20,
             online: Default::default(),
         }
     }
@@ -218,6 +233,8 @@ impl Config {
             ("max_calls_per_rollout", self.max_calls_per_rollout),
             ("max_sse_event_bytes", self.max_sse_event_bytes),
             ("max_rollouts_per_minute", self.max_rollouts_per_minute),
+            ("max_n", self.max_n as usize),
+            ("max_output_tokens", self.max_output_tokens as usize),
         ] {
             if v == 0 {
                 return Err(GatewayError::Config(format!("{name} must be > 0")));
@@ -227,6 +244,7 @@ impl Config {
             ("upstream_timeout_s", self.upstream_timeout_s),
             ("header_read_timeout_s", self.header_read_timeout_s),
             ("idle_timeout_s", self.idle_timeout_s),
+            ("body_timeout_s", self.body_timeout_s),
         ] {
             // Infinity would overflow a deadline.
             if v.is_nan() || v <= 0.0 || v.is_infinite() {

@@ -85,6 +85,14 @@ impl Protocol for AnthropicMessages {
         "anthropic_messages"
     }
 
+    fn check(
+        &self,
+        req: &Map<String, Value>,
+        caps: &super::validate::Caps,
+    ) -> Result<(), ApiError> {
+        super::validate::messages(req, caps)
+    }
+
     fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError> {
         let req = object(body)?;
         let mut chat = to_chat(&req, true)?;

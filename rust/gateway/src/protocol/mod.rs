@@ -51,6 +51,7 @@ use crate::wire::sse::Event;
 pub mod anthropic_messages;
 pub mod openai;
 pub mod openai_responses;
+pub mod validate;
 
 /// The engine deltas both translating adapters' per-token tests stream: a
 /// role, two reasoning pieces under `reasoning_key` (vLLM's `reasoning` or
@@ -155,6 +156,17 @@ pub struct Ctx {
     pub state: Value,
 }
 
+/// Which stored state a request continues from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum History {
+    /// One kept object, by the id the harness was given (`previous_response_id`):
+    /// 404 if there is none.
+    Response(String),
+    /// The latest kept object of a named conversation (the Responses API's
+    /// `conversation`, online mode): none yet starts the conversation.
+    Conversation(String),
+}
+
 /// The request to send to the engine.
 #[derive(Debug, Clone)]
 pub struct EngineRequest {
@@ -195,8 +207,15 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
     /// Stored with every call (`calls.protocol`): `openai_chat`, `openai_completions`, …
     fn name(&self) -> &'static str;
 
-    /// The id of stored state this request continues from, if any.
-    fn history_key(&self, _body: &Value) -> Option<String> {
+    /// The request's shape at the door ([`validate`]): wrong types, missing
+    /// fields and sizes above the gateway's [`validate::Caps`] are a 400
+    /// before anything reaches the engine or the store.
+    fn check(&self, _req: &Map<String, Value>, _caps: &validate::Caps) -> Result<(), ApiError> {
+        Ok(())
+    }
+
+    /// The stored state this request continues from, if any.
+    fn history_key(&self, _body: &Value) -> Option<History> {
         None
     }
 

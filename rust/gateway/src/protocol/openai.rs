@@ -67,6 +67,17 @@ impl Protocol for OpenAi {
         }
     }
 
+    fn check(
+        &self,
+        req: &Map<String, Value>,
+        caps: &super::validate::Caps,
+    ) -> Result<(), ApiError> {
+        match self.0 {
+            Kind::Chat => super::validate::chat(req, caps),
+            Kind::Completion => super::validate::completions(req, caps),
+        }
+    }
+
     fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError> {
         passthrough_request(body, self.0, ctx)
     }
