@@ -54,6 +54,8 @@ pub struct State {
     rollouts: RwLock<HashMap<String, Arc<RolloutInfo>>>,
     tokens: RwLock<HashMap<String, String>>,
     pub online_keys: crate::online::Keys,
+    /// Tool-call arguments as the engine generated them (`protocol::ToolArgs`).
+    pub tool_args: Arc<crate::protocol::ToolArgs>,
 }
 
 impl State {
@@ -85,6 +87,7 @@ impl State {
             rollouts: RwLock::new(HashMap::new()),
             tokens: RwLock::new(HashMap::new()),
             online_keys: crate::online::Keys::default(),
+            tool_args: Arc::default(),
         })
     }
 

@@ -135,6 +135,66 @@ mod proptest_config_tests {
     }
 }
 
+/// The argument text of tool calls as the engine generated it, by tool call
+/// id, for the adapters whose protocol carries arguments as a JSON *value*
+/// (Anthropic's `tool_use.input`): a harness re-sends the value, and
+/// re-serialising it (`{"city":"Paris"}`) is not the text the model wrote
+/// (`{"city": "Paris"}`), so the re-sent history would leave the path the
+/// engine generated and the rollout would split. The adapter records what it
+/// translated and, when the harness sends a tool call back, takes the
+/// recorded text if it parses to the very value sent (so an edited input is
+/// still sent as edited).
+///
+/// Bounded: the oldest ids are forgotten past `capacity` (a call older than
+/// that, or one from before a restart, is re-serialised compactly).
+#[derive(Debug)]
+pub struct ToolArgs {
+    capacity: usize,
+    inner: std::sync::Mutex<(
+        std::collections::HashMap<String, String>,
+        std::collections::VecDeque<String>,
+    )>,
+}
+
+impl Default for ToolArgs {
+    fn default() -> Self {
+        ToolArgs::new(65_536)
+    }
+}
+
+impl ToolArgs {
+    pub fn new(capacity: usize) -> Self {
+        ToolArgs {
+            capacity: capacity.max(1),
+            inner: Default::default(),
+        }
+    }
+
+    /// Records the engine's text for tool call `id` (empty ids are not kept).
+    pub fn put(&self, id: &str, arguments: &str) {
+        if id.is_empty() {
+            return;
+        }
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let (map, order) = &mut *g;
+        if map.insert(id.to_string(), arguments.to_string()).is_none() {
+            order.push_back(id.to_string());
+        }
+        while order.len() > self.capacity {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+    }
+
+    /// The engine's text for tool call `id` if it is exactly `value` once parsed.
+    pub fn text_of(&self, id: &str, value: &Value) -> Option<String> {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let text = g.0.get(id)?;
+        (serde_json::from_str::<Value>(text).ok().as_ref() == Some(value)).then(|| text.clone())
+    }
+}
+
 /// What the pipeline tells an adapter about one call.
 #[derive(Debug, Clone, Default)]
 pub struct Ctx {
@@ -154,6 +214,8 @@ pub struct Ctx {
     /// read by [`Protocol::answer`] and the translator (e.g. the names it
     /// gave tools, the fields to echo). `Null` unless the adapter sets it.
     pub state: Value,
+    /// The gateway's record of generated tool-call arguments (`None`: none kept).
+    pub tool_args: Option<std::sync::Arc<ToolArgs>>,
 }
 
 /// Which stored state a request continues from.

@@ -108,6 +108,7 @@ pub async fn call(
         created: crate::store::now() as u64,
         history: None,
         state: Value::Null,
+        tool_args: Some(st.tool_args.clone()),
     };
     ctx.history = match (proto.history_key(&v), &rollout.online) {
         (None, _) => None,

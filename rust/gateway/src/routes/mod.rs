@@ -267,7 +267,8 @@ async fn count_tokens(
     body: bytes::Bytes,
 ) -> Result<Response<Body>, ApiError> {
     let v = crate::http::parse_json(&body)?;
-    let req = anthropic_messages::tokenize_request(v)?;
+    let mut req = anthropic_messages::tokenize_request(v)?;
+    anthropic_messages::restore_arguments(&mut req, &st.tool_args);
     let payload = bytes::Bytes::from(serde_json::Value::Object(req).to_string());
     let (status, answer) = proxy::forward::tokenize(st, &info.id, payload).await?;
     if !status.is_success() {
