@@ -216,6 +216,10 @@ pub struct Ctx {
     pub state: Value,
     /// The gateway's record of generated tool-call arguments (`None`: none kept).
     pub tool_args: Option<std::sync::Arc<ToolArgs>>,
+    /// Answer with only what the client asked for: the ids and logprobs the
+    /// gateway asked the engine for are recorded, not returned (application
+    /// keys: production clients; rollout harnesses get the engine's answer).
+    pub client_fields_only: bool,
 }
 
 /// Which stored state a request continues from.

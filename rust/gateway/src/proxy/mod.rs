@@ -109,6 +109,7 @@ pub async fn call(
         history: None,
         state: Value::Null,
         tool_args: Some(st.tool_args.clone()),
+        client_fields_only: rollout.online.is_some(),
     };
     ctx.history = match (proto.history_key(&v), &rollout.online) {
         (None, _) => None,
