@@ -119,7 +119,9 @@ class GatewayConfig(BaseModel):
         description="Longest time a client may take to send a whole request body (408 after it)",
     )
     max_n: int = Field(
-        default=_DEFAULTS["max_n"], gt=0, description="Most answers per request (n, best_of); 400 above"
+        default=_DEFAULTS["max_n"],
+        gt=0,
+        description="Most answers per request (n, best_of); 400 above",
     )
     max_output_tokens: int = Field(
         default=_DEFAULTS["max_output_tokens"],
