@@ -66,7 +66,7 @@ pub fn api_key(headers: &HeaderMap) -> Option<&str> {
 pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     let v = headers.get(AUTHORIZATION)?.to_str().ok()?.trim_start();
     // The scheme is case-insensitive (RFC 9110 §11.1): `BEARER x` is a bearer token.
-    let (scheme, rest) = v.split_once(|c: char| c == ' ' || c == '\t')?;
+    let (scheme, rest) = v.split_once([' ', '\t'])?;
     if !scheme.eq_ignore_ascii_case("bearer") {
         return None;
     }
