@@ -236,10 +236,11 @@ def test_auth_and_errors(client: GatewayClient, gw: lightning.GatewayHandle) -> 
         (post(url, None, json=body), 401, "invalid_api_key"),
         (post(url, "lt-nope", json=body), 401, "invalid_api_key"),
         (post(url, b.token, json=body), 403, "wrong_rollout"),
+        # A missing rollout answers as an existing one does (no existence oracle).
         (
             post(f"{gw.url}/rollouts/nope/v1/chat/completions", a.token, json=body),
-            404,
-            "rollout_not_found",
+            403,
+            "wrong_rollout",
         ),
         (post(url, a.token, content=b"{not json"), 400, "invalid_json"),
         (

@@ -190,6 +190,27 @@ class GatewayConfig(BaseModel):
         ge=0,
         description="Seconds graceful shutdown waits for in-flight calls.",
     )
+    body_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest time, seconds, a client may take to send a whole request body, however steadily it trickles (408 after it).",
+    )
+    max_n: int = Field(
+        default=16,
+        ge=1,
+        description="Most answers one request may ask for (`n`, `best_of`); 400 above.",
+    )
+    max_output_tokens: int = Field(
+        default=262144,
+        ge=1,
+        description="Most tokens one answer may ask for (`max_tokens`, `max_completion_tokens`, `max_output_tokens`); 400 above.",
+    )
+    max_top_logprobs: int = Field(
+        default=20,
+        ge=0,
+        description="Most alternatives per token a request may ask for (`top_logprobs`, completions' `logprobs`); 400 above.",
+    )
     # END generated
     online: OnlineSection = Field(default_factory=OnlineSection)
     threads: int = Field(

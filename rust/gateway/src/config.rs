@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 use crate::error::GatewayError;
+use crate::protocol::validate::Caps;
 
 /// `http://host:port/prefix` split for request building.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -324,6 +325,21 @@ config! {
     /// Seconds graceful shutdown waits for in-flight calls.
     #[arg(value_name = "SECONDS")]
     drain_timeout_s: f64 = 30.0, NonNegative;
+    /// Longest time, seconds, a client may take to send a whole request
+    /// body, however steadily it trickles (408 after it).
+    #[arg(value_name = "SECONDS")]
+    body_timeout_s: f64 = 300.0, PositiveFinite;
+    /// Most answers one request may ask for (`n`, `best_of`); 400 above.
+    #[arg(value_name = "N")]
+    max_n: u64 = 16, AtLeastOne;
+    /// Most tokens one answer may ask for (`max_tokens`,
+    /// `max_completion_tokens`, `max_output_tokens`); 400 above.
+    #[arg(value_name = "N")]
+    max_output_tokens: u64 = 262_144, AtLeastOne;
+    /// Most alternatives per token a request may ask for (`top_logprobs`,
+    /// completions' `logprobs`); 400 above.
+    #[arg(value_name = "N")]
+    max_top_logprobs: u64 = 20, NonNegative;
     ;
     /// Engines behind the gateway (`[[upstreams]]`; on the command line
     /// `--upstream URL[@VERSION]`).
@@ -333,6 +349,16 @@ config! {
 }
 
 impl Config {
+    /// The request sizes the door lets through (`max_n`, `max_output_tokens`,
+    /// `max_top_logprobs`); built here because config sits above protocol.
+    pub fn caps(&self) -> Caps {
+        Caps {
+            n: self.max_n,
+            output_tokens: self.max_output_tokens,
+            top_logprobs: self.max_top_logprobs,
+        }
+    }
+
     pub fn from_toml(text: &str) -> Result<Self, GatewayError> {
         toml::from_str(text).map_err(|e| GatewayError::Config(format!("bad TOML: {e}")))
     }
@@ -374,6 +400,8 @@ impl Config {
             ("max_calls_per_rollout", self.max_calls_per_rollout),
             ("max_sse_event_bytes", self.max_sse_event_bytes),
             ("max_rollouts_per_minute", self.max_rollouts_per_minute),
+            ("max_n", self.max_n as usize),
+            ("max_output_tokens", self.max_output_tokens as usize),
         ] {
             if v == 0 {
                 return Err(GatewayError::Config(format!("{name} must be > 0")));
@@ -383,6 +411,7 @@ impl Config {
             ("upstream_timeout_s", self.upstream_timeout_s),
             ("header_read_timeout_s", self.header_read_timeout_s),
             ("idle_timeout_s", self.idle_timeout_s),
+            ("body_timeout_s", self.body_timeout_s),
         ] {
             // Infinity would overflow a deadline.
             if v.is_nan() || v <= 0.0 || v.is_infinite() {

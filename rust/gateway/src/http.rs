@@ -64,11 +64,13 @@ pub fn api_key(headers: &HeaderMap) -> Option<&str> {
 }
 
 pub fn bearer(headers: &HeaderMap) -> Option<&str> {
-    let v = headers.get(AUTHORIZATION)?.to_str().ok()?;
-    let t = v
-        .strip_prefix("Bearer ")
-        .or_else(|| v.strip_prefix("bearer "))?
-        .trim();
+    let v = headers.get(AUTHORIZATION)?.to_str().ok()?.trim_start();
+    // The scheme is case-insensitive (RFC 9110 §11.1): `BEARER x` is a bearer token.
+    let (scheme, rest) = v.split_once([' ', '\t'])?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let t = rest.trim();
     if t.is_empty() {
         None
     } else {
@@ -76,11 +78,14 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     }
 }
 
-/// Reads a request body, refusing more than `limit` bytes (413) and a client
-/// silent for `idle` between two pieces of it (408).
+/// Reads a request body, refusing more than `limit` bytes (413), a client
+/// silent for `idle` between two pieces of it (408) and one that takes longer
+/// than `total` for all of it, however steadily it trickles (408): a slow
+/// body must not hold a call slot without end.
 pub async fn read_body(
     limit: usize,
     idle: std::time::Duration,
+    total: std::time::Duration,
     req: Request<Incoming>,
 ) -> Result<(hyper::http::request::Parts, Bytes), ApiError> {
     let too_big = || {
@@ -110,10 +115,16 @@ pub async fn read_body(
             format!("the client sent no part of the request body for {idle:?}; send the whole body at once (idle_timeout_s)"),
         )
     };
-    match IdleLimited::new(Limited::new(body, limit), idle)
-        .collect()
-        .await
-    {
+    let collect = IdleLimited::new(Limited::new(body, limit), idle).collect();
+    let Ok(collected) = tokio::time::timeout(total, collect).await else {
+        return Err(ApiError::new(
+            408,
+            "invalid_request_error",
+            "request_timeout",
+            format!("the client took longer than {total:?} to send the request body; send it at once (body_timeout_s)"),
+        ));
+    };
+    match collected {
         Ok(c) => Ok((parts, c.to_bytes())),
         Err(e) if e.downcast_ref::<Stalled>().is_some() => Err(stalled()),
         Err(e) => {
@@ -270,5 +281,21 @@ mod tests {
         assert_eq!(api_key(&h), Some("k1"));
         h.insert(AUTHORIZATION, HeaderValue::from_static("Bearer k2"));
         assert_eq!(api_key(&h), Some("k2"));
+    }
+
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        let mut h = HeaderMap::new();
+        for (v, want) in [
+            ("BEARER k", Some("k")),
+            ("bearer  k ", Some("k")),
+            ("BeArEr\tk", Some("k")),
+            ("Basic k", None),
+            ("Bearer ", None),
+            ("Bearerk", None),
+        ] {
+            h.insert(AUTHORIZATION, HeaderValue::from_static(v));
+            assert_eq!(bearer(&h), want, "{v:?}");
+        }
     }
 }

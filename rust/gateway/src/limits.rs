@@ -57,10 +57,16 @@ impl Limits {
         let mut m = self.per_rollout.lock().unwrap_or_else(|p| p.into_inner());
         let n = m.entry(rollout.to_string()).or_insert(0);
         if *n >= self.max_per_rollout {
+            // Online calls run under `online:key-…`: their caller knows a key, not a rollout.
+            let whose = if rollout.starts_with("online:") {
+                "this application key"
+            } else {
+                "this rollout"
+            };
             return Err(too_many(
                 "too_many_calls",
                 format!(
-                    "this rollout already has {} calls in flight (max_calls_per_rollout); wait for one to finish",
+                    "{whose} already has {} calls in flight (max_calls_per_rollout); wait for one to finish",
                     self.max_per_rollout
                 ),
                 1,

@@ -50,6 +50,8 @@ pub struct State {
     rollouts: RwLock<HashMap<String, Arc<RolloutInfo>>>,
     tokens: RwLock<HashMap<String, String>>,
     pub online_keys: Keys,
+    /// Tool-call arguments as the engine generated them (`protocol::ToolArgs`).
+    pub tool_args: Arc<crate::protocol::ToolArgs>,
 }
 
 impl State {
@@ -81,6 +83,7 @@ impl State {
             rollouts: RwLock::new(HashMap::new()),
             tokens: RwLock::new(HashMap::new()),
             online_keys: Keys::default(),
+            tool_args: Arc::default(),
         })
     }
 
@@ -91,7 +94,8 @@ impl State {
         req: hyper::Request<hyper::body::Incoming>,
     ) -> Result<(hyper::http::request::Parts, Bytes), ApiError> {
         let idle = Duration::from_secs_f64(self.cfg.idle_timeout_s);
-        crate::http::read_body(self.cfg.max_body_bytes, idle, req).await
+        let total = Duration::from_secs_f64(self.cfg.body_timeout_s);
+        crate::http::read_body(self.cfg.max_body_bytes, idle, total, req).await
     }
 
     /// 503 with `Retry-After` while paused for a weight update.
@@ -232,13 +236,19 @@ impl State {
         let token = api_key(headers).ok_or_else(|| {
             ApiError::unauthorized("missing rollout token; send 'Authorization: Bearer <rollout token>' or 'x-api-key: <rollout token>' (the SDK's api_key)")
         })?;
-        let info = self.rollout(id).await?;
         if self.is_admin(headers) {
-            return Ok(info);
+            return self.rollout(id).await;
         }
+        // Without the admin key a missing rollout answers exactly as a wrong
+        // token does: the answer must not tell which rollout ids exist.
         let hash = auth::token_hash(token);
-        if auth::constant_time_eq(hash.as_bytes(), info.token_hash.as_bytes()) {
-            return Ok(info);
+        match self.rollout(id).await {
+            Ok(info) if auth::constant_time_eq(hash.as_bytes(), info.token_hash.as_bytes()) => {
+                return Ok(info)
+            }
+            Ok(_) => {}
+            Err(e) if e.status == 404 => {}
+            Err(e) => return Err(e),
         }
         if self.rollout_by_token(&hash).await?.is_some() {
             return Err(ApiError::forbidden(format!(
@@ -258,7 +268,7 @@ impl State {
     ) -> Result<Arc<RolloutInfo>, ApiError> {
         let token = api_key(headers).ok_or_else(|| {
             ApiError::unauthorized(
-                "missing rollout token; set the SDK api_key to the rollout token",
+                "missing API key; set the SDK api_key to your key (an application key lk-…, or a rollout token)",
             )
         })?;
         let hash = auth::token_hash(token);

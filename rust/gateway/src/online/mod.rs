@@ -53,9 +53,38 @@ use crate::state::{RolloutInfo, State};
 use crate::store::online::{self as db, SweepReport};
 use crate::store::{reader, OnlineCall};
 
+/// The longest session id (or conversation id) a client may name.
+pub const MAX_SESSION_ID: usize = 256;
+
 fn nonempty(s: &str) -> Option<String> {
     let s = s.trim();
-    (!s.is_empty() && s.len() <= 256).then(|| s.to_string())
+    (!s.is_empty() && s.len() <= MAX_SESSION_ID).then(|| s.to_string())
+}
+
+/// A named session id over [`MAX_SESSION_ID`] bytes: refused, never ignored
+/// (ignoring it would put the call in some other session).
+fn session_id_too_long(headers: &HeaderMap, body: &Value) -> Option<&'static str> {
+    let long = |s: &str| s.trim().len() > MAX_SESSION_ID;
+    if headers
+        .get("x-session-id")
+        .is_some_and(|v| v.to_str().map_or(true, long))
+    {
+        return Some("the x-session-id header");
+    }
+    if body
+        .get("metadata")
+        .and_then(|m| m.get("session_id"))
+        .and_then(Value::as_str)
+        .is_some_and(long)
+    {
+        return Some("metadata.session_id");
+    }
+    let conv = match body.get("conversation") {
+        Some(Value::String(s)) => Some(s.as_str()),
+        Some(Value::Object(o)) => o.get("id").and_then(Value::as_str),
+        _ => None,
+    };
+    conv.is_some_and(long).then_some("conversation")
 }
 
 /// The explicit session id of a call (rule 1), pure.
@@ -95,10 +124,23 @@ pub fn user_of(body: &Value) -> Option<String> {
 }
 
 /// Binds an online call to what its request says about its session (a no-op
-/// for rollout calls). A body that is not JSON is left to the pipeline's 400.
-pub fn bind_call(info: Arc<RolloutInfo>, headers: &HeaderMap, body: &Bytes) -> Arc<RolloutInfo> {
-    let Some(oc) = &info.online else { return info };
+/// for rollout calls). A body that is not JSON is left to the pipeline's 400;
+/// a session id over [`MAX_SESSION_ID`] bytes is a 400 here.
+pub fn bind_call(
+    info: Arc<RolloutInfo>,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Arc<RolloutInfo>, ApiError> {
+    let Some(oc) = &info.online else {
+        return Ok(info);
+    };
     let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    if let Some(what) = session_id_too_long(headers, &v) {
+        return Err(ApiError::bad_request(
+            "session_id_too_long",
+            format!("{what} is longer than {MAX_SESSION_ID} bytes (or not text); name the session with at most {MAX_SESSION_ID} characters"),
+        ));
+    }
     let call = OnlineCall {
         session: explicit_session(headers, &v),
         previous_response: v
@@ -108,13 +150,13 @@ pub fn bind_call(info: Arc<RolloutInfo>, headers: &HeaderMap, body: &Bytes) -> A
         user: user_of(&v),
         ..(**oc).clone()
     };
-    Arc::new(RolloutInfo {
+    Ok(Arc::new(RolloutInfo {
         id: info.id.clone(),
         mode: info.mode,
         token_hash: String::new(),
         queued: AtomicBool::new(false),
         online: Some(Arc::new(call)),
-    })
+    }))
 }
 
 /// The state a protocol continues from (`previous_response_id`), looked up
@@ -130,6 +172,29 @@ pub async fn load_history(st: &Arc<State>, key_id: &str, id: &str) -> Result<Val
             format!("no stored response {id:?} for this application key; send the whole conversation as input"),
         )
     })
+}
+
+/// The state of a Responses `conversation`'s latest kept response among
+/// this key's sessions; `None` for a conversation not seen yet (it starts here).
+pub async fn conversation_history(
+    st: &Arc<State>,
+    key_id: &str,
+    conversation: &str,
+) -> Result<Option<Value>, ApiError> {
+    let (k, c) = (key_id.to_string(), conversation.to_string());
+    st.read_store(move |s| s.read(|conn| reader::conversation_state(conn, &k, &c)))
+        .await
+}
+
+/// A kept protocol object (`GET /v1/responses/{id}`) in any session of this key.
+pub async fn kept_object(
+    st: &Arc<State>,
+    key_id: &str,
+    id: &str,
+) -> Result<Option<Value>, ApiError> {
+    let (k, i) = (key_id.to_string(), id.to_string());
+    st.read_store(move |s| s.read(|c| reader::kept_object(c, &k, &i)))
+        .await
 }
 
 /// The background sweep: closes idle sessions and enforces retention, every
@@ -182,6 +247,32 @@ mod tests {
         assert_eq!(
             explicit_session(&HeaderMap::new(), &conv).as_deref(),
             Some("conv_1")
+        );
+    }
+
+    #[test]
+    fn a_session_id_too_long_is_named_not_ignored() {
+        let long = "s".repeat(MAX_SESSION_ID + 1);
+        let mut h = HeaderMap::new();
+        assert_eq!(session_id_too_long(&h, &json!({})), None);
+        h.insert(
+            "x-session-id",
+            hyper::header::HeaderValue::from_str(&long).unwrap_or_else(|e| panic!("{e}")),
+        );
+        assert_eq!(
+            session_id_too_long(&h, &json!({})),
+            Some("the x-session-id header")
+        );
+        let h = HeaderMap::new();
+        let ok = "s".repeat(MAX_SESSION_ID);
+        assert_eq!(session_id_too_long(&h, &json!({"conversation": ok})), None);
+        assert_eq!(
+            session_id_too_long(&h, &json!({"conversation": {"id": long}})),
+            Some("conversation")
+        );
+        assert_eq!(
+            session_id_too_long(&h, &json!({"metadata": {"session_id": long}})),
+            Some("metadata.session_id")
         );
     }
 

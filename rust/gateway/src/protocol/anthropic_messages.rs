@@ -72,6 +72,7 @@ use serde_json::{json, Map, Value};
 use super::openai::capture_fields;
 use super::{
     object, push_json, sse_frame, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator,
+    ToolArgs,
 };
 use crate::error::ApiError;
 use crate::wire::engine::{Choice, Chunk, Delta, Kind, ToolCallDelta};
@@ -85,9 +86,20 @@ impl Protocol for AnthropicMessages {
         "anthropic_messages"
     }
 
+    fn check(
+        &self,
+        req: &Map<String, Value>,
+        caps: &super::validate::Caps,
+    ) -> Result<(), ApiError> {
+        super::validate::messages(req, caps)
+    }
+
     fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError> {
         let req = object(body)?;
         let mut chat = to_chat(&req, true)?;
+        if let Some(args) = &ctx.tool_args {
+            restore_arguments(&mut chat, args);
+        }
         capture_fields(&mut chat, Kind::Chat, ctx);
         let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
         if stream {
@@ -115,7 +127,14 @@ impl Protocol for AnthropicMessages {
                     .ok_or_else(|| "the engine's answer has no choices".into())
             });
         match message {
-            Ok(m) => (json_answer(StatusCode::OK, &m), None),
+            Ok(m) => {
+                if let (Some(args), Ok(v)) =
+                    (&ctx.tool_args, serde_json::from_slice::<Value>(engine))
+                {
+                    remember_arguments(&v, &m, args);
+                }
+                (json_answer(StatusCode::OK, &m), None)
+            }
             Err(msg) => (
                 json_answer(StatusCode::BAD_GATEWAY, &error_json(502, &msg)),
                 None,
@@ -463,6 +482,55 @@ fn tool_call(b: &Value, what: &str) -> Result<Value, ApiError> {
     }))
 }
 
+/// Each re-sent `tool_use`'s arguments as the engine wrote them, where the
+/// gateway still has that text and it is the value the harness sent
+/// ([`ToolArgs`]); otherwise the compact re-serialisation stays.
+pub fn restore_arguments(chat: &mut Map<String, Value>, args: &ToolArgs) {
+    let Some(Value::Array(messages)) = chat.get_mut("messages") else {
+        return;
+    };
+    for m in messages {
+        let Some(Value::Array(calls)) = m.get_mut("tool_calls") else {
+            continue;
+        };
+        for c in calls {
+            let Some(id) = c.get("id").and_then(Value::as_str).map(str::to_string) else {
+                continue;
+            };
+            let Some(f) = c.get_mut("function") else {
+                continue;
+            };
+            let value = f
+                .get("arguments")
+                .and_then(Value::as_str)
+                .and_then(|a| serde_json::from_str::<Value>(a).ok());
+            if let Some(text) = value.and_then(|v| args.text_of(&id, &v)) {
+                f["arguments"] = Value::String(text);
+            }
+        }
+    }
+}
+
+/// Records the engine's argument text of each tool call in a whole answer,
+/// under the `tool_use` id the harness was given.
+fn remember_arguments(engine: &Value, message: &Value, args: &ToolArgs) {
+    let calls = engine
+        .pointer("/choices/0/message/tool_calls")
+        .and_then(Value::as_array);
+    let ids = message
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+        .filter_map(|b| b.get("id").and_then(Value::as_str));
+    for (c, id) in calls.into_iter().flatten().zip(ids) {
+        if let Some(text) = c.pointer("/function/arguments").and_then(Value::as_str) {
+            args.put(id, text);
+        }
+    }
+}
+
 /// `tools` and `tool_choice`. Only client tools (no `type`, or `custom`).
 fn tools(req: &Map<String, Value>, chat: &mut Map<String, Value>) -> Result<(), ApiError> {
     let list = match req.get("tools") {
@@ -720,6 +788,10 @@ pub struct Translator {
     failed: bool,
     /// The open block's delta frames up to the delta's one string (see `ensure`).
     delta_head: Vec<u8>,
+    /// Each tool call's `tool_use` id and the argument text streamed for it,
+    /// recorded in `tool_args` when the stream ends well.
+    generated: Vec<(String, String)>,
+    tool_args: Option<std::sync::Arc<ToolArgs>>,
 }
 
 impl Translator {
@@ -738,6 +810,8 @@ impl Translator {
             streamed_ids: 0,
             failed: false,
             delta_head: Vec::new(),
+            generated: Vec::new(),
+            tool_args: ctx.tool_args.clone(),
         }
     }
 
@@ -867,6 +941,7 @@ impl Translator {
             let id = tool_use_id(c.id.as_str(), &self.id, self.tool_calls);
             self.tool_calls += 1;
             let name = c.function.0.name.as_str().unwrap_or("").to_string();
+            self.generated.push((id.clone(), String::new()));
             self.ensure(
                 Open::Tool(index),
                 || json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
@@ -875,6 +950,9 @@ impl Translator {
         }
         let args = c.function.0.arguments.as_str().unwrap_or("");
         if !args.is_empty() {
+            if let Some((_, text)) = self.generated.last_mut() {
+                text.push_str(args);
+            }
             // The call's block is the open one (opened just above if it was not).
             self.delta(out, args);
         }
@@ -941,6 +1019,11 @@ impl StreamTranslator for Translator {
         let delta = json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": u});
         Self::event(&mut out, &delta);
         Self::event(&mut out, &json!({"type": "message_stop"}));
+        if let Some(args) = &self.tool_args {
+            for (id, text) in &self.generated {
+                args.put(id, text);
+            }
+        }
         (out, None)
     }
 

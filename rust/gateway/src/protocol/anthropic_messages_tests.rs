@@ -5,6 +5,7 @@ use crate::protocol::translate_event;
 use crate::wire::sse::Parser;
 use proptest::prelude::*;
 use serde_json::json;
+use std::sync::Arc;
 
 fn ctx(want_ids: bool) -> Ctx {
     Ctx {
@@ -959,4 +960,87 @@ fn per_token_frames_are_pinned() {
         arguments,
         "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":2,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"a\\\": 1\"}}\n\n"
     );
+}
+
+/// The next request of a conversation whose assistant turn is `message`.
+fn resend(message: &Value, c: &mut Ctx) -> Value {
+    let body = json!({"max_tokens": 8, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": message["content"].clone()},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": message["content"][0]["id"].clone(), "content": "sunny"}]},
+    ]});
+    let r = AnthropicMessages
+        .engine_request(body, c)
+        .unwrap_or_else(|e| panic!("{e}"));
+    r.body["messages"][1]["tool_calls"][0]["function"]["arguments"].clone()
+}
+
+#[test]
+fn tool_input_is_resent_as_the_text_the_engine_generated() {
+    // The engine renders arguments with spaces; Anthropic's `input` is a value,
+    // so without the record the re-sent turn would be compact and split.
+    let args = "{\"city\": \"Paris\",  \"days\": 2}";
+    let engine = json!({"choices": [{"finish_reason": "tool_calls", "message": {"content": null,
+        "tool_calls": [{"id": "call_w1", "type": "function", "function": {"name": "weather", "arguments": args}}]}}]});
+    let record = Arc::new(ToolArgs::default());
+    let mut c = ctx(true);
+    c.tool_args = Some(record.clone());
+    let (Answer::Json { body, .. }, _) =
+        AnthropicMessages.answer(StatusCode::OK, &Bytes::from(engine.to_string()), &c)
+    else {
+        panic!("messages answers in its own shape");
+    };
+    let message: Value = serde_json::from_slice(&body).unwrap_or_default();
+    assert_eq!(
+        message["content"][0]["input"],
+        json!({"city": "Paris", "days": 2})
+    );
+    assert_eq!(resend(&message, &mut c), json!(args));
+    // Without the record (another gateway, a restart): the compact value.
+    assert_eq!(
+        resend(&message, &mut ctx(true)),
+        json!("{\"city\":\"Paris\",\"days\":2}")
+    );
+    // An input the harness edited is sent as edited.
+    let mut edited = message.clone();
+    edited["content"][0]["input"]["days"] = json!(3);
+    assert_eq!(
+        resend(&edited, &mut c),
+        json!("{\"city\":\"Paris\",\"days\":3}")
+    );
+}
+
+#[test]
+fn streamed_tool_input_is_recorded_when_the_stream_ends() {
+    let record = Arc::new(ToolArgs::default());
+    let mut c = ctx(true);
+    c.tool_args = Some(record.clone());
+    let mut t = AnthropicMessages.translator(&c);
+    frames(
+        t.as_mut(),
+        json!({"tool_calls": [{"index": 0, "id": "call_s1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": "}}]}),
+    );
+    frames(
+        t.as_mut(),
+        json!({"tool_calls": [{"index": 0, "function": {"arguments": "\"Oslo\"}"}}]}),
+    );
+    assert_eq!(record.text_of("call_s1", &json!({"city": "Oslo"})), None);
+    let _ = t.finish();
+    assert_eq!(
+        record
+            .text_of("call_s1", &json!({"city": "Oslo"}))
+            .as_deref(),
+        Some("{\"city\": \"Oslo\"}")
+    );
+    assert_eq!(record.text_of("call_s1", &json!({"city": "Rome"})), None);
+}
+
+#[test]
+fn the_tool_record_is_bounded() {
+    let record = ToolArgs::new(2);
+    for id in ["a", "b", "c"] {
+        record.put(id, "{}");
+    }
+    assert_eq!(record.text_of("a", &json!({})), None);
+    assert_eq!(record.text_of("c", &json!({})).as_deref(), Some("{}"));
 }

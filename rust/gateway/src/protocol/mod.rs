@@ -51,6 +51,7 @@ use crate::wire::sse::Event;
 pub mod anthropic_messages;
 pub mod openai;
 pub mod openai_responses;
+pub mod validate;
 
 /// The engine deltas both translating adapters' per-token tests stream: a
 /// role, two reasoning pieces under `reasoning_key` (vLLM's `reasoning` or
@@ -80,6 +81,66 @@ pub(crate) fn per_token_frames(
     [thought, text, arguments]
 }
 
+/// The argument text of tool calls as the engine generated it, by tool call
+/// id, for the adapters whose protocol carries arguments as a JSON *value*
+/// (Anthropic's `tool_use.input`): a harness re-sends the value, and
+/// re-serialising it (`{"city":"Paris"}`) is not the text the model wrote
+/// (`{"city": "Paris"}`), so the re-sent history would leave the path the
+/// engine generated and the rollout would split. The adapter records what it
+/// translated and, when the harness sends a tool call back, takes the
+/// recorded text if it parses to the very value sent (so an edited input is
+/// still sent as edited).
+///
+/// Bounded: the oldest ids are forgotten past `capacity` (a call older than
+/// that, or one from before a restart, is re-serialised compactly).
+#[derive(Debug)]
+pub struct ToolArgs {
+    capacity: usize,
+    inner: std::sync::Mutex<(
+        std::collections::HashMap<String, String>,
+        std::collections::VecDeque<String>,
+    )>,
+}
+
+impl Default for ToolArgs {
+    fn default() -> Self {
+        ToolArgs::new(65_536)
+    }
+}
+
+impl ToolArgs {
+    pub fn new(capacity: usize) -> Self {
+        ToolArgs {
+            capacity: capacity.max(1),
+            inner: Default::default(),
+        }
+    }
+
+    /// Records the engine's text for tool call `id` (empty ids are not kept).
+    pub fn put(&self, id: &str, arguments: &str) {
+        if id.is_empty() {
+            return;
+        }
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let (map, order) = &mut *g;
+        if map.insert(id.to_string(), arguments.to_string()).is_none() {
+            order.push_back(id.to_string());
+        }
+        while order.len() > self.capacity {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+    }
+
+    /// The engine's text for tool call `id` if it is exactly `value` once parsed.
+    pub fn text_of(&self, id: &str, value: &Value) -> Option<String> {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let text = g.0.get(id)?;
+        (serde_json::from_str::<Value>(text).ok().as_ref() == Some(value)).then(|| text.clone())
+    }
+}
+
 /// What the pipeline tells an adapter about one call.
 #[derive(Debug, Clone, Default)]
 pub struct Ctx {
@@ -99,6 +160,23 @@ pub struct Ctx {
     /// read by [`Protocol::answer`] and the translator (e.g. the names it
     /// gave tools, the fields to echo). `Null` unless the adapter sets it.
     pub state: Value,
+    /// The gateway's record of generated tool-call arguments (`None`: none kept).
+    pub tool_args: Option<std::sync::Arc<ToolArgs>>,
+    /// Answer with only what the client asked for: the ids and logprobs the
+    /// gateway asked the engine for are recorded, not returned (application
+    /// keys: production clients; rollout harnesses get the engine's answer).
+    pub client_fields_only: bool,
+}
+
+/// Which stored state a request continues from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum History {
+    /// One kept object, by the id the harness was given (`previous_response_id`):
+    /// 404 if there is none.
+    Response(String),
+    /// The latest kept object of a named conversation (the Responses API's
+    /// `conversation`, online mode): none yet starts the conversation.
+    Conversation(String),
 }
 
 /// The request to send to the engine.
@@ -141,8 +219,15 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
     /// Stored with every call (`calls.protocol`): `openai_chat`, `openai_completions`, …
     fn name(&self) -> &'static str;
 
-    /// The id of stored state this request continues from, if any.
-    fn history_key(&self, _body: &Value) -> Option<String> {
+    /// The request's shape at the door ([`validate`]): wrong types, missing
+    /// fields and sizes above the gateway's [`validate::Caps`] are a 400
+    /// before anything reaches the engine or the store.
+    fn check(&self, _req: &Map<String, Value>, _caps: &validate::Caps) -> Result<(), ApiError> {
+        Ok(())
+    }
+
+    /// The stored state this request continues from, if any.
+    fn history_key(&self, _body: &Value) -> Option<History> {
         None
     }
 

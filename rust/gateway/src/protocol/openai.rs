@@ -42,9 +42,18 @@ pub(crate) fn capture_fields(req: &mut Map<String, Value>, kind: Kind, ctx: &Ctx
 pub(crate) fn passthrough_request(
     body: Value,
     kind: Kind,
-    ctx: &Ctx,
+    ctx: &mut Ctx,
 ) -> Result<EngineRequest, ApiError> {
     let mut req = object(body)?;
+    if ctx.client_fields_only {
+        // What the client itself asked for, before the capture adds its own.
+        let logprobs = match kind {
+            Kind::Chat => req.get("logprobs").and_then(Value::as_bool) == Some(true),
+            Kind::Completion => req.get("logprobs").is_some_and(Value::is_u64),
+        };
+        let ids = req.get("return_token_ids").and_then(Value::as_bool) == Some(true);
+        ctx.state = serde_json::json!({"logprobs": logprobs, "ids": ids});
+    }
     capture_fields(&mut req, kind, ctx);
     let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
     Ok(EngineRequest {
@@ -67,16 +76,40 @@ impl Protocol for OpenAi {
         }
     }
 
+    fn check(
+        &self,
+        req: &Map<String, Value>,
+        caps: &super::validate::Caps,
+    ) -> Result<(), ApiError> {
+        match self.0 {
+            Kind::Chat => super::validate::chat(req, caps),
+            Kind::Completion => super::validate::completions(req, caps),
+        }
+    }
+
     fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError> {
         passthrough_request(body, self.0, ctx)
     }
 
-    fn answer(&self, _: StatusCode, _: &Bytes, _: &Ctx) -> (Answer, Option<Kept>) {
-        (Answer::Passthrough, None)
+    fn answer(&self, status: StatusCode, engine: &Bytes, ctx: &Ctx) -> (Answer, Option<Kept>) {
+        let Some(keep) = Unasked::of(ctx) else {
+            return (Answer::Passthrough, None);
+        };
+        match serde_json::from_slice::<Value>(engine) {
+            Ok(mut v) if status.is_success() => {
+                keep.strip(&mut v);
+                let body = Bytes::from(v.to_string());
+                (Answer::Json { status, body }, None)
+            }
+            _ => (Answer::Passthrough, None),
+        }
     }
 
-    fn translator(&self, _: &Ctx) -> Box<dyn StreamTranslator> {
-        Box::new(Passthrough::default())
+    fn translator(&self, ctx: &Ctx) -> Box<dyn StreamTranslator> {
+        Box::new(Passthrough {
+            done: None,
+            strip: Unasked::of(ctx),
+        })
     }
 
     fn error_body(&self, e: &ApiError) -> Bytes {
@@ -84,19 +117,70 @@ impl Protocol for OpenAi {
     }
 }
 
-/// Forwards every engine event unchanged, holding back only `[DONE]`
-/// (chat completions and completions share it).
+/// The capture fields a client did not ask for, to take out of its answer
+/// (`None`: the client gets the engine's answer unchanged).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Unasked {
+    logprobs: bool,
+    ids: bool,
+}
+
+impl Unasked {
+    fn of(ctx: &Ctx) -> Option<Unasked> {
+        if !ctx.client_fields_only {
+            return None;
+        }
+        let asked = |k: &str| ctx.state.get(k).and_then(Value::as_bool) == Some(true);
+        Some(Unasked {
+            logprobs: !asked("logprobs"),
+            ids: !asked("ids"),
+        })
+    }
+
+    /// Removes them from an answer or a stream chunk (vLLM's field names, DESIGN.md §3).
+    fn strip(self, v: &mut Value) {
+        let Some(top) = v.as_object_mut() else { return };
+        top.remove("kv_transfer_params");
+        if self.ids {
+            top.remove("prompt_token_ids");
+        }
+        let choices = top.get_mut("choices").and_then(Value::as_array_mut);
+        for c in choices.into_iter().flatten() {
+            let Some(c) = c.as_object_mut() else { continue };
+            if self.ids {
+                c.remove("token_ids");
+                c.remove("prompt_token_ids");
+            }
+            if self.logprobs {
+                c.remove("logprobs");
+            }
+        }
+    }
+}
+
+/// Forwards every engine event unchanged (or without the fields the client
+/// did not ask for), holding back only `[DONE]` (chat completions and
+/// completions share it).
 #[derive(Debug, Default)]
 pub(crate) struct Passthrough {
     done: Option<Vec<u8>>,
+    strip: Option<Unasked>,
 }
 
 impl StreamTranslator for Passthrough {
     fn on_event(&mut self, ev: &Event, _: Option<&Chunk<'_>>, out: &mut Vec<u8>) {
         if ev.is_done() {
             self.done = Some(ev.raw.clone());
-        } else {
-            out.extend_from_slice(&ev.raw);
+            return;
+        }
+        let stripped = self.strip.and_then(|keep| {
+            let mut v = serde_json::from_slice::<Value>(&ev.data).ok()?;
+            keep.strip(&mut v);
+            Some(v)
+        });
+        match stripped {
+            Some(v) => super::sse_frame(out, None, v.to_string().as_bytes()),
+            None => out.extend_from_slice(&ev.raw),
         }
     }
 
@@ -158,6 +242,48 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(r.body["logprobs"], json!(3));
         assert_eq!(OpenAi(Kind::Completion).name(), "openai_completions");
+    }
+
+    #[test]
+    fn application_keys_get_only_what_they_asked_for() {
+        let engine = json!({"id": "c", "prompt_token_ids": [1], "kv_transfer_params": null,
+            "choices": [{"index": 0, "message": {"content": "hi"}, "token_ids": [2],
+                         "logprobs": {"content": []}}]});
+        let answer = |body: Value, online: bool| {
+            let mut c = ctx(true, None);
+            c.client_fields_only = online;
+            let _ = OpenAi(Kind::Chat).engine_request(body, &mut c);
+            match OpenAi(Kind::Chat).answer(StatusCode::OK, &Bytes::from(engine.to_string()), &c) {
+                (Answer::Json { body, .. }, _) => serde_json::from_slice(&body).unwrap_or_default(),
+                (Answer::Passthrough, _) => engine.clone(),
+            }
+        };
+        assert_eq!(answer(json!({"messages": []}), false), engine);
+        let plain: Value = answer(json!({"messages": []}), true);
+        assert_eq!(
+            plain,
+            json!({"id": "c", "choices": [{"index": 0, "message": {"content": "hi"}}]})
+        );
+        let asked: Value = answer(json!({"messages": [], "logprobs": true}), true);
+        assert_eq!(asked["choices"][0]["logprobs"], json!({"content": []}));
+        assert!(asked.get("prompt_token_ids").is_none());
+        // Streamed: each chunk loses the same fields.
+        let mut c = ctx(true, None);
+        c.client_fields_only = true;
+        let _ = OpenAi(Kind::Chat).engine_request(json!({"messages": []}), &mut c);
+        let mut t = OpenAi(Kind::Chat).translator(&c);
+        let mut p = Parser::new();
+        let sse = format!("data: {engine}\n\n");
+        let events = p.feed(sse.as_bytes()).unwrap_or_default();
+        let mut out = Vec::new();
+        for ev in &events {
+            crate::protocol::translate_event(t.as_mut(), ev, &mut out);
+        }
+        let text = String::from_utf8(out).unwrap_or_default();
+        assert!(
+            !text.contains("token_ids") && !text.contains("logprobs"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -62,7 +62,8 @@ use hyper::StatusCode;
 use serde_json::{json, Map, Value};
 
 use super::{
-    object, push_json, sse_frame, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator,
+    object, push_json, sse_frame, Answer, Ctx, EngineRequest, History, Kept, Protocol,
+    StreamTranslator,
 };
 use crate::error::ApiError;
 use crate::wire::engine::{Chunk, Kind, ToolCallDelta};
@@ -322,6 +323,15 @@ fn push_items(items: &[Value], map: &ToolMap, msgs: &mut Vec<Value>) -> Result<(
     Ok(())
 }
 
+/// The Responses `conversation` a request names (an id, or `{"id": ...}`).
+pub fn conversation_id(req: &Map<String, Value>) -> Option<&str> {
+    match req.get("conversation")? {
+        Value::String(s) => Some(s.as_str()),
+        Value::Object(o) => o.get("id").and_then(Value::as_str),
+        _ => None,
+    }
+}
+
 /// What the adapter needs from the request again when it answers.
 fn echo(req: &Map<String, Value>) -> Map<String, Value> {
     let mut e = Map::new();
@@ -363,12 +373,10 @@ impl OpenAiResponses {
         if req.get("background").and_then(Value::as_bool) == Some(true) {
             return Err(bad("background: true is not supported; the gateway answers while it records. Drop 'background'"));
         }
-        for k in ["conversation", "prompt"] {
-            if req.get(k).is_some_and(|v| !v.is_null()) {
-                return Err(bad(format!(
-                    "'{k}' is not supported by this gateway; send the input items themselves"
-                )));
-            }
+        if req.get("prompt").is_some_and(|v| !v.is_null()) {
+            return Err(bad(
+                "'prompt' templates are not supported by this gateway; send the input items themselves",
+            ));
         }
         let (chat_tools, map) = match req.get("tools") {
             None | Some(Value::Null) => (Vec::new(), ToolMap::default()),
@@ -454,11 +462,19 @@ impl OpenAiResponses {
             chat.insert("stream".into(), Value::Bool(true));
             chat.insert("stream_options".into(), json!({"include_usage": true}));
         }
+        let mut echo = echo(req);
+        let conversation = conversation_id(req);
+        if let Some(c) = conversation {
+            echo.insert("conversation".into(), json!({ "id": c }));
+        }
         let plan = Plan {
-            echo: echo(req),
+            echo,
             map,
             history,
-            keep: req.get("store").and_then(Value::as_bool).unwrap_or(true),
+            // A conversation continues from its last response: it is kept
+            // whatever `store` says.
+            keep: conversation.is_some()
+                || req.get("store").and_then(Value::as_bool).unwrap_or(true),
         };
         Ok((chat, plan))
     }
@@ -662,6 +678,7 @@ impl Builder<'_> {
             "usage": Value::Null,
         });
         for k in [
+            "conversation",
             "user",
             "prompt_cache_key",
             "top_logprobs",
@@ -781,10 +798,29 @@ impl Protocol for OpenAiResponses {
         "openai_responses"
     }
 
-    fn history_key(&self, body: &Value) -> Option<String> {
-        body.get("previous_response_id")
-            .and_then(Value::as_str)
-            .map(str::to_string)
+    fn check(
+        &self,
+        req: &Map<String, Value>,
+        caps: &super::validate::Caps,
+    ) -> Result<(), ApiError> {
+        super::validate::responses(req, caps)?;
+        if conversation_id(req).is_some()
+            && req
+                .get("previous_response_id")
+                .is_some_and(|v| !v.is_null())
+        {
+            return Err(bad("send either 'conversation' or 'previous_response_id', not both (a conversation already continues from its last response)"));
+        }
+        Ok(())
+    }
+
+    fn history_key(&self, body: &Value) -> Option<History> {
+        if let Some(id) = body.get("previous_response_id").and_then(Value::as_str) {
+            return Some(History::Response(id.to_string()));
+        }
+        body.as_object()
+            .and_then(conversation_id)
+            .map(|c| History::Conversation(c.trim().to_string()))
     }
 
     fn engine_request(&self, body: Value, ctx: &mut Ctx) -> Result<EngineRequest, ApiError> {

@@ -29,7 +29,7 @@ use crate::config::{Engine, StoreFailure};
 use crate::error::ApiError;
 use crate::http::{copy_content_type, copy_headers, engine_json, json_bytes_response, Body};
 use crate::limits::CallPermit;
-use crate::protocol::{Answer, Ctx, Protocol, StreamTranslator};
+use crate::protocol::{Answer, Ctx, History, Protocol, StreamTranslator};
 use crate::state::{Mode, RolloutInfo, State};
 use crate::store::CallStatus;
 use crate::upstream::Upstream;
@@ -88,6 +88,9 @@ pub async fn call(
             format!("request body is not valid JSON: {e}"),
         )
     })?;
+    if let Value::Object(req) = &v {
+        proto.check(req, &st.cfg.caps())?;
+    }
     // Online calls always capture ids and logprobs (they do not change the
     // answer) and keep the harness's sampling unless the key overrides it.
     let want_ids = rollout.mode == Mode::Train || st.cfg.eval_capture || rollout.online.is_some();
@@ -103,13 +106,25 @@ pub async fn call(
         created: crate::util::now() as u64,
         history: None,
         state: Value::Null,
+        tool_args: Some(st.tool_args.clone()),
+        client_fields_only: rollout.online.is_some(),
     };
-    if let Some(key) = proto.history_key(&v) {
-        ctx.history = Some(match &rollout.online {
-            Some(o) => crate::online::load_history(st, &o.key.id, &key).await?,
-            None => load_history(st, &rollout.id, &key).await?,
-        });
-    }
+    ctx.history = match (proto.history_key(&v), &rollout.online) {
+        (None, _) => None,
+        (Some(History::Response(key)), Some(o)) => {
+            Some(crate::online::load_history(st, &o.key.id, &key).await?)
+        }
+        (Some(History::Response(key)), None) => Some(load_history(st, &rollout.id, &key).await?),
+        (Some(History::Conversation(c)), Some(o)) => {
+            crate::online::conversation_history(st, &o.key.id, &c).await?
+        }
+        (Some(History::Conversation(_)), None) => {
+            return Err(ApiError::bad_request(
+                "unsupported_parameter",
+                "'conversation' needs an application key (online mode, where a conversation is a session); with a rollout token send previous_response_id or the whole conversation as input",
+            ))
+        }
+    };
     let er = proto.engine_request(v, &mut ctx)?;
     let request = Value::Object(er.body).to_string();
     let retry_count = headers

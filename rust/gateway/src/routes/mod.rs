@@ -113,6 +113,9 @@ async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>
     };
     match (&method, segs.as_slice()) {
         (&Method::GET, ["healthz"] | ["health"]) => Ok(health(st)),
+        // Harnesses probe the base URL (Claude Code sends `HEAD /`): a
+        // reachable gateway, not a routing error.
+        (&Method::HEAD | &Method::GET, [""]) => Ok(json_response(200, &json!({"status": "ok"}))),
         (&Method::GET, ["metrics"]) => {
             let text = st.metrics.render(
                 &st.store.stats,
@@ -174,13 +177,21 @@ async fn harness_route(
     match v1 {
         V1::Models => proxy::forward::models(st).await,
         V1::GetResponse(id) => {
-            let key = id.clone();
-            let row = st.read_store(move |s| s.kept(&info.id, &key)).await?;
-            match row {
-                Some((object, _)) => Ok(json_response(200, &object)),
+            // An application key's responses live in its sessions, not in
+            // its `online:key-…` stand-in rollout.
+            let object = match &info.online {
+                Some(o) => crate::online::kept_object(st, &o.key.id, &id).await?,
+                None => {
+                    let key = id.clone();
+                    let row = st.read_store(move |s| s.kept(&info.id, &key)).await?;
+                    row.map(|(object, _)| object)
+                }
+            };
+            match object {
+                Some(object) => Ok(json_response(200, &object)),
                 None => Err(ApiError::not_found(
                     "response_not_found",
-                    format!("no stored response {id:?} in this rollout (responses created with store: false are not kept)"),
+                    format!("no stored response {id:?} for this key (responses created with store: false are not kept)"),
                 )),
             }
         }
@@ -194,7 +205,7 @@ async fn harness_route(
             // Admitted before the body is read: a refused call costs no memory.
             let permit = st.limits.admit_call(&info.id)?;
             let (parts, body) = st.read_body(req).await?;
-            let info = crate::online::bind_call(info, &parts.headers, &body);
+            let info = crate::online::bind_call(info, &parts.headers, &body)?;
             proxy::call(st, info, proto, &parts.headers, body, permit).await
         }
     }
@@ -257,7 +268,8 @@ async fn count_tokens(
     body: bytes::Bytes,
 ) -> Result<Response<Body>, ApiError> {
     let v = crate::http::parse_json(&body)?;
-    let req = anthropic_messages::tokenize_request(v)?;
+    let mut req = anthropic_messages::tokenize_request(v)?;
+    anthropic_messages::restore_arguments(&mut req, &st.tool_args);
     let payload = bytes::Bytes::from(serde_json::Value::Object(req).to_string());
     let (status, answer) = proxy::forward::tokenize(st, &info.id, payload).await?;
     if !status.is_success() {

@@ -440,14 +440,40 @@ pub fn apply(conn: &Connection, op: Op, now: f64) -> rusqlite::Result<Outcome> {
 /// Stores one signal (idempotent on its feedback id); the caller adds the
 /// `feedback` event to the session's rollout when it is new.
 pub fn feedback(conn: &Connection, f: &NewFeedback, now: f64) -> rusqlite::Result<FeedbackOutcome> {
-    let prior: Option<(String, String, f64, bool)> = conn
+    let prior: Option<(String, String, f64, bool, Option<String>)> = conn
         .query_row(
-            "SELECT rollout_id, name, value, after_training FROM feedback WHERE key_id = ?1 AND feedback_id = ?2",
+            "SELECT rollout_id, name, value, after_training, response_id FROM feedback WHERE key_id = ?1 AND feedback_id = ?2",
             params![f.key_id, f.feedback_id],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get::<_, i64>(3)? != 0)),
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get::<_, i64>(3)? != 0, r.get(4)?)),
         )
         .optional()?;
-    if let Some((rollout_id, name, value, after_training)) = prior {
+    if let Some((rollout_id, name, value, after_training, response_id)) = prior {
+        // The same id for another target is a client bug, not a resend.
+        let same_target = match (&f.response_id, &f.session) {
+            (Some(r), _) => response_id.as_deref() == Some(r.as_str()),
+            (None, Some(s)) => {
+                let key: Option<String> = conn
+                    .query_row(
+                        "SELECT session_key FROM online_sessions WHERE rollout_id = ?1",
+                        params![rollout_id],
+                        |r| r.get(0),
+                    )
+                    .optional()?
+                    .flatten();
+                response_id.is_none() && (&rollout_id == s || key.as_deref() == Some(s.as_str()))
+            }
+            (None, None) => false,
+        };
+        if !same_target {
+            let was = match &response_id {
+                Some(r) => format!("response_id {r:?}"),
+                None => format!("session {rollout_id:?}"),
+            };
+            return Ok(FeedbackOutcome::Conflict(format!(
+                "feedback_id {:?} was already used for another target ({was}); a feedback id names one signal on one target: send a new feedback_id",
+                f.feedback_id
+            )));
+        }
         if name == f.name && value == f.value {
             return Ok(FeedbackOutcome::Stored {
                 rollout_id,

@@ -322,6 +322,39 @@ pub fn kept_state(c: &Connection, key_id: &str, id: &str) -> rusqlite::Result<Op
     Ok(s.map(|s| serde_json::from_str(&s).unwrap_or(Value::Null)))
 }
 
+/// The public object of a kept protocol object (`resp_…`) in any session of this key.
+pub fn kept_object(c: &Connection, key_id: &str, id: &str) -> rusqlite::Result<Option<Value>> {
+    let s: Option<String> = c
+        .query_row(
+            "SELECT k.object FROM kept k JOIN online_sessions s ON s.rollout_id = k.rollout_id
+             WHERE k.id = ?1 AND s.key_id = ?2",
+            params![id, key_id],
+            |r| r.get(0),
+        )
+        .optional()?;
+    Ok(s.map(|s| serde_json::from_str(&s).unwrap_or(Value::Null)))
+}
+
+/// The kept state of the latest response in a Responses `conversation` (a
+/// session key) of this key, across its sessions (one closed for idleness
+/// included: the conversation goes on in the next).
+pub fn conversation_state(
+    c: &Connection,
+    key_id: &str,
+    conversation: &str,
+) -> rusqlite::Result<Option<Value>> {
+    let s: Option<String> = c
+        .query_row(
+            "SELECT k.state FROM kept k JOIN online_sessions s ON s.rollout_id = k.rollout_id
+             WHERE s.key_id = ?1 AND s.session_key = ?2 AND k.protocol = 'openai_responses'
+             ORDER BY k.created DESC, k.rowid DESC LIMIT 1",
+            params![key_id, conversation],
+            |r| r.get(0),
+        )
+        .optional()?;
+    Ok(s.map(|s| serde_json::from_str(&s).unwrap_or(Value::Null)))
+}
+
 fn key_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
     let d: String = r.get(2)?;
     Ok(KeyRow {

@@ -97,7 +97,7 @@ fn refuses_what_it_cannot_do() {
         json!({"input": "x", "tools": [{"type": "tool_search", "execution": "client"}]}),
         json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}),
         json!({"input": [{"type": "item_reference", "id": "msg_1"}]}),
-        json!({"input": "x", "conversation": "conv_1"}),
+        json!({"input": "x", "prompt": {"id": "pmpt_1"}}),
         json!({"input": 5}),
         json!({}),
         json!([1, 2]),
@@ -202,6 +202,46 @@ fn previous_response_continues_the_conversation() {
             {"role": "user", "content": "three"}
         ])
     );
+}
+
+#[test]
+fn a_conversation_is_kept_continued_and_echoed() {
+    // `store: false` does not drop a conversation's state: the next call of
+    // the conversation continues from it.
+    let body = json!({"input": "one", "conversation": {"id": "conv_1"}, "store": false});
+    assert_eq!(
+        OpenAiResponses.history_key(&body),
+        Some(History::Conversation("conv_1".into()))
+    );
+    let (_, c) = ok_request(body);
+    let (resp, kept) = answer(
+        &c,
+        json!({"choices": [{"finish_reason": "stop", "message": {"content": "two"}}]}),
+    );
+    assert_eq!(resp["conversation"], json!({"id": "conv_1"}));
+    let kept = kept.unwrap_or_else(|| panic!("a conversation's response is kept"));
+    let mut c2 = ctx();
+    c2.history = Some(kept.state);
+    let r = OpenAiResponses
+        .engine_request(json!({"input": "three", "conversation": "conv_1"}), &mut c2)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        Value::Object(r.body)["messages"],
+        json!([
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "two"},
+            {"role": "user", "content": "three"}
+        ])
+    );
+    // previous_response_id wins the history key; both at once is refused at the door.
+    let both = json!({"input": "x", "conversation": "c", "previous_response_id": "resp_1"});
+    assert_eq!(
+        OpenAiResponses.history_key(&both),
+        Some(History::Response("resp_1".into()))
+    );
+    let caps = crate::protocol::validate::Caps::default();
+    let e = OpenAiResponses.check(both.as_object().unwrap_or(&Map::new()), &caps);
+    assert!(e.is_err_and(|e| e.status == 400 && e.message.contains("not both")));
 }
 
 /// Engine chunks of a generation, split at the given cut points, in vLLM's
