@@ -302,6 +302,11 @@ config! {
     /// How long a marked-down upstream is skipped before it is tried again, seconds.
     #[arg(value_name = "SECONDS")]
     down_for_s: f64 = 5.0, NonNegative;
+    /// File holding the secret rollout tokens derive from (not readable by
+    /// every user). Without it: `LIGHTNING_TOKEN_SECRET` if set, else
+    /// `<db>.secret`, made 0600 on first start. Never kept in the store.
+    #[arg(value_name = "PATH")]
+    token_secret_file: Option<PathBuf> = None, Any;
     /// Bearer key sent to upstreams (never the rollout token).
     #[arg(value_name = "KEY")]
     upstream_api_key: Option<String> = None, Any;
