@@ -25,9 +25,10 @@ import httpx
 import openai
 import pytest
 
+import lightning
 from fake_vllm import FakeEngine
-from gateways import serving, wait_until
-from lightning import GatewayClient, GatewayRequestError, LightningError
+from gateways import serving, start_gateway, wait_until
+from lightning import GatewayClient, GatewayRequestError, LightningError, StoreError, _core
 
 ADMIN = "online-admin-key"
 
@@ -167,6 +168,72 @@ def test_application_keys_admin(engine: FakeEngine, tmp_path: Path) -> None:
         client.close()
     finally:
         gw.stop()
+
+
+def test_feedback_values_must_be_finite_and_in_the_configured_range(
+    engine: FakeEngine, tmp_path: Path
+) -> None:
+    """Issue 26, bug 1: ``value: 1e308`` was accepted and made the next online
+    pass's reward statistics infinite. Out of ``[online] feedback_min ..
+    feedback_max``, not finite, or not a number: 400 naming the range."""
+    gw = Gw(tmp_path / "fb.db", engine.url, online="feedback_min = -10\nfeedback_max = 10")
+    try:
+        key = new_key(gw, "fb")
+        client = openai.OpenAI(
+            **_sdk_args({"OPENAI_BASE_URL": gw.url + "/v1", "OPENAI_API_KEY": key}), max_retries=0
+        )
+        rid = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]
+        ).id
+        client.close()
+        target = {"response_id": rid, "name": "thumbs"}
+        for i, value in enumerate([1e308, -1e308, 10.5, -11, "NaN", "1e308"]):
+            r = feedback(gw, key, feedback_id=f"bad-{i}", value=value, **target)
+            assert r.status_code == 400, (value, r.text)
+            assert r.json()["error"]["code"] == "invalid_feedback", r.text
+            if not isinstance(value, str):
+                assert "[-10, 10]" in r.json()["error"]["message"], r.text
+        # Not JSON numbers at all (Python's json writes these), or past f64.
+        for raw in ['{"value": NaN', '{"value": Infinity', '{"value": 1e309']:
+            body = raw + f', "feedback_id": "raw", "response_id": "{rid}", "name": "n"}}'
+            headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
+            r = httpx.post(gw.url + "/v1/feedback", content=body, headers=headers, timeout=30)
+            assert r.status_code == 400, (raw, r.text)
+        assert db_rows(tmp_path / "fb.db", "SELECT COUNT(*) FROM feedback") == [(0,)]
+        for i, value in enumerate([10, -10, 0.25, True]):
+            r = feedback(gw, key, feedback_id=f"ok-{i}", value=value, **target)
+            assert r.status_code == 200, r.text
+        assert sorted(v for (v,) in db_rows(tmp_path / "fb.db", "SELECT value FROM feedback")) == [
+            -10.0, 0.25, 1.0, 10.0,
+        ]  # fmt: skip
+    finally:
+        gw.stop()
+    # The default range is -1e6..1e6; a bad range is refused at start.
+    with pytest.raises(ValueError, match="feedback_min"):
+        lightning.GatewayConfig(online={"feedback_min": 1, "feedback_max": 0})
+
+
+def test_mark_trained_is_refused_while_a_gateway_writes_the_store(
+    engine: FakeEngine, tmp_path: Path
+) -> None:
+    """One writer per store file: online mode's ``mark_trained`` without a
+    gateway URL opens the store's own writer, which must not run beside a
+    gateway's; it fails at once and says how to mark through the gateway."""
+    db = tmp_path / "gw.db"
+    handle = start_gateway(engine.url, db)
+    try:
+        with pytest.raises(StoreError, match="gateway = URL") as held:
+            _core.mark_trained(str(db), ["ro-x"], 1.0)
+        assert str(db) in str(held.value)
+        # A second gateway on the same file is refused too.
+        with pytest.raises(StoreError, match="already has a writer"):
+            start_gateway(engine.url, db)
+        # Reading needs no lock.
+        assert lightning.Store(db).rollouts() == []
+    finally:
+        handle.stop()
+    assert _core.mark_trained(str(db), ["ro-x"], 1.0) == 0
+    start_gateway(engine.url, db).stop()
 
 
 def _sdk_args(env: dict[str, str]) -> dict[str, str]:

@@ -16,7 +16,7 @@ from lightning.online.train import (
     pool_small_groups,
     session_reward,
 )
-from test_online import Gw, db_rows, new_key
+from test_online import ADMIN, Gw, db_rows, new_key
 from test_online_protocols import PREFIX, PROTOCOLS, sdk_clients, turn_for
 
 
@@ -50,7 +50,11 @@ def engine() -> Iterator[FakeEngine]:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_train_online_trains_exactly_the_sessions_with_feedback(
-    engine: FakeEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str], protocol: str
+    engine: FakeEngine,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    protocol: str,
 ) -> None:
     """Sessions recorded over ``protocol`` (half of them before production's
     weights moved to version 1), feedback on five of six: one ``lightning train
@@ -84,8 +88,12 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
         cfg = tmp_path / "online.toml"
         cfg.write_text(
             f'output_dir = "{tmp_path / "run"}"\n[model]\nbuiltin = "tiny"\n'
-            f'[source]\ndb = "{db}"\ntags = ["arith"]\n[trainer]\nlr = 1e-4\n'
+            f'[source]\ndb = "{db}"\ntags = ["arith"]\n'
+            # The gateway still writes the store: the pass marks through it.
+            f'gateway = "{gw.url}"\nadmin_key_env = "TEST_ONLINE_ADMIN_KEY"\n'
+            "[trainer]\nlr = 1e-4\n"
         )
+        monkeypatch.setenv("TEST_ONLINE_ADMIN_KEY", ADMIN)
         capsys.readouterr()
         assert cli(["train", "--online", str(cfg)]) == 0
         printed = capsys.readouterr().out

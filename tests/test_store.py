@@ -234,3 +234,43 @@ def test_merge_calls_checks_rollout_records() -> None:
     m = lightning.merge_calls([call], rollouts=[empty])
     assert [r.rollout_id for r in m.rollouts] == ["quiet", "r"]
     assert m.samples[0].rollout_index == 1 and m.rollouts[1].reward is None
+
+
+def test_the_database_file_alone_cannot_mint_a_rollout_token(
+    engine: FakeEngine, tmp_path: Path
+) -> None:
+    """Issue 26, bug 5: tokens are HMAC-SHA256(secret, rollout id), and the
+    secret sat in the store's ``meta`` table, so whoever could read the file
+    could mint a token. It lives in ``<db>.secret`` (0600) now; the store's
+    files are 0600 too."""
+    import hashlib
+    import hmac
+    import sqlite3
+    import stat
+
+    db = tmp_path / "gw.db"
+    handle = start_gateway(engine.url, db)
+    try:
+        with handle.client() as client:
+            ro = client.create_rollout(rollout_id="ro-1")
+            # What a script with the database could try: every value in `meta`
+            # as the HMAC key; and the real key is nowhere in the file's bytes.
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+                meta = dict(c.execute("SELECT key, value FROM meta").fetchall())
+            assert "token_secret" not in meta
+            blob = db.read_bytes() + Path(f"{db}-wal").read_bytes()
+
+            def token(key: bytes) -> str:
+                return "lt-" + hmac.new(key, b"ro-1", hashlib.sha256).hexdigest()
+
+            assert all(token(v) != ro.token for v in meta.values() if isinstance(v, bytes))
+            secret = Path(f"{db}.secret").read_bytes()
+            assert secret not in blob
+            assert token(secret) == ro.token  # the key file is what mints them
+            for suffix in ("", "-wal", "-shm", ".lock", ".secret"):
+                mode = stat.S_IMODE(Path(f"{db}{suffix}").stat().st_mode)
+                assert mode == 0o600, f"{db}{suffix} is {mode:o}"
+            # The existing token still works, and asking again gives the same one.
+            assert client.create_rollout(rollout_id="ro-1").token == ro.token
+    finally:
+        handle.stop()

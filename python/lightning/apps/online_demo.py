@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import secrets
 import threading
@@ -32,6 +33,9 @@ from typing import Any
 import httpx
 
 from lightning.run.stats import Interval
+
+# The environment variable the online pass reads the running gateway's admin key from.
+_ADMIN_ENV = "LIGHTNING_ONLINE_DEMO_ADMIN_KEY"
 
 
 class _Recording:
@@ -215,7 +219,10 @@ def main(argv: list[str]) -> int:
             client.sweep(idle_timeout_s=0)  # close every session: all are done
         cfg = OnlineConfig(
             model=ModelSection(builtin=args.model),
-            source=SourceSection(db=str(db), tags=["arith"]),
+            # The gateway still writes prod.db: mark sessions trained through it.
+            source=SourceSection(
+                db=str(db), tags=["arith"], gateway=gw.url, admin_key_env=_ADMIN_ENV
+            ),
             grouping=GroupingSection(key="first_prompt", min_group=2),
             weight_sync=WeightSyncSection(policy="embedded", urls=[engine.url]),
             temperature=args.temperature,
@@ -225,12 +232,14 @@ def main(argv: list[str]) -> int:
             seed=args.seed,
         )
         t0 = time.monotonic()
+        os.environ[_ADMIN_ENV] = admin
         summary = train_online(cfg)
         train_s = time.monotonic() - t0
         serving = httpx.get(engine.root + "/health", timeout=30).json().get("weight_version")
         say(f"engine now serves weight version {serving}")
         after = held_out_reward("after")
     finally:
+        os.environ.pop(_ADMIN_ENV, None)
         if gw is not None:
             gw.stop()
         engine.stop()

@@ -61,6 +61,24 @@ class OnlineSection(BaseModel):
     retention_days: float | None = Field(default=_DEFAULTS["online"]["retention_days"], gt=0)
     retention_bytes: int | None = Field(default=_DEFAULTS["online"]["retention_bytes"], gt=0)
     sweep_interval_s: float = Field(default=_DEFAULTS["online"]["sweep_interval_s"], gt=0)
+    feedback_min: float = Field(
+        default=_DEFAULTS["online"]["feedback_min"],
+        allow_inf_nan=False,
+        description="Smallest feedback value accepted (400 below): values become rewards.",
+    )
+    feedback_max: float = Field(
+        default=_DEFAULTS["online"]["feedback_max"],
+        allow_inf_nan=False,
+        description="Largest feedback value accepted (400 above).",
+    )
+
+    @model_validator(mode="after")
+    def _feedback_range(self) -> OnlineSection:
+        if self.feedback_min > self.feedback_max:
+            raise ValueError(
+                f"feedback_min = {self.feedback_min} is above feedback_max = {self.feedback_max}"
+            )
+        return self
 
 
 class GatewayConfig(BaseModel):
@@ -160,6 +178,10 @@ class GatewayConfig(BaseModel):
         default=5.0,
         ge=0,
         description="How long a marked-down upstream is skipped before it is tried again, seconds.",
+    )
+    token_secret_file: str | None = Field(
+        default=None,
+        description="File holding the secret rollout tokens derive from (not readable by every user). Without it: `LIGHTNING_TOKEN_SECRET` if set, else `<db>.secret`, made 0600 on first start. Never kept in the store.",
     )
     upstream_api_key: str | None = Field(
         default=None,

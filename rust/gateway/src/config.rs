@@ -303,6 +303,11 @@ config! {
     /// How long a marked-down upstream is skipped before it is tried again, seconds.
     #[arg(value_name = "SECONDS")]
     down_for_s: f64 = 5.0, NonNegative;
+    /// File holding the secret rollout tokens derive from (not readable by
+    /// every user). Without it: `LIGHTNING_TOKEN_SECRET` if set, else
+    /// `<db>.secret`, made 0600 on first start. Never kept in the store.
+    #[arg(value_name = "PATH")]
+    token_secret_file: Option<PathBuf> = None, Any;
     /// Bearer key sent to upstreams (never the rollout token).
     #[arg(value_name = "KEY")]
     upstream_api_key: Option<String> = None, Any;
@@ -420,6 +425,12 @@ impl Config {
                 )));
             }
         }
+        let (lo, hi) = (self.online.feedback_min, self.online.feedback_max);
+        if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
+            return Err(GatewayError::Config(format!(
+                "[online] feedback_min = {lo} and feedback_max = {hi} must be finite numbers with feedback_min <= feedback_max"
+            )));
+        }
         if self.max_upstream_answer_bytes == 0 {
             return Err(GatewayError::Config(
                 "max_upstream_answer_bytes must be > 0".into(),
@@ -458,6 +469,12 @@ pub struct OnlineConfig {
     pub retention_bytes: Option<u64>,
     /// How often the background sweep (idle closing, retention) runs, seconds.
     pub sweep_interval_s: f64,
+    /// Smallest feedback `value` accepted (400 below). Values become rewards
+    /// (the mean, sum or weighted sum of a session's signals): a bound keeps
+    /// those and their statistics finite.
+    pub feedback_min: f64,
+    /// Largest feedback `value` accepted (400 above).
+    pub feedback_max: f64,
 }
 
 impl Default for OnlineConfig {
@@ -468,6 +485,8 @@ impl Default for OnlineConfig {
             retention_days: None,
             retention_bytes: None,
             sweep_interval_s: 60.0,
+            feedback_min: -1e6,
+            feedback_max: 1e6,
         }
     }
 }

@@ -57,7 +57,8 @@ pub struct State {
 impl State {
     pub fn new(cfg: Config, public_url: String) -> Result<State, GatewayError> {
         cfg.validate()?;
-        let store = Arc::new(Store::open(&cfg.db, cfg.sync)?);
+        let secret = crate::store::SecretSource::configured(cfg.token_secret_file.as_deref())?;
+        let store = Arc::new(Store::open(&cfg.db, cfg.sync, secret)?);
         let pool = Pool::new(
             &cfg.upstreams,
             cfg.mark_down_after,

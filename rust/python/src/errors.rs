@@ -85,7 +85,7 @@ pub fn gateway_error(py: Python<'_>, err: lightning_gateway::GatewayError) -> Py
     match err {
         E::Config(_) => raise(gateway_config_type(py), py, message),
         E::Bind { .. } => raise(gateway_bind_type(py), py, message),
-        E::Store { .. } | E::StoreClosed | E::StoreUnwritable { .. } => {
+        E::Store { .. } | E::StoreClosed | E::StoreUnwritable { .. } | E::StoreLocked { .. } => {
             StoreError::new_err(message)
         }
         E::Io(_) => GatewayError::new_err(message),

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use lightning_gateway::config::SyncMode;
 use lightning_gateway::store::online::SessionFilter;
-use lightning_gateway::store::{Reader, Selection, Store};
+use lightning_gateway::store::{Reader, SecretSource, Selection, Store};
 use lightning_gateway::GatewayError;
 use numpy::IntoPyArray;
 use pyo3::prelude::*;
@@ -285,7 +285,7 @@ fn mark_trained(
                 "no gateway store here; pass the --db path the gateway was started with",
             ));
         }
-        let store = Store::open(&path, SyncMode::Full)?;
+        let store = Store::open(&path, SyncMode::Full, SecretSource::None)?;
         let rt = tokio::runtime::Builder::new_current_thread().build()?;
         let n = rt.block_on(store.mark_trained(rollout_ids, when));
         store.close();

@@ -210,7 +210,8 @@ pub async fn feedback(st: &Arc<State>, req: Request<Incoming>) -> Result<Respons
         None => return Err(ApiError::internal("application key without online state")),
     };
     let (_, body) = st.read_body(req).await?;
-    let f = parse_feedback(&parse_json(&body)?, key_id)?;
+    let range = (st.cfg.online.feedback_min, st.cfg.online.feedback_max);
+    let f = parse_feedback(&parse_json(&body)?, key_id, range)?;
     let out = st.store.online(db::Op::Feedback(f.clone())).await?;
     match out {
         Outcome::Feedback(FeedbackOutcome::Stored {
@@ -243,7 +244,12 @@ pub async fn feedback(st: &Arc<State>, req: Request<Incoming>) -> Result<Respons
     }
 }
 
-fn parse_feedback(v: &Value, key_id: String) -> Result<db::NewFeedback, ApiError> {
+/// `range`: the `[online] feedback_min`, `feedback_max` a value must lie in.
+fn parse_feedback(
+    v: &Value,
+    key_id: String,
+    (lo, hi): (f64, f64),
+) -> Result<db::NewFeedback, ApiError> {
     let bad = |m: &str| ApiError::bad_request("invalid_feedback", m.to_string());
     let s = |k: &str| {
         v.get(k)
@@ -271,6 +277,12 @@ fn parse_feedback(v: &Value, key_id: String) -> Result<db::NewFeedback, ApiError
             .ok_or_else(|| bad("'value' must be a finite number or a boolean"))?,
         None => return Err(bad("feedback needs a 'value' (number or boolean)")),
     };
+    if !(lo..=hi).contains(&value) {
+        return Err(ApiError::bad_request(
+            "invalid_feedback",
+            format!("'value' {value} is outside [{lo}, {hi}] (the gateway's [online] feedback_min, feedback_max)"),
+        ));
+    }
     let response_id = s("response_id").map(str::to_string);
     let session = s("session_id").map(str::to_string);
     if response_id.is_none() == session.is_none() {
@@ -306,6 +318,7 @@ mod tests {
         let ok = parse_feedback(
             &json!({"feedback_id": "f1", "response_id": "chatcmpl-1", "name": "thumbs", "value": true}),
             "k".into(),
+            (-1e6, 1e6),
         );
         assert!(matches!(
             ok,
@@ -321,8 +334,15 @@ mod tests {
             json!({"feedback_id": "f", "response_id": "r", "session_id": "s", "name": "n", "value": 1}),
             json!({"feedback_id": "f", "response_id": "r", "name": "n", "value": "good"}),
             json!({"feedback_id": "f", "response_id": "r", "value": 1}),
+            // Bug 1: a finite but huge value made an online pass's statistics infinite.
+            json!({"feedback_id": "f", "response_id": "r", "name": "n", "value": 1e308}),
+            json!({"feedback_id": "f", "response_id": "r", "name": "n", "value": -1.0e6 - 1.0}),
+            json!({"feedback_id": "f", "response_id": "r", "name": "n", "value": "NaN"}),
         ] {
-            assert!(parse_feedback(&bad, "k".into()).is_err(), "{bad}");
+            assert!(
+                parse_feedback(&bad, "k".into(), (-1e6, 1e6)).is_err(),
+                "{bad}"
+            );
         }
     }
 }

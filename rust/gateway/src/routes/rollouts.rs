@@ -254,7 +254,7 @@ async fn create_rollout(st: &Arc<State>, v: Value) -> Result<Response<Body>, Api
         }
     };
     let task = v.get("task").cloned().unwrap_or(Value::Null);
-    let token = auth::rollout_token(st.store.secret(), &id);
+    let token = auth::rollout_token(st.store.secret()?, &id);
     let (row, created) = st
         .store
         .create_rollout(NewRollout {

@@ -15,7 +15,13 @@
 //! the database. `schema` (tables, migrations, opening a connection),
 //! `records` (row types), `reader` (every read, also the writer's), `online`
 //! (online mode's writes), `retention` (the sweep), `columnar` (ids and
-//! logprobs as bytes); this file is the writer.
+//! logprobs as bytes), `secret` (the token secret, kept out of the file);
+//! this file is the writer.
+//!
+//! One writer per store file: the writer holds an exclusive OS lock on
+//! `<db>.lock` for its lifetime, so a second gateway (or `mark_trained`) on
+//! the same file fails at once instead of interleaving writes. The database,
+//! its `-wal`/`-shm`, the lock and the key file are all mode 0600.
 
 pub mod columnar;
 pub mod online;
@@ -23,6 +29,7 @@ pub mod reader;
 pub mod records;
 mod retention;
 mod schema;
+pub mod secret;
 
 use rusqlite::{params, Connection};
 use std::collections::HashMap;
@@ -40,6 +47,7 @@ pub use records::{
     CallBody, CallRecord, CallStatus, EventRecord, FeedbackRecord, Mode, NewRollout, RolloutRecord,
     RolloutRow, Selection, StepData, StoredCall,
 };
+pub use secret::SecretSource;
 
 use crate::config::SyncMode;
 use crate::error::GatewayError;
@@ -160,21 +168,27 @@ pub struct Store {
     readers: Vec<Mutex<Connection>>,
     next_reader: AtomicUsize,
     pub stats: Arc<StoreStats>,
-    secret: Vec<u8>,
+    secret: Option<Vec<u8>>,
+    /// The writer lock on `<db>.lock`, released by `close`.
+    lock: Mutex<Option<std::fs::File>>,
 }
 
 impl Store {
-    pub fn open(path: &Path, sync: SyncMode) -> Result<Store, GatewayError> {
+    /// Opens `path` as its one writer: takes the writer lock (fails with
+    /// `StoreLocked` while another writer holds it), creates the files 0600,
+    /// brings the schema up to date and loads the token secret from `secret`.
+    pub fn open(path: &Path, sync: SyncMode, secret: SecretSource) -> Result<Store, GatewayError> {
         if let Some(parent) = path.parent() {
             if !parent.as_os_str().is_empty() && !parent.exists() {
                 std::fs::create_dir_all(parent)
                     .map_err(|e| GatewayError::store(path.display(), e))?;
             }
         }
+        let lock = schema::lock_writer(path)?;
+        schema::private_files(path)?;
         let conn = schema::open_conn(path, sync)?;
         schema::create(&conn).map_err(|e| GatewayError::store(path.display(), e))?;
-        let secret = schema::load_or_create_secret(&conn)
-            .map_err(|e| GatewayError::store(path.display(), e))?;
+        let secret = secret::load(&conn, path, &secret)?;
         let mut readers = Vec::new();
         for _ in 0..2 {
             readers.push(Mutex::new(schema::open_conn(path, sync)?));
@@ -193,6 +207,7 @@ impl Store {
             next_reader: AtomicUsize::new(0),
             stats,
             secret,
+            lock: Mutex::new(Some(lock)),
         })
     }
 
@@ -200,9 +215,15 @@ impl Store {
         &self.path
     }
 
-    /// The per-database secret that rollout tokens are derived from.
-    pub fn secret(&self) -> &[u8] {
-        &self.secret
+    /// The secret that rollout tokens are derived from (`secret`); an error
+    /// for a store opened with `SecretSource::None`.
+    pub fn secret(&self) -> Result<&[u8], GatewayError> {
+        self.secret.as_deref().ok_or_else(|| {
+            GatewayError::store(
+                self.path.display(),
+                "this writer was opened without a token secret",
+            )
+        })
     }
 
     async fn submit(&self, op: Op) -> Result<OpResult, GatewayError> {
@@ -361,6 +382,10 @@ impl Store {
         let handle = self.writer.lock().ok().and_then(|mut g| g.take());
         if let Some(h) = handle {
             let _ = h.join();
+        }
+        // After the writer's last commit: the next writer may open the file.
+        if let Ok(mut g) = self.lock.lock() {
+            g.take();
         }
     }
 

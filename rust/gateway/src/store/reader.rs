@@ -561,7 +561,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("lightning-reader-{}", std::process::id()));
         let path = dir.join("t.db");
         let _ = std::fs::remove_file(&path);
-        let store = Store::open(&path, SyncMode::Normal).unwrap();
+        let store = Store::open(&path, SyncMode::Normal, crate::store::SecretSource::None).unwrap();
         for (id, grp) in [("a", Some("g")), ("b", Some("g")), ("c", None)] {
             store
                 .create_rollout(NewRollout {

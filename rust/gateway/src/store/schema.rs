@@ -2,7 +2,7 @@
 //! the first release, and how a connection to the file is opened. The store
 //! (`super`) is the only code that opens the database.
 
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{params, Connection};
 use std::path::Path;
 
 use crate::config::SyncMode;
@@ -169,28 +169,61 @@ pub(super) fn open_conn(path: &Path, sync: SyncMode) -> Result<Connection, Gatew
     Ok(conn)
 }
 
-/// The per-database secret rollout tokens derive from (made on first open).
-pub(super) fn load_or_create_secret(conn: &Connection) -> rusqlite::Result<Vec<u8>> {
-    let existing: Option<Vec<u8>> = conn
-        .query_row(
-            "SELECT value FROM meta WHERE key = 'token_secret'",
-            [],
-            |r| r.get(0),
-        )
-        .optional()?;
-    if let Some(s) = existing {
-        return Ok(s);
+/// The writer's exclusive OS lock on `<db>.lock` (0600), held for the
+/// writer's lifetime: one writer per store file. Readers never take it.
+pub(super) fn lock_writer(db: &Path) -> Result<std::fs::File, GatewayError> {
+    let lock = super::secret::sibling(db, ".lock");
+    let file = private_file(&lock).map_err(|e| GatewayError::store(lock.display(), e))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(GatewayError::StoreLocked {
+            path: db.display().to_string(),
+            lock: lock.display().to_string(),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(GatewayError::store(lock.display(), e)),
     }
-    let mut secret = vec![0u8; 32];
-    getrandom::fill(&mut secret)
-        .map_err(|e| rusqlite::Error::InvalidParameterName(format!("no OS randomness: {e}")))?;
-    conn.execute(
-        "INSERT OR IGNORE INTO meta(key, value) VALUES ('token_secret', ?1)",
-        params![secret],
-    )?;
-    conn.query_row(
-        "SELECT value FROM meta WHERE key = 'token_secret'",
-        [],
-        |r| r.get(0),
-    )
+}
+
+/// Opens (creating) `path` with mode 0600 whatever the umask: created with
+/// 0600, and tightened to 0600 if an older gateway left it readable by others.
+fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true).write(true).create(true).truncate(false);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
+    }
+    let file = opts.open(path)?;
+    tighten(path, &file);
+    Ok(file)
+}
+
+#[cfg(unix)]
+fn tighten(path: &Path, file: &std::fs::File) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = file.metadata() {
+        if meta.permissions().mode() & 0o077 != 0 {
+            if let Err(e) = file.set_permissions(std::fs::Permissions::from_mode(0o600)) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot make the store file private (mode 0600); fix its owner or mode");
+            }
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn tighten(_: &Path, _: &std::fs::File) {}
+
+/// Creates the database file 0600 before SQLite opens it (SQLite gives its
+/// `-wal` and `-shm` files the database file's mode), and makes existing
+/// ones private.
+pub(super) fn private_files(db: &Path) -> Result<(), GatewayError> {
+    private_file(db).map_err(|e| GatewayError::store(db.display(), e))?;
+    for suffix in ["-wal", "-shm", "-journal"] {
+        let p = super::secret::sibling(db, suffix);
+        if p.exists() {
+            private_file(&p).map_err(|e| GatewayError::store(p.display(), e))?;
+        }
+    }
+    Ok(())
 }
