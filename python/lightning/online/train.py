@@ -644,6 +644,11 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
                 if not ids:
                     say(f"{len(batch)} sessions: nothing trainable")
                     continue
+                before = _reward_stats([rewards[i] for i in ids])
+                if not all(math.isfinite(v) for v in before.values()):
+                    bad = ", ".join(k for k, v in before.items() if not math.isfinite(v))
+                    what = f"step {len(summary['steps']) + 1}'s {bad}"
+                    _stop(summary, out, _stats_message(what, batch, rewards))
                 versions.update(int(c.weight_version) for c in merged.calls)
                 metrics = _train_step(
                     trainer, merged, ids, rewards, groups,
@@ -686,6 +691,15 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
 # Step statistics that must be finite for the step to mean anything: a reward
 # of 1e308 gives reward_std = inf, all advantages 0 and no gradient.
 _CHECKED = ("reward_mean", "reward_std", "adv_mean", "adv_std", "loss", "grad_norm")
+
+
+def _reward_stats(values: Sequence[float]) -> dict[str, float]:
+    """Mean and std of a step's rewards, checked before the step: a std that
+    overflows leaves every advantage 0. Plain floats: x * x overflows to inf
+    without raising or warning."""
+    mean = sum(values) / len(values)
+    var = sum((x - mean) * (x - mean) for x in values) / len(values)
+    return {"reward_mean": mean, "reward_std": math.sqrt(var)}
 
 
 def _finite(x: Any) -> bool:
