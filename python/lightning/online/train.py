@@ -17,7 +17,11 @@ as up). The session's reward is the mean of those latest values. ``sum``,
 ``last`` (the latest signal of all) and ``weighted`` (Σ weight[name] × latest
 value, names without a weight ignored) are the other built-ins;
 ``function = "module:fn"`` takes ``fn(signals: list[dict]) -> float`` for
-anything else. Booleans arrive as 1.0 / 0.0.
+anything else. Booleans arrive as 1.0 / 0.0. A counted signal or a reward that
+is not finite or beyond ``max_abs`` is refused (one such value makes the batch's
+std infinite and every advantage zero): the pass stops before it trains or
+marks anything, or, with ``on_bad_reward = "skip"``, leaves those sessions out;
+a step whose statistics are not finite stops it the same way (``PassStopped``).
 
 **Groups and estimators.** Production traffic was never sampled in groups, so
 groups are built after the fact by a key (``[grouping] key``):
@@ -646,8 +650,8 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
                     continue
                 before = _reward_stats([rewards[i] for i in ids])
                 if not all(math.isfinite(v) for v in before.values()):
-                    bad = ", ".join(k for k, v in before.items() if not math.isfinite(v))
-                    what = f"step {len(summary['steps']) + 1}'s {bad}"
+                    off = ", ".join(k for k, v in before.items() if not math.isfinite(v))
+                    what = f"step {len(summary['steps']) + 1}'s {off}"
                     _stop(summary, out, _stats_message(what, batch, rewards))
                 versions.update(int(c.weight_version) for c in merged.calls)
                 metrics = _train_step(
