@@ -4,6 +4,7 @@ on some of them, one trainer step on the tiny model trains exactly those."""
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -278,3 +279,29 @@ def test_a_missing_model_is_one_line_naming_the_fix(
     assert cli(["train", "--online", str(cfg)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model: Field required" in err and 'builtin = "tiny"' in err
+
+
+@pytest.mark.parametrize(
+    "argv", [["online", "export"], ["online", "sessions"], ["train", "--online"]]
+)
+def test_every_online_argument_has_help(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lightning online export --help`` listed its options with no word on any."""
+    from lightning.cli import main as cli
+
+    with pytest.raises(SystemExit) as done:
+        cli([*argv, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    options = text.split("options:")[1].splitlines()
+    # Each option line (`  --db PATH   the gateway's store ...`) carries its
+    # description, or the next line does (a long option name wraps).
+    flags = [i for i, line in enumerate(options) if line.startswith("  -")]
+    bare = [
+        options[i]
+        for i in flags
+        if not re.search(r"\S\s{2,}\S", options[i].strip())
+        and not (i + 1 < len(options) and re.match(r"\s{8,}\S", options[i + 1]))
+    ]
+    assert len(flags) >= 2 and bare == [], text

@@ -1004,7 +1004,7 @@ def train_main(argv: list[str]) -> int:
         description="one training pass on the production sessions of a gateway's store",
     )
     p.add_argument("config", help="online training configuration (TOML; see docs/online.md)")
-    p.add_argument("--output-dir", help="where summary.json, metrics and weights go "
+    p.add_argument("--output-dir", metavar="DIR", help="where summary.json, metrics and weights go "
                    "(default: the config's output_dir)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
     args = p.parse_args(argv)
