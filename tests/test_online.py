@@ -458,10 +458,11 @@ def test_redaction_retention_export(engine: FakeEngine, tmp_path: Path) -> None:
         plain = new_key(gw, "plain")
         ids = {}
         for name, key in (("secret", secret), ("plain", plain)):
-            c = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
-            out = c.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": f"my password is hunter2 {name}"}]
-            )
+            with openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0) as c:
+                out = c.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": f"my password is hunter2 {name}"}],
+                )
             ids[name] = out.id
             assert (
                 feedback(
@@ -478,20 +479,23 @@ def test_redaction_retention_export(engine: FakeEngine, tmp_path: Path) -> None:
         assert "hunter2" not in rows[ids["secret"]] and "hunter2" in rows[ids["plain"]]
         assert (db_rows(db, "SELECT LENGTH(prompt_ids) > 0, LENGTH(completion_ids) > 0 FROM calls "
                             "WHERE response_id = ?", ids["secret"]) == [(1, 1)])  # fmt: skip
-        n = export_sessions(str(db), tmp_path / "out.jsonl")
+        done = export_sessions(str(db), tmp_path / "out.jsonl")
+        assert (done.sessions, done.redacted_sessions, done.skipped) == (2, 1, [])
         lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-        assert n == 2 and {x["app_key"] for x in lines} == {"secret", "plain"}
+        assert {x["app_key"] for x in lines} == {"secret", "plain"}
         for x in lines:
-            assert (
-                x["reward"] == 1.0
-                and x["calls"][0]["prompt_ids"]
-                and x["calls"][0]["completion_ids"]
-            )
+            assert x["reward"] == 1.0
+            call = x["calls"][0]
             if x["app_key"] == "plain":
                 assert x["messages"][0]["content"].startswith("my password")
                 assert x["messages"][-1]["role"] == "assistant"
-            else:
-                assert x["messages"] == [] and x["calls"][0]["text"] is None
+                assert call["prompt_ids"] and call["completion_ids"] and not x["redacted"]
+            else:  # no text, and no ids that decode to it unless asked for
+                assert x["messages"] == [] and call["text"] is None and x["redacted"]
+                assert call["prompt_ids"] is None and call["completion_ids"] is None
+        export_sessions(str(db), tmp_path / "ids.jsonl", with_ids=True)
+        for x in map(json.loads, (tmp_path / "ids.jsonl").read_text().splitlines()):
+            assert x["calls"][0]["prompt_ids"] and x["calls"][0]["completion_ids"]
         # Retention: ~1.7 s. Open sessions are never deleted; closed, expired ones are.
         time.sleep(2.0)
         assert gw.admin("POST", "/admin/online/sweep").json() == {"closed": 0, "deleted": 0}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -161,12 +162,27 @@ def conversation(turn: Turn, tag: str, n: int, session: str | None, carry: bool)
     return ids
 
 
-def export(db: Path, out: Path) -> dict[str, dict[str, Any]]:
-    """``lightning online export`` as a user runs it; lines keyed by session."""
-    cli = [sys.executable, "-m", "lightning.cli", "online", "export", "--db", str(db), "--out", str(out)]  # fmt: skip
+def export_run(db: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``lightning online export`` as a user runs it."""
+    cli = [sys.executable, "-m", "lightning.cli", "online", "export", "--db", str(db), "--out", str(out), *flags]  # fmt: skip
     res = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    return {x["session_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    return res
+
+
+def strict_lines(path: Path) -> list[dict[str, Any]]:
+    """JSONL lines, refusing ``Infinity``/``NaN`` (not JSON)."""
+
+    def refuse(c: str) -> None:
+        raise AssertionError(f"{path} holds {c}, which is not JSON")
+
+    return [json.loads(x, parse_constant=refuse) for x in path.read_text().splitlines()]
+
+
+def export(db: Path, out: Path, *flags: str) -> dict[str, dict[str, Any]]:
+    """``lightning online export``; lines keyed by session."""
+    export_run(db, out, *flags)
+    return {x["session_id"]: x for x in strict_lines(out)}
 
 
 def check_protocol(
@@ -340,11 +356,76 @@ def test_redacting_key_stores_no_text_on_any_protocol(gw: Gw, sdks: Any, tmp_pat
         assert not f.exists() or b"hunter2" not in f.read_bytes(), f
     owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
     assert set(owner) == {first.id, msg.id}
-    lines = export(db, tmp_path / "out.jsonl")
+    # The ids decode to the text redaction removed: the export leaves them out
+    # unless asked for, and says so.
+    res = export_run(db, tmp_path / "out.jsonl")
+    assert "2 redacted (token ids left out unless --with-ids)" in res.stdout
+    lines = {x["session_id"]: x for x in strict_lines(tmp_path / "out.jsonl")}
+    for rid in (first.id, msg.id):
+        x = lines[owner[rid]]
+        assert x["redacted"] is True and x["messages"] == [] and x["calls"][0]["text"] is None
+        assert x["calls"][0]["prompt_ids"] is None and x["calls"][0]["completion_ids"] is None
+    lines = export(db, tmp_path / "ids.jsonl", "--with-ids")
     for rid in (first.id, msg.id):
         x = lines[owner[rid]]
         assert x["messages"] == [] and x["calls"][0]["text"] is None
         assert x["calls"][0]["prompt_ids"] and x["calls"][0]["completion_ids"]
+
+
+def test_export_skips_and_reports_a_call_it_cannot_read(gw: Gw, tmp_path: Path) -> None:
+    """A recorded Responses call with ``"input": null`` (answered 200 by a
+    gateway that does not check the request's shape at the door) made
+    ``lightning online export`` die with a TypeError. The export now leaves that
+    call out, says which and why (stderr, its summary line, the session's
+    ``skipped_calls``) and writes every other call and session."""
+    key = new_key(gw, "harness")
+    db = tmp_path / "proto.db"
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def post(body: dict[str, Any], session: str) -> httpx.Response:
+        return httpx.post(gw.url + "/v1/responses", json=body, timeout=30,
+                          headers={**auth, "x-session-id": session})  # fmt: skip
+
+    good = post({"model": "m", "instructions": "Be brief.", "input": "hi [[len:6]]"}, "s-odd")
+    assert good.status_code == 200, good.text
+    odd = post({"model": "m", "instructions": "Be brief.", "input": None}, "s-odd")
+    other = post({"model": "m", "input": "fine [[len:6]]"}, "s-fine")
+    assert other.status_code == 200, other.text
+    gw.stop()
+    if odd.status_code == 200:
+        odd_id = odd.json()["id"]
+    else:  # the door refuses it: write the same odd row into a recorded call
+        assert odd.status_code == 400, odd.text
+        odd = post({"model": "m", "input": "later [[len:6]]"}, "s-odd")
+        odd_id = odd.json()["id"]
+        with sqlite3.connect(db) as c:
+            c.execute("UPDATE calls SET harness_request = ? WHERE response_id = ?",
+                      ('{"model": "m", "instructions": "Be brief.", "input": null}', odd_id))  # fmt: skip
+    owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
+    seq = dict(db_rows(db, "SELECT response_id, seq FROM calls"))
+    assert owner[odd_id] == owner[good.json()["id"]] != owner[other.json()["id"]]
+    res = export_run(db, tmp_path / "out.jsonl")
+    assert "Traceback" not in res.stderr
+    assert (
+        f"skipped call {seq[odd_id]} of session {owner[odd_id]} (openai_responses): "
+        "Responses `input` is null, not a string or a list of items"
+    ) in res.stderr
+    assert "wrote 2 sessions (2 calls)" in res.stdout
+    assert "skipped 1 calls it could not read" in res.stdout
+    lines = {x["session_id"]: x for x in strict_lines(tmp_path / "out.jsonl")}
+    x = lines[owner[odd_id]]
+    assert [c["response_id"] for c in x["calls"]] == [good.json()["id"]]
+    assert x["skipped_calls"] == [{"seq": seq[odd_id], "protocol": "openai_responses",
+        "reason": "Responses `input` is null, not a string or a list of items"}]  # fmt: skip
+    assert x["messages"][:2] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi [[len:6]]"},
+    ]
+    y = lines[owner[other.json()["id"]]]
+    assert y["skipped_calls"] == [] and y["messages"][0] == {
+        "role": "user",
+        "content": "fine [[len:6]]",
+    }
 
 
 @contextlib.contextmanager

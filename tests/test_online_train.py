@@ -4,6 +4,8 @@ on some of them, one trainer step on the tiny model trains exactly those."""
 from __future__ import annotations
 
 import json
+import re
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -163,3 +165,151 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
         }
     finally:
         gw.stop()
+
+
+def strict_json(text: str) -> object:
+    """JSON, refusing ``Infinity``/``NaN`` (which Python writes but JSON has not)."""
+
+    def refuse(c: str) -> None:
+        raise AssertionError(f"{c} in what should be JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_huge_reward_stops_the_pass_before_anything_is_marked(
+    engine: FakeEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A feedback value of 1e308 made ``reward_std`` infinite, every advantage
+    0, and the pass still marked every session trained (their real feedback used
+    up) and wrote ``Infinity`` into metrics.jsonl. Now the pass refuses the
+    reward and stops before it trains or marks anything, naming the session and
+    the fix; with the bound raised, the step's statistics stop it instead; with
+    ``on_bad_reward = "skip"`` it trains the others and leaves that one untrained."""
+    from lightning.cli import main as cli
+
+    db = tmp_path / "huge.db"
+    gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")
+    try:
+        key = new_key(gw, "bot")
+        answers = {}
+        with sdk_clients(gw.url, key) as (oa, an):
+            turn = turn_for("chat", oa, an, stream=False)
+            for i in range(4):
+                msg = {"role": "user", "content": f"what is 2+2? [[len:{8 + i}]]"}
+                answers[i], _ = turn([msg], f"s{i}")
+        for i, v in enumerate((1.0, 0.0, 1.0, 0.0)):
+            gw.api.feedback(key, f"f{i}", name="thumbs", value=v, response_id=answers[i])
+        assert gw.api.sweep(idle_timeout_s=0)["closed"] == 4
+    finally:
+        gw.stop()
+    # The value a client could post before the gateway checked the range; set
+    # here directly so the test holds whatever the gateway accepts at the door.
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE feedback SET value = 1e308 WHERE feedback_id = 'f0'")
+    owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
+    huge = owner[answers[0]]
+
+    def run(name: str, reward: str) -> tuple[int, str, Path]:
+        cfg = tmp_path / f"{name}.toml"
+        cfg.write_text(
+            f'output_dir = "{tmp_path / name}"\n[model]\nbuiltin = "tiny"\n'
+            f'[source]\ndb = "{db}"\n[trainer]\nlr = 1e-4\n[reward]\n{reward}\n'
+        )
+        capsys.readouterr()
+        rc = cli(["train", "--online", str(cfg), "--quiet"])
+        return rc, capsys.readouterr().err, tmp_path / name
+
+    def trained() -> set[str]:
+        sql = "SELECT rollout_id FROM online_sessions WHERE trained IS NOT NULL"
+        return {r[0] for r in db_rows(db, sql)}
+
+    # Refused at the reward: before the model is even loaded.
+    rc, err, out = run("refused", "")
+    assert rc == 1 and "Traceback" not in err
+    assert f"1 session(s) have a reward that is not finite or beyond ±1e+06: {huge}" in err
+    assert "signal 'thumbs' = 1e+308 (feedback_id 'f0')" in err
+    assert "Nothing was marked trained" in err and 'on_bad_reward = "skip"' in err
+    summary = strict_json((out / "summary.json").read_text())
+    assert isinstance(summary, dict) and summary["sessions_trained"] == 0
+    assert "stopped" in summary and not (out / "metrics.jsonl").exists()
+    assert trained() == set() and not (out / "weights").exists()
+
+    # Accepted as a reward, the step's statistics are not finite: stop before the step.
+    rc, err, out = run("inf", "max_abs = 1e308")
+    assert rc == 1 and "Traceback" not in err
+    assert "online pass stopped: step 1's reward_std is not finite" in err
+    assert f"The largest rewards: {huge} = 1e+308" in err
+    assert "stopped" in strict_json((out / "summary.json").read_text())  # type: ignore[operator]
+    assert trained() == set() and not (out / "weights").exists()
+
+    # A step that comes out with a non-finite loss: its metrics line says null
+    # (never NaN), and the pass stops before it marks anything.
+    from lightning.rl.trainer import Trainer
+
+    step = Trainer.step
+
+    def nan_loss(self: Trainer, *a: object, **kw: object) -> dict[str, object]:
+        return {**step(self, *a, **kw), "loss": float("nan")}  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "step", nan_loss)
+        rc, err, out = run("nan", 'on_bad_reward = "skip"')
+    assert rc == 1 and "online pass stopped: step 1's loss is not finite" in err
+    (line,) = [strict_json(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert isinstance(line, dict) and line["loss"] is None and line["sessions_trained"] == 3
+    assert trained() == set() and not (out / "weights").exists()
+
+    # Skipped: the other three train; the refused session stays untrained.
+    rc, err, out = run("skip", 'on_bad_reward = "skip"')
+    assert rc == 0, err
+    summary = strict_json((out / "summary.json").read_text())
+    assert isinstance(summary, dict)
+    assert summary["sessions_skipped"] == {"bad_reward": 1}
+    assert set(summary["sessions"]) == {owner[answers[i]] for i in (1, 2, 3)}
+    assert trained() == set(summary["sessions"]) and huge not in trained()
+
+
+def test_a_missing_model_is_one_line_naming_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The documented ``online.toml`` named only a model path; a user without
+    one got a traceback. Now one line, naming ``builtin = "tiny"``."""
+    from lightning.cli import main as cli
+
+    db = tmp_path / "none.db"
+    db.write_bytes(b"")
+    cfg = tmp_path / "online.toml"
+    cfg.write_text(f'[model]\npath = "/models/policy"\n[source]\ndb = "{db}"\n')
+    assert cli(["train", "--online", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'builtin = "tiny"' in err and "/models/policy" in err
+    cfg.write_text(f'[source]\ndb = "{db}"\n')
+    assert cli(["train", "--online", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model: Field required" in err and 'builtin = "tiny"' in err
+
+
+@pytest.mark.parametrize(
+    "argv", [["online", "export"], ["online", "sessions"], ["train", "--online"]]
+)
+def test_every_online_argument_has_help(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lightning online export --help`` listed its options with no word on any."""
+    from lightning.cli import main as cli
+
+    with pytest.raises(SystemExit) as done:
+        cli([*argv, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    options = text.split("options:")[1].splitlines()
+    # Each option line (`  --db PATH   the gateway's store ...`) carries its
+    # description, or the next line does (a long option name wraps).
+    flags = [i for i, line in enumerate(options) if line.startswith("  -")]
+    bare = [
+        options[i]
+        for i in flags
+        if not re.search(r"\S\s{2,}\S", options[i].strip())
+        and not (i + 1 < len(options) and re.match(r"\s{8,}\S", options[i + 1]))
+    ]
+    assert len(flags) >= 2 and bare == [], text

@@ -17,7 +17,11 @@ as up). The session's reward is the mean of those latest values. ``sum``,
 ``last`` (the latest signal of all) and ``weighted`` (Σ weight[name] × latest
 value, names without a weight ignored) are the other built-ins;
 ``function = "module:fn"`` takes ``fn(signals: list[dict]) -> float`` for
-anything else. Booleans arrive as 1.0 / 0.0.
+anything else. Booleans arrive as 1.0 / 0.0. A counted signal or a reward that
+is not finite or beyond ``max_abs`` is refused (one such value makes the batch's
+std infinite and every advantage zero): the pass stops before it trains or
+marks anything, or, with ``on_bad_reward = "skip"``, leaves those sessions out;
+a step whose statistics are not finite stops it the same way (``PassStopped``).
 
 **Groups and estimators.** Production traffic was never sampled in groups, so
 groups are built after the fact by a key (``[grouping] key``):
@@ -64,7 +68,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
+import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -74,6 +80,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lightning import LightningError
 from lightning.config import (
     ModelSection,
     TrainerConfig,
@@ -127,6 +134,17 @@ class OnlineRewardSection(_Section):
     kind: Literal["mean", "sum", "last", "weighted"] = "mean"
     weights: dict[str, float] = Field(default_factory=dict)
     function: str | None = None  # "module:fn(signals) -> float"
+    max_abs: float = Field(
+        default=1e6,
+        gt=0,
+        description="a counted signal or a session reward beyond ±max_abs (or not finite) "
+        "is refused: one such value swamps the batch statistics",
+    )
+    on_bad_reward: Literal["stop", "skip"] = Field(
+        default="stop",
+        description="a session whose reward is refused: stop the pass before it trains "
+        "(default), or skip the session (left untrained, counted as `bad_reward`)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> OnlineRewardSection:
@@ -212,6 +230,30 @@ class OnlineConfig(_Section):
         if cfg.model.path is not None and not Path(cfg.model.path).is_absolute():
             cfg.model.path = str((base / cfg.model.path).resolve())
         return cfg
+
+
+class PassStopped(LightningError):
+    """An online pass stopped before it marked any session trained; the
+    message says which sessions and values, and what to do."""
+
+
+class BadReward(ValueError):
+    """A session's reward (or a signal it counts) is not finite or beyond ``max_abs``."""
+
+
+def finite_json(x: Any) -> Any:
+    """``x`` with every non-finite float replaced by None (JSON has no Infinity/NaN)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: finite_json(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [finite_json(v) for v in x]
+    return x
+
+
+def _dumps(x: Any, **kw: Any) -> str:
+    return json.dumps(finite_json(x), allow_nan=False, default=float, **kw)
 
 
 # ----------------------------------------------------------------- selection
@@ -335,24 +377,43 @@ def latest_per_target(sigs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def session_reward(sigs: Sequence[dict[str, Any]], cfg: OnlineRewardSection) -> float | None:
-    """The reward of a session from its signals (``None`` when it has none that count)."""
+    """The reward of a session from its signals (``None`` when it has none that
+    count). Raises ``BadReward`` when a counted signal or the reward is not
+    finite or beyond ``cfg.max_abs``."""
+    r = _reward(sigs, cfg)
+    if r is not None and not (math.isfinite(r) and abs(r) <= cfg.max_abs):
+        raise BadReward(f"reward {r!r} is {_beyond(r, cfg.max_abs)}")
+    return r
+
+
+def _beyond(x: float, bound: float) -> str:
+    return "not finite" if not math.isfinite(x) else f"beyond ±{bound:g} ([reward] max_abs)"
+
+
+def _reward(sigs: Sequence[dict[str, Any]], cfg: OnlineRewardSection) -> float | None:
     if cfg.function:
         fn = _load(cfg.function)
         return float(fn(list(sigs))) if sigs else None
     latest = latest_per_target(sigs)
+    if cfg.kind == "weighted":
+        latest = [s for s in latest if s["name"] in cfg.weights]
+    elif cfg.kind == "last":
+        latest = [max(sigs, key=lambda s: s["ts"])] if sigs else []
+    for s in latest:  # the signals that count
+        v = float(s["value"])
+        if not (math.isfinite(v) and abs(v) <= cfg.max_abs):
+            raise BadReward(
+                f"signal {s['name']!r} = {v!r} (feedback_id {s.get('feedback_id')!r}) "
+                f"is {_beyond(v, cfg.max_abs)}"
+            )
     if not latest:
         return None
-    values = [s["value"] for s in latest]
+    values = [float(s["value"]) for s in latest]
     if cfg.kind == "mean":
         return sum(values) / len(values)
-    if cfg.kind == "sum":
-        return float(sum(values))
-    if cfg.kind == "last":
-        return max(sigs, key=lambda s: s["ts"])["value"]
-    counted = [s for s in latest if s["name"] in cfg.weights]
-    if not counted:
-        return None
-    return float(sum(cfg.weights[s["name"]] * s["value"] for s in counted))
+    if cfg.kind in ("sum", "last"):
+        return sum(values)
+    return sum(cfg.weights[s["name"]] * float(s["value"]) for s in latest)
 
 
 def _load(target: str) -> Callable[..., Any]:
@@ -375,6 +436,13 @@ def _first_call(reader: Any, rid: str) -> tuple[bytes | None, str | None]:
     return (None if p is None else p.astype("<u4").tobytes(), reader.call_bodies(rid)[0][2])
 
 
+def _check_model_path(model: ModelSection) -> None:
+    try:
+        model.resolve()
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f'{e}, or try `builtin = "tiny"` under [model]') from None
+
+
 def group_key(kind: str, rid: str, prompt_blob: bytes | None, harness: str | None) -> str:
     import hashlib
 
@@ -384,8 +452,13 @@ def group_key(kind: str, rid: str, prompt_blob: bytes | None, harness: str | Non
         return "__all__"
     if kind == "first_prompt":
         return "p:" + hashlib.sha256(prompt_blob or rid.encode()).hexdigest()[:16]
-    body = json.loads(harness) if harness else {}
-    msgs = body.get("messages") or []
+    try:
+        body = json.loads(harness) if harness else {}
+    except ValueError:
+        body = {}
+    body = body if isinstance(body, dict) else {}
+    msgs = body.get("messages")
+    msgs = [m for m in msgs if isinstance(m, dict)] if isinstance(msgs, list) else []
     system = [m.get("content") for m in msgs if m.get("role") in ("system", "developer")][:1]
     user = [m.get("content") for m in msgs if m.get("role") == "user"][:1]
     if not user and body.get("redacted"):
@@ -538,23 +611,25 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.model.path is not None:
+        _check_model_path(cfg.model)
     sel = select(cfg.source)
-    rewards = {}
-    for s in sel.sessions:
-        r = session_reward(s.signals, cfg.reward)
-        if r is not None:
-            rewards[s.rollout_id] = r
+    rewards, bad = session_rewards(sel, cfg.reward)
     sessions = [s for s in sel.sessions if s.rollout_id in rewards]
     groups = session_groups(cfg.source.db, sessions, cfg.grouping) if sessions else {}
     summary: dict[str, Any] = {"output_dir": str(out), "sessions": [], "steps": []}
     summary.update(selection_metrics(sel, rewards, groups))
+    if bad and cfg.reward.on_bad_reward == "stop":
+        _stop(summary, out, _bad_reward_message(bad, cfg.reward))
+    if sessions and not math.isfinite(summary["session_reward_mean"]):
+        _stop(summary, out, _stats_message("the session reward mean", sessions, rewards))
     say(
         f"{len(sessions)} sessions selected from {cfg.source.db}; skipped "
         f"{summary['sessions_skipped'] or 'none'}; signals {summary['feedback_signals']}"
     )
     if not sessions:
         summary["sessions_trained"] = 0
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        (out / "summary.json").write_text(_dumps(summary, indent=2))
         return summary
     model_dir = cfg.model.resolve()
     trainer = Trainer(cfg.trainer_config(model_dir), log_dir=str(out))
@@ -573,6 +648,11 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
                 if not ids:
                     say(f"{len(batch)} sessions: nothing trainable")
                     continue
+                before = _reward_stats([rewards[i] for i in ids])
+                if not all(math.isfinite(v) for v in before.values()):
+                    off = ", ".join(k for k, v in before.items() if not math.isfinite(v))
+                    what = f"step {len(summary['steps']) + 1}'s {off}"
+                    _stop(summary, out, _stats_message(what, batch, rewards))
                 versions.update(int(c.weight_version) for c in merged.calls)
                 metrics = _train_step(
                     trainer, merged, ids, rewards, groups,
@@ -581,10 +661,14 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
                 metrics.update(
                     {"sessions_untrainable": len(batch) - len(ids), "calls_too_old": old}
                 )
-                trained.extend(ids)
                 summary["steps"].append(metrics)
                 with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(metrics, default=float) + "\n")
+                    f.write(_dumps(metrics) + "\n")
+                not_finite = [k for k in _CHECKED if not _finite(metrics.get(k))]
+                if not_finite:
+                    what = f"step {len(summary['steps'])}'s {', '.join(not_finite)}"
+                    _stop(summary, out, _stats_message(what, batch, rewards))
+                trained.extend(ids)
                 say(_step_line(len(summary["steps"]), metrics))
         if trained:
             summary["weights"] = str(_export(cfg, trainer, out, versions))
@@ -600,12 +684,87 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
     summary["rewards"] = {rid: rewards[rid] for rid in trained}
     summary["groups"] = {rid: groups[rid] for rid in trained}
     summary["weight_versions"] = {str(k): v for k, v in sorted(versions.items())}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    (out / "summary.json").write_text(_dumps(summary, indent=2))
     say(
         f"trained {len(trained)} sessions; skipped {summary['sessions_skipped'] or 'none'}; "
         f"weights in {summary.get('weights')}"
     )
     return summary
+
+
+# Step statistics that must be finite for the step to mean anything: a reward
+# of 1e308 gives reward_std = inf, all advantages 0 and no gradient.
+_CHECKED = ("reward_mean", "reward_std", "adv_mean", "adv_std", "loss", "grad_norm")
+
+
+def _reward_stats(values: Sequence[float]) -> dict[str, float]:
+    """Mean and std of a step's rewards, checked before the step: a std that
+    overflows leaves every advantage 0. Plain floats: x * x overflows to inf
+    without raising or warning."""
+    mean = sum(values) / len(values)
+    var = sum((x - mean) * (x - mean) for x in values) / len(values)
+    return {"reward_mean": mean, "reward_std": math.sqrt(var)}
+
+
+def _finite(x: Any) -> bool:
+    return not isinstance(x, float) or math.isfinite(x)
+
+
+def session_rewards(
+    sel: Selection, cfg: OnlineRewardSection
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Each selected session's reward (sessions without one left out), and the
+    sessions whose reward ``session_reward`` refused, with why. With
+    ``on_bad_reward = "skip"`` the refused ones leave ``sel`` as ``bad_reward``."""
+    rewards: dict[str, float] = {}
+    bad: dict[str, str] = {}
+    for s in sel.sessions:
+        try:
+            r = session_reward(s.signals, cfg)
+        except BadReward as e:
+            bad[s.rollout_id] = str(e)
+            continue
+        if r is not None:
+            rewards[s.rollout_id] = r
+    if bad and cfg.on_bad_reward == "skip":
+        sel.sessions = [s for s in sel.sessions if s.rollout_id not in bad]
+        sel.skipped["bad_reward"] += len(bad)
+    return rewards, bad
+
+
+def _stop(summary: dict[str, Any], out: Path, why: str) -> None:
+    """Ends the pass before anything is marked trained (or weights exported):
+    the reason goes to summary.json and the raised ``PassStopped``."""
+    summary["stopped"] = why
+    summary["sessions_trained"] = 0
+    (out / "summary.json").write_text(_dumps(summary, indent=2))
+    raise PassStopped(why)
+
+
+_NOTHING_DONE = "Nothing was marked trained and no weights were written"
+
+
+def _bad_reward_message(bad: dict[str, str], cfg: OnlineRewardSection) -> str:
+    shown = "; ".join(f"{rid}: {why}" for rid, why in list(bad.items())[:5])
+    more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+    return (
+        f"online pass stopped: {len(bad)} session(s) have a reward that is not finite or "
+        f"beyond ±{cfg.max_abs:g}: {shown}{more}. {_NOTHING_DONE}. Find the client that "
+        "posts such feedback (`lightning online sessions --db DB`); then leave those "
+        'sessions out (`[reward] on_bad_reward = "skip"`), or raise `[reward] max_abs` '
+        "if such values are meant."
+    )
+
+
+def _stats_message(what: str, sessions: Sequence[Session], rewards: dict[str, float]) -> str:
+    top = sorted((s.rollout_id for s in sessions if s.rollout_id in rewards),
+                 key=lambda rid: -abs(rewards[rid]))[:5]  # fmt: skip
+    shown = ", ".join(f"{rid} = {rewards[rid]:g}" for rid in top)
+    return (
+        f"online pass stopped: {what} is not finite, so this step would train nothing "
+        f"sensible. {_NOTHING_DONE}. The largest rewards: {shown}. Lower `[reward] max_abs` "
+        'to refuse such rewards, or set `[reward] on_bad_reward = "skip"` to leave them out.'
+    )
 
 
 def _train_step(
@@ -679,67 +838,118 @@ def _export(cfg: OnlineConfig, trainer: Any, out: Path, versions: Counter[int]) 
 # -------------------------------------------------------------------- export
 
 
+@dataclass
+class ExportSummary:
+    """What ``export_sessions`` wrote, and the calls it could not read (left out
+    of their session's line, which lists them under ``skipped_calls``)."""
+
+    sessions: int = 0
+    calls: int = 0
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # session_id, seq, reason
+    redacted_sessions: int = 0
+
+    def line(self, out: str | Path) -> str:
+        text = f"wrote {self.sessions} sessions ({self.calls} calls) to {out}"
+        if self.redacted_sessions:
+            text += f"; {self.redacted_sessions} redacted (token ids left out unless --with-ids)"
+        if self.skipped:
+            reasons = Counter(x["reason"] for x in self.skipped)
+            text += f"; skipped {len(self.skipped)} calls it could not read: {dict(reasons)}"
+        return text
+
+
 def export_sessions(
     db: str,
     path: str | Path,
     *,
     reward: OnlineRewardSection | None = None,
     only_feedback: bool = False,
-) -> int:
-    """Writes one JSON line per session: messages, token ids per call, signals, reward."""
+    with_ids: bool = False,
+) -> ExportSummary:
+    """Writes one JSON line per session: messages, token ids per call, signals,
+    reward. A call whose recorded request cannot be read as its protocol's is
+    left out and reported (``ExportSummary.skipped``, and ``skipped_calls`` in
+    its session's line) instead of ending the export. A redacted session's calls
+    carry no token ids (they decode to the text redaction removed) unless
+    ``with_ids``."""
     reward = reward or OnlineRewardSection()
     src = SourceSection(
         db=db, require_feedback=only_feedback, closed_only=False, include_trained=True
     )
     sessions = select_sessions(src)
-    n = 0
+    summary = ExportSummary()
     reader = _reader(db)
     with open(path, "w") as f:
         for s in sessions:
-            bodies = {
-                seq: (proto, harness, resp)
-                for seq, proto, harness, resp in reader.call_bodies(s.rollout_id)
+            line = _export_session(reader, s, reward, with_ids=with_ids)
+            summary.skipped.extend({"session_id": s.rollout_id, **x} for x in line["skipped_calls"])
+            summary.redacted_sessions += bool(line["redacted"])
+            summary.calls += len(line["calls"])
+            f.write(_dumps(line) + "\n")
+            summary.sessions += 1
+    return summary
+
+
+def _export_session(
+    reader: Any, s: Session, reward: OnlineRewardSection, *, with_ids: bool
+) -> dict[str, Any]:
+    bodies = {
+        seq: (proto, harness, resp)
+        for seq, proto, harness, resp in reader.call_bodies(s.rollout_id)
+    }
+    calls, skipped = [], []
+    messages: list[Any] = []
+    redacted = False
+    for rec in reader.records(s.rollout_id):
+        proto, harness, resp = bodies.get(rec["seq"], (None, None, None))
+        text = rec["text"]
+        try:
+            body = json.loads(harness) if harness else {}
+            if not isinstance(body, dict):
+                raise ValueError(f"the request is a JSON {type(body).__name__}, not an object")
+            sent = _sent_messages(body, messages)
+        except ValueError as e:  # JSONDecodeError is one
+            skipped.append({"seq": rec["seq"], "protocol": proto, "reason": str(e)})
+            continue
+        if body.get("redacted") is True:
+            redacted = True
+        if sent is not None:
+            messages = sent + ([{"role": "assistant", "content": text}] if text is not None else [])
+        ids = with_ids or body.get("redacted") is not True
+        calls.append(
+            {
+                "seq": rec["seq"],
+                "response_id": resp,
+                "protocol": proto,
+                "status": rec["status"],
+                "prompt_ids": _u32(rec["prompt_ids"]) if ids else None,
+                "completion_ids": _u32(rec["completion_ids"]) if ids else None,
+                "weight_version": rec["weight_version"],
+                "text": text,
             }
-            calls = []
-            messages: list[Any] = []
-            for rec in reader.records(s.rollout_id):
-                proto, harness, resp = bodies.get(rec["seq"], (None, None, None))
-                text = rec["text"]
-                body = json.loads(harness) if harness else {}
-                sent = _sent_messages(body, messages)
-                if sent is not None:
-                    messages = sent + (
-                        [{"role": "assistant", "content": text}] if text is not None else []
-                    )
-                calls.append(
-                    {
-                        "seq": rec["seq"],
-                        "response_id": resp,
-                        "protocol": proto,
-                        "status": rec["status"],
-                        "prompt_ids": _u32(rec["prompt_ids"]),
-                        "completion_ids": _u32(rec["completion_ids"]),
-                        "weight_version": rec["weight_version"],
-                        "text": text,
-                    }
-                )
-            line = {
-                "session_id": s.rollout_id,
-                "app_key": s.app_key,
-                "session_key": s.session_key,
-                "tags": s.tags,
-                "started": s.started,
-                "updated": s.updated,
-                "closed": s.closed,
-                "trained": s.trained,
-                "reward": session_reward(s.signals, reward),
-                "signals": s.signals,
-                "messages": messages,
-                "calls": calls,
-            }
-            f.write(json.dumps(line) + "\n")
-            n += 1
-    return n
+        )
+    try:
+        r: float | None = session_reward(s.signals, reward)
+        reward_error = None
+    except BadReward as e:
+        r, reward_error = None, str(e)
+    return {
+        "session_id": s.rollout_id,
+        "app_key": s.app_key,
+        "session_key": s.session_key,
+        "tags": s.tags,
+        "started": s.started,
+        "updated": s.updated,
+        "closed": s.closed,
+        "trained": s.trained,
+        "redacted": redacted,
+        "reward": r,
+        **({"reward_error": reward_error} if reward_error else {}),
+        "signals": s.signals,
+        "messages": messages,
+        "calls": calls,
+        "skipped_calls": skipped,
+    }
 
 
 def _sent_messages(body: dict[str, Any], before: list[Any]) -> list[Any] | None:
@@ -748,8 +958,10 @@ def _sent_messages(body: dict[str, Any], before: list[Any]) -> list[Any] | None:
     + ``input`` (a string or items), continuing ``before`` when it names a
     ``previous_response_id`` (the input then holds only the new turn). Items that are
     not messages (tool calls and outputs) are kept as sent. None: no text stored
-    (a redacted call)."""
-    if isinstance(body.get("messages"), list):
+    (a redacted call). ``ValueError`` names a shape it cannot read."""
+    if "messages" in body:
+        if not isinstance(body["messages"], list):
+            raise ValueError(f"`messages` is {_kind(body['messages'])}, not a list")
         system = body.get("system")
         if isinstance(system, list):  # Anthropic text blocks
             system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
@@ -758,11 +970,21 @@ def _sent_messages(body: dict[str, Any], before: list[Any]) -> list[Any] | None:
     if "input" not in body:
         return None
     items = body["input"]
-    items = [{"role": "user", "content": items}] if isinstance(items, str) else list(items)
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    elif not isinstance(items, list):
+        raise ValueError(f"Responses `input` is {_kind(items)}, not a string or a list of items")
     if body.get("previous_response_id"):
         return [*before, *items]
     system = body.get("instructions")
-    return ([{"role": "system", "content": system}] if system else []) + items
+    return ([{"role": "system", "content": system}] if system else []) + list(items)
+
+
+def _kind(x: Any) -> str:
+    if x is None:
+        return "null"
+    names = {bool: "boolean", int: "number", float: "number", dict: "an object"}
+    return names.get(type(x), f"a {type(x).__name__}")
 
 
 def _u32(ids: Any) -> list[int] | None:
@@ -775,17 +997,59 @@ def _u32(ids: Any) -> list[int] | None:
 def train_main(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="lightning train --online")
-    p.add_argument("config", help="online training configuration (TOML)")
-    p.add_argument("--output-dir")
-    p.add_argument("--quiet", action="store_true")
+    from pydantic import ValidationError
+
+    p = argparse.ArgumentParser(
+        prog="lightning train --online",
+        description="one training pass on the production sessions of a gateway's store",
+    )
+    p.add_argument("config", help="online training configuration (TOML; see docs/online.md)")
+    p.add_argument("--output-dir", metavar="DIR", help="where summary.json, metrics and weights go "
+                   "(default: the config's output_dir)")  # fmt: skip
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
     args = p.parse_args(argv)
-    cfg = OnlineConfig.load(args.config)
+
+    def fail(msg: str) -> int:
+        print(f"lightning train --online: {msg}", file=sys.stderr)
+        return 1
+
+    try:
+        cfg = OnlineConfig.load(args.config)
+    except ValidationError as e:
+        return fail(f"{args.config}: {_config_errors(e)}")
+    except (OSError, ValueError) as e:  # a missing file, bad TOML
+        return fail(f"{args.config}: {e}")
     if args.output_dir:
         cfg.output_dir = args.output_dir
-    summary = train_online(cfg, quiet=args.quiet)
+    try:
+        summary = train_online(cfg, quiet=args.quiet)
+    except (PassStopped, FileNotFoundError) as e:
+        return fail(str(e))
     print(json.dumps({k: summary[k] for k in ("output_dir", "sessions")}, indent=2))
     return 0
+
+
+def _config_errors(e: Any) -> str:
+    """A pydantic ``ValidationError`` as one line, with the fix for a missing model."""
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "config"
+        parts.append(f"{where}: {err['msg']}")
+    text = "; ".join(parts)
+    if any(err["loc"][:1] == ("model",) for err in e.errors()):
+        text += (
+            ' (for a first try: [model] builtin = "tiny"; or path = "DIR" of a Hugging Face model)'
+        )
+    return text
+
+
+_EXPORT_HELP = """\
+Writes one JSON line per session: chat-style messages (whatever protocol the
+harness spoke), each call's response id and token ids, the feedback signals and
+the session's reward. Reads the store file directly (no gateway, no admin key);
+a call whose recorded request it cannot read is left out and reported on stderr.
+Sessions recorded under a key with defaults.redact = true carry no text and, unless
+--with-ids, no token ids: the ids decode to the text redaction removed."""
 
 
 def main(argv: list[str]) -> int:
@@ -793,20 +1057,49 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="lightning online", description="online sessions in a store")
     sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="sessions to JSONL (messages, token ids, signals, reward)")
-    e.add_argument("--db", required=True)
-    e.add_argument("--out", required=True)
-    e.add_argument("--only-feedback", action="store_true")
-    ls = sub.add_parser("sessions", help="list sessions with their signals and reward")
-    ls.add_argument("--db", required=True)
+    e = sub.add_parser(
+        "export",
+        help="sessions to JSONL (messages, token ids, signals, reward)",
+        description=_EXPORT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    e.add_argument("--db", required=True, metavar="PATH",
+                   help="the gateway's store (its --db / `db` path); read-only")  # fmt: skip
+    e.add_argument("--out", required=True, metavar="PATH", help="the JSONL file to write")
+    e.add_argument("--only-feedback", action="store_true",
+                   help="only sessions with at least one feedback signal")  # fmt: skip
+    e.add_argument("--with-ids", action="store_true",
+                   help="keep token ids of redacted sessions too (they decode to the "
+                   "redacted text: handle the file as you would the text)")  # fmt: skip
+    ls = sub.add_parser(
+        "sessions",
+        help="list sessions with their signals and reward",
+        description="One line per session: id, key, calls, state, signals, reward.",
+    )
+    ls.add_argument("--db", required=True, metavar="PATH", help="the gateway's store; read-only")
     args = p.parse_args(argv)
     if args.cmd == "export":
-        n = export_sessions(args.db, args.out, only_feedback=args.only_feedback)
-        print(f"wrote {n} sessions to {args.out}")
+        try:
+            done = export_sessions(
+                args.db, args.out, only_feedback=args.only_feedback, with_ids=args.with_ids
+            )
+        except FileNotFoundError as err:
+            print(f"lightning online export: {err}", file=sys.stderr)
+            return 1
+        for x in done.skipped:
+            print(
+                f"lightning online export: skipped call {x['seq']} of session "
+                f"{x['session_id']} ({x['protocol']}): {x['reason']}",
+                file=sys.stderr,
+            )
+        print(done.line(args.out))
         return 0
     src = SourceSection(db=args.db, require_feedback=False, closed_only=False, include_trained=True)
     for s in select_sessions(src):
-        r = session_reward(s.signals, OnlineRewardSection())
+        try:
+            r: Any = session_reward(s.signals, OnlineRewardSection())
+        except BadReward as err:
+            r = f"refused ({err})"
         state = "trained" if s.trained else ("closed" if s.closed else "open")
         print(
             f"{s.rollout_id}  {s.app_key:<16} calls={s.n_calls:<3} {state:<7} signals={len(s.signals)} reward={r}"
