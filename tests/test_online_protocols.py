@@ -373,8 +373,8 @@ def test_redacting_key_stores_no_text_on_any_protocol(gw: Gw, sdks: Any, tmp_pat
 
 
 def test_export_skips_and_reports_a_call_it_cannot_read(gw: Gw, tmp_path: Path) -> None:
-    """A recorded Responses call with ``"input": null`` (answered 200 by a
-    gateway that does not check the request's shape at the door) made
+    """A recorded Responses call with ``"input": null`` (answered 200 by
+    gateways before the door checked request shapes) made
     ``lightning online export`` die with a TypeError. The export now leaves that
     call out, says which and why (stderr, its summary line, the session's
     ``skipped_calls``) and writes every other call and session."""
@@ -388,19 +388,17 @@ def test_export_skips_and_reports_a_call_it_cannot_read(gw: Gw, tmp_path: Path) 
 
     good = post({"model": "m", "instructions": "Be brief.", "input": "hi [[len:6]]"}, "s-odd")
     assert good.status_code == 200, good.text
-    odd = post({"model": "m", "instructions": "Be brief.", "input": None}, "s-odd")
+    refused = post({"model": "m", "instructions": "Be brief.", "input": None}, "s-odd")
+    assert refused.status_code == 400, refused.text  # the door refuses it now
     other = post({"model": "m", "input": "fine [[len:6]]"}, "s-fine")
     assert other.status_code == 200, other.text
+    # A store written before the door holds such rows: record a call, then make it one.
+    odd = post({"model": "m", "input": "later [[len:6]]"}, "s-odd")
+    odd_id = odd.json()["id"]
     gw.stop()
-    if odd.status_code == 200:
-        odd_id = odd.json()["id"]
-    else:  # the door refuses it: write the same odd row into a recorded call
-        assert odd.status_code == 400, odd.text
-        odd = post({"model": "m", "input": "later [[len:6]]"}, "s-odd")
-        odd_id = odd.json()["id"]
-        with sqlite3.connect(db) as c:
-            c.execute("UPDATE calls SET harness_request = ? WHERE response_id = ?",
-                      ('{"model": "m", "instructions": "Be brief.", "input": null}', odd_id))  # fmt: skip
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE calls SET harness_request = ? WHERE response_id = ?",
+                  ('{"model": "m", "instructions": "Be brief.", "input": null}', odd_id))  # fmt: skip
     owner = dict(db_rows(db, "SELECT response_id, rollout_id FROM calls"))
     seq = dict(db_rows(db, "SELECT response_id, seq FROM calls"))
     assert owner[odd_id] == owner[good.json()["id"]] != owner[other.json()["id"]]
