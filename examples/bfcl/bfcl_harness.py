@@ -88,9 +88,9 @@ def main() -> int:
     command = typer.main.get_command(cli)
     # BFCL prints its progress on stdout; keep stdout for the final reward line.
     with contextlib.redirect_stdout(sys.stderr):
+        generate = ["generate", "--model", MODEL_ID, "--run-ids", "--skip-server-setup"]
         command(
-            ["generate", "--model", MODEL_ID, "--run-ids", "--skip-server-setup"]
-            + ["--temperature", temperature, "--num-threads", "1", "--allow-overwrite"],
+            [*generate, "--temperature", temperature, "--num-threads", "1", "--allow-overwrite"],
             standalone_mode=False,
         )
         try:
