@@ -11,7 +11,7 @@ export LIGHTNING_CACHE ?= $(HOME)/.cache/lightning
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 DEPS_STAMP := $(VENV)/.lightning-deps-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv deps build test lint rust-test py-test demo demo-online bench fuzz fmt clean
+.PHONY: venv deps build test lint rust-test py-test demo demo-online recipe-bfcl bench fuzz fmt clean
 
 venv: $(DEPS_STAMP)
 
@@ -65,6 +65,10 @@ demo: build
 # `lightning train --online` pass, held-out reward before / after.
 demo-online: build
 	$(VENV)/bin/lightning demo --online
+
+# BFCL v4 through its own harness and checker (docs/bfcl.md); SEED=1 for another seed.
+recipe-bfcl: build
+	$(PY) -m lightning.apps.bfcl recipe --seed $(or $(SEED),0)
 
 bench: build
 	for b in benches/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -1,0 +1,123 @@
+"""One BFCL v4 test case through BFCL's own generation harness and its own checker.
+
+Runs in BFCL's cached environment (``python -m lightning.apps.bfcl setup``), once
+per rollout, launched by ``examples/bfcl/harness.sh``. Nothing of BFCL is patched:
+
+1. BFCL's extension point for a model is its ``MODEL_CONFIG_MAPPING`` (a model id
+   -> ``ModelConfig`` with a handler class). We add one entry, ``lightning-policy``,
+   whose handler is BFCL's own ``OpenAICompletionsHandler`` in prompt mode
+   (``is_fc_model=False``, like the leaderboard's "(Prompt)" entries): BFCL writes
+   the function docs into the system prompt, asks chat completions, and parses
+   ``[func(arg=...)]`` from the text. That handler reads ``OPENAI_BASE_URL`` and
+   ``OPENAI_API_KEY``, which the runner already sets to the rollout's gateway URL
+   and token, so every call BFCL makes is recorded for this rollout.
+2. ``bfcl generate --model lightning-policy --run-ids --skip-server-setup`` for
+   the one test id (``test_case_ids_to_generate.json`` in a private
+   ``BFCL_PROJECT_ROOT``), then ``bfcl evaluate --partial-eval`` on its category:
+   the score is exactly what BFCL's checker gives that case (1 or 0).
+3. The last stdout line is ``{"reward": score, ...}`` (``[reward] source = "stdout"``).
+
+The task is ``LIGHTNING_TASK = {"id": "simple_python_3", "category": "simple_python"}``
+(or ``--id ID`` on the command line for a manual run against ``OPENAI_BASE_URL``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+MODEL_ID = "lightning-policy"
+
+
+def served_model(base_url: str, key: str) -> str:
+    """The id the engine serves (BFCL sends its config's ``model_name`` verbatim)."""
+    req = urllib.request.Request(
+        base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {key}"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def category_of(test_id: str) -> str:
+    return test_id.rsplit("_", 1)[0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--id", help="a BFCL test id (default: LIGHTNING_TASK's id)")
+    p.add_argument("--keep", help="keep BFCL's result and score files in this directory")
+    args = p.parse_args()
+    task = json.loads(os.environ.get("LIGHTNING_TASK", "{}"))
+    test_id = args.id or task["id"]
+    category = task.get("category") or category_of(test_id)
+    # Sampling is the gateway's business (train/eval temperature per rollout);
+    # BFCL's own default (0.001) is what it sends otherwise.
+    temperature = str(task.get("temperature", 0.001))
+    base_url = os.environ["OPENAI_BASE_URL"]
+    key = os.environ.get("OPENAI_API_KEY", "EMPTY")
+
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bfcl-"))
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "test_case_ids_to_generate.json").write_text(json.dumps({category: [test_id]}))
+    os.environ["BFCL_PROJECT_ROOT"] = str(root)  # read when bfcl_eval is imported
+
+    import typer
+    from bfcl_eval.__main__ import cli
+    from bfcl_eval.constants.model_config import MODEL_CONFIG_MAPPING, ModelConfig
+    from bfcl_eval.model_handler.api_inference.openai_completion import (
+        OpenAICompletionsHandler,
+    )
+
+    MODEL_CONFIG_MAPPING[MODEL_ID] = ModelConfig(
+        model_name=served_model(base_url, key),
+        display_name="lightning policy (Prompt)",
+        url="https://github.com/",
+        org="lightning",
+        license="apache-2.0",
+        model_handler=OpenAICompletionsHandler,
+        is_fc_model=False,
+        underscore_to_dot=False,
+    )
+    command = typer.main.get_command(cli)
+    # BFCL prints its progress on stdout; keep stdout for the final reward line.
+    with contextlib.redirect_stdout(sys.stderr):
+        generate = ["generate", "--model", MODEL_ID, "--run-ids", "--skip-server-setup"]
+        command(
+            [*generate, "--temperature", temperature, "--num-threads", "1", "--allow-overwrite"],
+            standalone_mode=False,
+        )
+        try:
+            command(
+                ["evaluate", "--model", MODEL_ID, "--test-category", category, "--partial-eval"],
+                standalone_mode=False,
+            )
+        except statistics.StatisticsError:
+            # After scoring, `bfcl evaluate` builds its leaderboard CSV, whose
+            # latency column takes a standard deviation: with one test case that
+            # raises. The category's score file is written before that step.
+            pass
+    found = sorted((root / "score" / MODEL_ID).rglob(f"BFCL_v4_{category}_score.json"))
+    if not found:
+        raise SystemExit(f"BFCL wrote no score file for {test_id} under {root / 'score'}")
+    score_file = found[0]
+    header = json.loads(score_file.read_text().splitlines()[0])
+    print(
+        json.dumps(
+            {
+                "reward": float(header["accuracy"]),
+                "bfcl": {"id": test_id, "category": category, **header},
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
