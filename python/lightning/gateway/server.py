@@ -101,7 +101,7 @@ class GatewayConfig(BaseModel):
     )
     admin_key: str | None = Field(
         default=None,
-        description="Guards rollout creation and `/admin/*`. Required unless `insecure_local`.",
+        description="Guards rollout creation and `/admin/*`: 8 characters or more, random is best; give it as LIGHTNING_ADMIN_KEY or in the config file rather than the flag, which every user on the machine sees in `ps`. Required unless `insecure_local`.",
     )
     insecure_local: bool = Field(
         default=False,

@@ -26,9 +26,17 @@ pub fn parse_base_url(url: &str) -> Result<BaseUrl, String> {
     if authority.is_empty() {
         return Err(format!("upstream URL {url:?} has no host"));
     }
+    // Every engine we forward to (vLLM, SGLang, lightning serve) serves its
+    // OpenAI routes under /v1, and a bare `http://host:port` is the natural
+    // thing to type: without this a harness would get 404s, retry, and fill
+    // the store with `upstream_error` calls.
+    let prefix = match path.trim_end_matches('/') {
+        "" => "/v1",
+        p => p,
+    };
     Ok(BaseUrl {
         authority: authority.to_string(),
-        prefix: path.trim_end_matches('/').to_string(),
+        prefix: prefix.to_string(),
     })
 }
 
@@ -59,7 +67,8 @@ impl Engine {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamConfig {
-    /// Base URL including the API prefix, e.g. `http://127.0.0.1:8000/v1`.
+    /// Base URL including the API prefix, e.g. `http://127.0.0.1:8000/v1`; a
+    /// bare `http://host:port` means `/v1`, where every supported engine serves.
     pub url: String,
     /// Weight version the engine behind this URL serves; recorded on every call.
     #[serde(default)]
@@ -247,7 +256,10 @@ config! {
     /// SQLite file of the trace store.
     #[arg(value_name = "PATH")]
     db: PathBuf = PathBuf::from("lightning.db"), Any;
-    /// Guards rollout creation and `/admin/*`. Required unless `insecure_local`.
+    /// Guards rollout creation and `/admin/*`: 8 characters or more, random is
+    /// best; give it as LIGHTNING_ADMIN_KEY or in the config file rather than the
+    /// flag, which every user on the machine sees in `ps`. Required unless
+    /// `insecure_local`.
     #[arg(env = "LIGHTNING_ADMIN_KEY", hide_env_values = true)]
     admin_key: Option<String> = None, Any;
     /// Run without an admin key (admin routes open to anyone who can connect);
@@ -566,6 +578,11 @@ mod tests {
                 prefix: "/v1".into()
             })
         );
+        // A bare host means the engines' usual /v1.
+        for bare in ["http://127.0.0.1:8000", "http://127.0.0.1:8000/"] {
+            assert_eq!(parse_base_url(bare).unwrap().prefix, "/v1");
+        }
+        assert_eq!(parse_base_url("http://h/api/v2").unwrap().prefix, "/api/v2");
         assert!(parse_base_url("https://x/v1").is_err());
         assert!(parse_base_url("http:///v1").is_err());
     }
