@@ -8,6 +8,10 @@ conversation from ``result.to_input_list()``. The SDK's default model provider
 speaks Responses (``/v1/responses``), which the gateway records exactly like chat.
 It knows nothing about lightning.
 
+One difference from the chat agent is the SDK's, not ours: a reply cut off at
+``max_tokens`` is an error to the SDK (``ModelBehaviorError``), with no text to
+check, so it scores 0 here where the chat agent would still read a number from it.
+
 As a process: ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``LIGHTNING_TASK`` in
 the environment; prints one JSON line with ``"reward"``. In-process: ``await
 run(task, client)`` with an ``openai.AsyncOpenAI`` client.
@@ -22,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner
+from agents import Agent, ModelBehaviorError, ModelSettings, OpenAIProvider, RunConfig, Runner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared checker
 from arith_agent import (
@@ -41,7 +45,7 @@ async def run(task: dict[str, Any], client: Any) -> float:
     settings = ModelSettings(
         temperature=float(task.get("temperature", 1.0)),
         max_tokens=int(task.get("max_tokens", 16)),
-        extra_args=None if seed is None else {"seed": int(seed)},
+        extra_body=None if seed is None else {"seed": int(seed)},
     )
     agent = Agent(
         name="arith",
@@ -56,7 +60,13 @@ async def run(task: dict[str, Any], client: Any) -> float:
     )
     conversation: Any = task["prompt"]
     for turn in range(MAX_TURNS):
-        result = await Runner.run(agent, conversation, run_config=config)
+        try:
+            result = await Runner.run(agent, conversation, run_config=config)
+        except ModelBehaviorError:
+            # The SDK refuses a reply cut off at max_tokens (Responses status
+            # "incomplete") and keeps no text of it: no answer, reward 0. The
+            # call is recorded all the same, so training sees the long reply.
+            return 0.0
         ok, feedback = check_answer(task, str(result.final_output or ""))
         if ok:
             return REWARD_FIRST_TRY if turn == 0 else REWARD_AFTER_RETRY

@@ -45,8 +45,11 @@ async def solve(task: dict[str, Any], claude: anthropic.AsyncAnthropic) -> float
             system=SYSTEM,
             messages=messages,  # type: ignore[arg-type]
             max_tokens=int(task.get("max_tokens", 16)),
-            temperature=float(task.get("temperature", 1.0)),
-            extra_body=None if seed is None else {"seed": int(seed) + turn},
+            # This SDK release takes no `temperature` argument; the Messages body does.
+            extra_body={
+                "temperature": float(task.get("temperature", 1.0)),
+                **({} if seed is None else {"seed": int(seed) + turn}),
+            },
         )
         text = "".join(b.text for b in reply.content if b.type == "text")
         ok, feedback = check_answer(task, text)
