@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -37,6 +38,10 @@ from arith_agent import (
 )
 
 INSTRUCTIONS = "You solve arithmetic problems."
+
+# The SDK logs every reply it refuses (below) as an error before raising it; the
+# agent handles those, and any other failure still raises.
+logging.getLogger("openai.agents").setLevel(logging.CRITICAL)
 
 
 async def run(task: dict[str, Any], client: Any) -> float:

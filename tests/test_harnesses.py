@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from lightning.config import DEFAULT_HARNESS, RunConfig
 from lightning.run.harnesses import (
     HarnessRunner,
+    eval_intervals,
     eval_label,
     eval_matrix,
     harness_costs,
@@ -207,6 +208,21 @@ def test_costs_per_harness_and_the_split_flag() -> None:
 
 
 # ------------------------------------------------------------------ matrix
+
+
+def test_eval_intervals_pool_the_trained_harnesses_by_task() -> None:
+    # 2 tasks × k=2 through a, b (trained) and u (eval only), in job order.
+    rewards = {"a": [1, 1, 0, 0], "b": [1, 0, 0, None], "u": [0, 0, 0, 0]}
+    results = [
+        result(f"{n}{i}", n, 1.0) for n, values in rewards.items() for i in range(len(values))
+    ]
+    for r, v in zip(results, [v for vs in rewards.values() for v in vs], strict=True):
+        r.reward = None if v is None else float(v)
+    pooled, cells = eval_intervals(results, [("a", False), ("b", False), ("u", True)], k=2, seed=0)
+    assert cells["a"]["reward"] == 0.5 and cells["b"]["reward"] == 0.25  # None counts 0
+    assert cells["u"] == {"reward": 0.0, "low": 0.0, "high": 0.0, "n": 4, "eval_only": True}
+    # Pooled over a and b only: 2 tasks, 4 samples each.
+    assert pooled.mean == 0.375 and (pooled.tasks, pooled.samples) == (2, 4)
 
 
 def cell(reward: float, eval_only: bool = False) -> dict[str, Any]:

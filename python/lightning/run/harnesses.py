@@ -40,6 +40,7 @@ from typing import Any
 
 from lightning.config import DEFAULT_HARNESS
 from lightning.run.runner import RolloutResult, Runner
+from lightning.run.stats import Interval, reward_interval
 
 # The task field that names a rollout's harness.
 HARNESS_KEY = "harness"
@@ -230,6 +231,41 @@ def merge_costs(rows: Sequence[Mapping[str, Any]], key: str = "harnesses") -> di
         )
         out[name] = row
     return out
+
+
+def eval_intervals(
+    results: Sequence[RolloutResult],
+    harnesses: Sequence[tuple[str, bool]],
+    *,
+    k: int,
+    seed: int,
+) -> tuple[Interval, dict[str, dict[str, Any]]]:
+    """The intervals of one eval: pooled over the trained harnesses, and per harness.
+
+    ``results`` are in job order: for each ``(name, eval_only)`` of ``harnesses``,
+    every held-out task ``k`` times. A rollout without a reward counts 0. The
+    pooled interval keeps each task's samples from every trained harness together
+    (one cluster per task). Each cell: ``reward``, ``low``, ``high``, ``n``,
+    ``eval_only``."""
+    per_harness = len(results) // len(harnesses)
+    pooled: dict[str, list[float]] = {}
+    cells: dict[str, dict[str, Any]] = {}
+    for hi, (name, eval_only) in enumerate(harnesses):
+        by_task: dict[str, list[float]] = {}
+        for i, r in enumerate(results[hi * per_harness : (hi + 1) * per_harness]):
+            value = r.reward if r.reward is not None else 0.0
+            by_task.setdefault(str(i // k), []).append(value)
+            if not eval_only:
+                pooled.setdefault(str(i // k), []).append(value)
+        iv = reward_interval(by_task, seed=seed)
+        cells[name] = {
+            "reward": iv.mean,
+            "low": iv.low,
+            "high": iv.high,
+            "n": iv.tasks * iv.samples,
+            "eval_only": eval_only,
+        }
+    return reward_interval(pooled, seed=seed), cells
 
 
 def eval_label(row: Mapping[str, Any]) -> str:

@@ -47,12 +47,13 @@ from lightning.config import HarnessSection, RunConfig
 from lightning.run.harnesses import (
     HARNESS_KEY,
     HarnessRunner,
+    eval_intervals,
     harness_costs,
     harness_of,
     split_flags,
 )
 from lightning.run.runner import RolloutResult, Runner, load_callable
-from lightning.run.stats import Interval, reward_interval
+from lightning.run.stats import Interval
 from lightning.run.weight_sync import WeightSync, WeightUpdate, make_weight_sync
 
 log = logging.getLogger("lightning.run.loop")
@@ -433,26 +434,9 @@ class Run:
         t0 = time.monotonic()
         results = self.runner.run(jobs, mode="eval")
         self.phases.record("generate", t0, time.monotonic())
-        per_job = len(self.eval_tasks) * k
-        pooled: dict[str, list[float]] = {}
-        cells: dict[str, Any] = {}
-        for hi, h in enumerate(harnesses):
-            mine = results[hi * per_job : (hi + 1) * per_job]
-            by_task: dict[str, list[float]] = {}
-            for i, r in enumerate(mine):
-                value = r.reward if r.reward is not None else 0.0
-                by_task.setdefault(str(i // k), []).append(value)
-                if not h.eval_only:
-                    pooled.setdefault(str(i // k), []).append(value)
-            iv = reward_interval(by_task, seed=self.config.seed)
-            cells[h.name] = {
-                "reward": iv.mean,
-                "low": iv.low,
-                "high": iv.high,
-                "n": iv.tasks * iv.samples,
-                "eval_only": h.eval_only,
-            }
-        interval = reward_interval(pooled, seed=self.config.seed)
+        interval, cells = eval_intervals(
+            results, [(h.name, h.eval_only) for h in harnesses], k=k, seed=self.config.seed
+        )
         self._say(
             f"eval ({label}): mean reward {interval} over {interval.tasks} held-out "
             f"tasks × {k} at temperature {temp:g}"
