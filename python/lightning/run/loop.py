@@ -681,7 +681,11 @@ class Run:
             from lightning.run.report import read_jsonl
 
             matrix = eval_matrix(read_jsonl(self.out / "metrics.jsonl"))
-            summary["eval_matrix"] = matrix
+            # The matrix alone; each eval's costs stay in metrics.jsonl.
+            summary["eval_matrix"] = {
+                name: [{k: v for k, v in c.items() if k != "costs"} for c in cells]
+                for name, cells in matrix.items()
+            }
             self._say("held-out reward per harness (95% intervals):\n" + matrix_table(matrix))
             for line in transfer_lines(matrix):
                 self._say(line)
