@@ -67,6 +67,25 @@ def table(run_dirs: list[str]) -> str:
         mid += ["–"] * (mids - len(mid))
         cells = [str(r["seed"]), before, *mid, final, f"{r['wall_s'] / 60:.1f} min"]
         lines.append("| " + " | ".join(cells) + " |")
+    if any("eval_matrix" in r for r in records):
+        lines += ["", harness_table(records)]
+    return "\n".join(lines)
+
+
+def harness_table(records: list[dict[str, Any]]) -> str:
+    """Per seed and harness, the held-out reward before and after training
+    (runs of ``--harnesses all``; each ``demo.json`` keeps its matrix)."""
+    from lightning.run.harnesses import fmt_cell
+
+    lines = ["| seed | harness | before | final | Δ |", "|---|---|---|---|---|"]
+    for r in records:
+        for name, cells in (r.get("eval_matrix") or {}).items():
+            if not cells:
+                continue
+            tag = " (eval only)" if cells[-1].get("eval_only") else ""
+            delta = float(cells[-1]["reward"]) - float(cells[0]["reward"])
+            row = [str(r["seed"]), name + tag, fmt_cell(cells[0]), fmt_cell(cells[-1])]
+            lines.append("| " + " | ".join([*row, f"{delta:+.3f}"]) + " |")
     return "\n".join(lines)
 
 
