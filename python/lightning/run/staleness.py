@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from lightning import GatewayClient, MergeResult, Tokenizer
     from lightning.config import RunConfig
     from lightning.run.harnesses import HarnessRunner
-    from lightning.run.runner import RolloutResult, Runner
+    from lightning.run.runner import RolloutResult
 
 
 class Run(Protocol):
@@ -53,7 +53,9 @@ class Run(Protocol):
 
     config: RunConfig
     client: GatewayClient
-    runner: Runner | HarnessRunner
+    # The loop's runner routes each job to its harness's Runner; the bound only
+    # reruns stale jobs through it.
+    runner: HarnessRunner
     tokenizer: Tokenizer
     phases: PhaseLog
     state: dict[str, Any]
