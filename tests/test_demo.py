@@ -49,3 +49,29 @@ def test_evals_and_table(tmp_path: Path) -> None:
         == "| 0 | 0.400 (0.300–0.500) | 0.800 (0.700–0.900) | 0.850 (0.750–0.950) | 9.0 min |"
     )
     assert lines[3] == "| 1 | 0.400 (0.300–0.500) | – | 0.850 (0.750–0.950) | 9.0 min |"
+
+
+def test_the_table_of_harness_runs(tmp_path: Path) -> None:
+    rows: list[dict[str, object]] = [
+        {"step": -1, "eval_reward": 0.4, "eval_ci_low": 0.3, "eval_ci_high": 0.5},
+        {"step": 12, "eval_reward": 0.8, "eval_ci_low": 0.7, "eval_ci_high": 0.9},
+    ]
+    out = _run(tmp_path, 0, rows)
+    record = json.loads((out / "demo.json").read_text())
+    cell = {"low": 0.1, "high": 0.3, "n": 4}
+    record["eval_matrix"] = {
+        "chat": [
+            {"label": "before", "reward": 0.2, **cell, "eval_only": False},
+            {"label": "final", "reward": 0.7, **cell, "eval_only": False},
+        ],
+        "unseen": [
+            {"label": "before", "reward": 0.25, **cell, "eval_only": True},
+            {"label": "final", "reward": 0.5, **cell, "eval_only": True},
+        ],
+    }
+    (out / "demo.json").write_text(json.dumps(record))
+    lines = demo.table([str(out)]).splitlines()
+    start = lines.index("| seed | harness | before | final | Δ |")
+    assert lines[start + 2] == "| 0 | chat | 0.200 (0.100–0.300) | 0.700 (0.100–0.300) | +0.500 |"
+    assert lines[start + 3].startswith("| 0 | unseen (eval only) | 0.250")
+    assert lines[start + 3].endswith("| +0.250 |")

@@ -279,3 +279,25 @@ def test_task_generator_goes_through_lightning_data(tmp_path: Path) -> None:
     assert len(prompts) == len(set(prompts))
     assert {t["prompt"] for t in train}.isdisjoint(t["prompt"] for t in held)
     assert set(train[0]) >= {"id", "prompt", "answer", "op"}
+
+
+def test_task_generator_writes_file_tasks_for_coding_agents(tmp_path: Path) -> None:
+    """`--file` tasks name the file the coding-agent harnesses check (their
+    `expect_file`/`expect_text`), and the data pipeline keeps those fields."""
+    plain = arith_tasks.generate(20, seed=3, lo=1, hi=30, ops="+,*")
+    coding = arith_tasks.generate(20, seed=3, lo=1, hi=30, ops="+,*", file="answer.txt")
+    for p, c in zip(plain, coding, strict=True):
+        assert c["answer"] == p["answer"] and c["id"] == p["id"]
+        expr = p["prompt"].removeprefix("What is ").split("?")[0]
+        assert (
+            c["prompt"]
+            == f"Compute {expr} and write just the resulting number into the file answer.txt."
+        )
+        assert c["expect_file"] == "answer.txt" and c["expect_text"] == c["answer"]
+        assert "expect_file" not in p
+    out = tmp_path / "tasks"
+    flags = ["--n", "200", "--hi", "30", "--eval-size", "20", "--file", "answer.txt"]
+    assert arith_tasks.main([*flags, "--out", str(out)]) == 0
+    held = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert len(held) == 20
+    assert all(t["expect_file"] == "answer.txt" and t["expect_text"] == t["answer"] for t in held)

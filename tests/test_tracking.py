@@ -93,8 +93,10 @@ def test_wandb_offline_receives_metrics_and_traces(
     [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
     [table] = run_dir.glob("files/media/table/traces_*.table.json")
     data = json.loads(table.read_text())
-    assert data["columns"] == ["step", "rollout_id", "reward", "text"]
-    assert data["data"] == [[3, "r1", 1.0, "What is 2+2? 4"]]
+    # The harness column is empty for a trace that names none (a run of one harness
+    # names it "default").
+    assert data["columns"] == ["step", "rollout_id", "harness", "reward", "text"]
+    assert data["data"] == [[3, "r1", None, 1.0, "What is 2+2? 4"]]
 
 
 def test_a_failing_tracker_is_disabled_not_fatal() -> None:

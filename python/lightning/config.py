@@ -34,6 +34,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# The name of a run's only harness when it is given as `[harness]`.
+DEFAULT_HARNESS = "default"
+
+
 class ModelSection(_Section):
     """The policy. Either a local Hugging Face directory or a built-in offline model."""
 
@@ -166,8 +170,16 @@ class GatewaySection(GatewayConfig):
 
 
 class HarnessSection(_Section):
-    """The unmodified harness: a command run once per rollout, or a Python callable."""
+    """The unmodified harness: a command run once per rollout, or a Python callable.
 
+    A run may list several (``[[harnesses]]``, see :class:`RunConfig`); then each
+    has a ``name`` (recorded with every rollout it runs), its share of a step's
+    groups (``share``, a weight, or ``per_step``, a fixed number of groups), and
+    ``eval_only = true`` for a harness only the held-out eval runs (never trained
+    on: its eval shows how training transfers to an unseen harness).
+    """
+
+    name: str = Field(DEFAULT_HARNESS, pattern=r"^[A-Za-z0-9_.-]+$")
     command: list[str] | None = None
     callable: str | None = None  # "module:function", async def run(task, client)
     timeout_s: float = 120.0
@@ -181,6 +193,10 @@ class HarnessSection(_Section):
     ray_num_cpus: float = Field(1.0, ge=0.0)
     ray_resources: dict[str, float] = Field(default_factory=dict)
     ray_schedule_timeout_s: float = Field(600.0, gt=0.0)
+    # Of a step's groups: a weight (default: equal shares), or a fixed count.
+    share: float | None = Field(None, gt=0.0)
+    per_step: int | None = Field(None, ge=1)
+    eval_only: bool = False
 
     @model_validator(mode="after")
     def _one_harness(self) -> HarnessSection:
@@ -193,6 +209,16 @@ class HarnessSection(_Section):
             )
         if self.concurrency < 1:
             raise ValueError("[harness] concurrency must be >= 1")
+        if self.share is not None and self.per_step is not None:
+            raise ValueError(
+                f"harness {self.name!r}: give `share` (a weight) or `per_step` (groups "
+                "per step), not both"
+            )
+        if self.eval_only and (self.share is not None or self.per_step is not None):
+            raise ValueError(
+                f"harness {self.name!r} is eval_only: it runs no training rollouts, so "
+                "`share` and `per_step` do not apply; remove them"
+            )
         return self
 
 
@@ -424,7 +450,9 @@ class RunConfig(_Section):
     model: ModelSection
     engine: EngineSection = Field(default_factory=EngineSection)
     gateway: GatewaySection = Field(default_factory=GatewaySection)
-    harness: HarnessSection
+    # One harness (`[harness]`), or several (`[[harnesses]]`, each with a name).
+    harness: HarnessSection | None = None
+    harnesses: list[HarnessSection] = Field(default_factory=list)
     tasks: TasksSection
     reward: RewardSection = Field(default_factory=RewardSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
@@ -445,6 +473,63 @@ class RunConfig(_Section):
         if isinstance(data, Mapping):
             refuse_run_set(data.get("trainer"), _RUN_SETS)
         return data
+
+    @model_validator(mode="after")
+    def _harness_list(self) -> RunConfig:
+        if (self.harness is None) == (not self.harnesses):
+            raise ValueError(
+                "give the run one `[harness]` or a list of `[[harnesses]]` (each with a "
+                "`name`), not both and not neither"
+            )
+        names = [h.name for h in self.all_harnesses()]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"[[harnesses]] names must be unique; repeated: {dup}")
+        trained = self.trained_harnesses()
+        if not trained:
+            raise ValueError("every harness is eval_only: at least one must train")
+        fixed = sum(h.per_step or 0 for h in trained)
+        by_share = [h for h in trained if h.per_step is None]
+        if by_share and fixed >= self.algorithm.tasks_per_step:
+            raise ValueError(
+                f"[[harnesses]] per_step counts take {fixed} of the "
+                f"{self.algorithm.tasks_per_step} groups of a step ([algorithm] "
+                f"tasks_per_step), leaving none for {[h.name for h in by_share]}; raise "
+                "tasks_per_step or give those harnesses per_step too"
+            )
+        return self
+
+    def all_harnesses(self) -> list[HarnessSection]:
+        """Every harness of the run, in config order (``[harness]`` is a list of one)."""
+        return [self.harness] if self.harness is not None else list(self.harnesses)
+
+    def trained_harnesses(self) -> list[HarnessSection]:
+        return [h for h in self.all_harnesses() if not h.eval_only]
+
+    def harness_groups(self, step: int) -> dict[str, int]:
+        """How many groups (tasks) each trained harness runs at ``step``.
+
+        ``per_step`` harnesses get their count; the others split the rest of
+        ``[algorithm] tasks_per_step`` by ``share`` (default: equal) by largest
+        remainder, ties rotating with the step so that over steps each harness
+        gets its share.
+        """
+        trained = self.trained_harnesses()
+        out = {h.name: h.per_step or 0 for h in trained}
+        by_share = [h for h in trained if h.per_step is None]
+        if not by_share:
+            return out
+        rest = self.algorithm.tasks_per_step - sum(out.values())
+        weights = [h.share or 1.0 for h in by_share]
+        exact = [rest * w / sum(weights) for w in weights]
+        counts = [int(x) for x in exact]
+        n = len(by_share)
+        order = sorted(range(n), key=lambda i: (-(exact[i] - counts[i]), (i - step) % n))
+        for i in order[: rest - sum(counts)]:
+            counts[i] += 1
+        for h, c in zip(by_share, counts, strict=True):
+            out[h.name] = c
+        return out
 
     def trainer_config(self, model: str | Path) -> TrainerConfig:
         """The trainer's configuration for this run's policy at `model` (every
@@ -493,13 +578,14 @@ class RunConfig(_Section):
         if data.model.path is not None:
             data.model.path = fix(data.model.path)
         data.engine.chat_template = fix(data.engine.chat_template)
-        if data.harness.callable is not None:
-            # "agent.py:run" names a file next to the config, like every other path.
-            module, sep, func = data.harness.callable.rpartition(":")
-            if sep and module.endswith(".py"):
-                data.harness.callable = f"{fix(module)}:{func}"
-        if data.harness.cwd is not None:
-            data.harness.cwd = fix(data.harness.cwd)
-        else:
-            data.harness.cwd = str(base.resolve())
+        for harness in data.all_harnesses():
+            if harness.callable is not None:
+                # "agent.py:run" names a file next to the config, like every other path.
+                module, sep, func = harness.callable.rpartition(":")
+                if sep and module.endswith(".py"):
+                    harness.callable = f"{fix(module)}:{func}"
+            if harness.cwd is not None:
+                harness.cwd = fix(harness.cwd)
+            else:
+                harness.cwd = str(base.resolve())
         return data

@@ -9,6 +9,12 @@ through the data-cleaning pipeline. The eval reward on held-out tasks, with its
 95% interval, is printed before, during and after training; the demo ends on
 the final weights (no checkpoint is picked by its held-out score). The run
 report is written at the end.
+
+``lightning demo --harnesses all`` trains the same policy through the arithmetic
+agent in three frameworks and protocols at once (openai SDK over chat, the OpenAI
+Agents SDK over Responses, the anthropic SDK over Messages) and evaluates it
+through those and a fourth it never trains through (``examples/demo_harnesses.toml``);
+it ends by printing the harness × (before, mid, final) matrix.
 """
 
 from __future__ import annotations
@@ -61,6 +67,25 @@ def table(run_dirs: list[str]) -> str:
         mid += ["–"] * (mids - len(mid))
         cells = [str(r["seed"]), before, *mid, final, f"{r['wall_s'] / 60:.1f} min"]
         lines.append("| " + " | ".join(cells) + " |")
+    if any("eval_matrix" in r for r in records):
+        lines += ["", harness_table(records)]
+    return "\n".join(lines)
+
+
+def harness_table(records: list[dict[str, Any]]) -> str:
+    """Per seed and harness, the held-out reward before and after training
+    (runs of ``--harnesses all``; each ``demo.json`` keeps its matrix)."""
+    from lightning.run.harnesses import fmt_cell
+
+    lines = ["| seed | harness | before | final | Δ |", "|---|---|---|---|---|"]
+    for r in records:
+        for name, cells in (r.get("eval_matrix") or {}).items():
+            if not cells:
+                continue
+            tag = " (eval only)" if cells[-1].get("eval_only") else ""
+            delta = float(cells[-1]["reward"]) - float(cells[0]["reward"])
+            row = [str(r["seed"]), name + tag, fmt_cell(cells[0]), fmt_cell(cells[-1])]
+            lines.append("| " + " | ".join([*row, f"{delta:+.3f}"]) + " |")
     return "\n".join(lines)
 
 
@@ -78,7 +103,16 @@ def main(argv: list[str]) -> int:
         choices=["smollm2-135m-instruct", "tiny"],
         help="override the model (tiny: a random model, for smoke tests)",
     )
-    p.add_argument("--config", help="default: examples/demo.toml")
+    p.add_argument(
+        "--config",
+        help="default: examples/demo.toml (examples/demo_harnesses.toml with --harnesses)",
+    )
+    p.add_argument(
+        "--harnesses",
+        choices=["all"],
+        help="all: train through the agent in three harnesses (chat, Responses, Messages) "
+        "and evaluate through a fourth, unseen one; prints the per-harness matrix",
+    )
     p.add_argument(
         "--table",
         nargs="+",
@@ -93,7 +127,8 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
 
     examples = examples_dir()
-    config_path = Path(args.config) if args.config else examples / "demo.toml"
+    default = "demo_harnesses.toml" if args.harnesses else "demo.toml"
+    config_path = Path(args.config) if args.config else examples / default
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.output_dir or f"runs/demo-seed{args.seed}-{stamp}")
     tasks_dir = out / "tasks"
@@ -126,9 +161,18 @@ def main(argv: list[str]) -> int:
         "wall_s": time.monotonic() - started,
         "load1_at_end": os.getloadavg()[0],
     }
+    if "eval_matrix" in summary:
+        record["eval_matrix"] = summary["eval_matrix"]
     (out / "demo.json").write_text(json.dumps(record, indent=2))
     for e in record["evals"]:
         print(f"[lightning] held-out reward, {e['label']}: {_fmt(e)}  (95% interval)")
+    if "eval_matrix" in record:
+        from lightning.run.harnesses import matrix_table, transfer_lines
+
+        print("[lightning] held-out reward per harness (95% intervals):")
+        print(matrix_table(record["eval_matrix"]))
+        for line in transfer_lines(record["eval_matrix"]):
+            print(f"[lightning] {line}")
     print(
         f"[lightning] the demo ends on the final weights (after step {config.steps}); "
         f"{record['wall_s']:.0f} s wall clock; summary in {out / 'demo.json'}"

@@ -10,6 +10,11 @@ One step::
 Periodic evaluation runs held-out tasks at the eval temperature through the very
 same harness and gateway (rollouts in mode ``eval``, never trained on).
 
+A run may train through several harnesses (``[[harnesses]]``): each step's groups
+are split among them, one group per (task, harness), and every eval runs each
+held-out task through every harness, ``eval_only`` ones included
+(lightning.run.harnesses).
+
 Everything a run produces lands in its output directory: ``lightning.db`` (the
 gateway's store: every call and reward), ``metrics.jsonl`` (one object per step),
 ``traces.jsonl`` (a few decoded traces per step for the report), ``checkpoints/``,
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -37,9 +43,17 @@ from typing import Any
 
 import httpx
 
-from lightning.config import RunConfig
+from lightning.config import HarnessSection, RunConfig
+from lightning.run.harnesses import (
+    HARNESS_KEY,
+    HarnessRunner,
+    eval_intervals,
+    harness_costs,
+    harness_of,
+    split_flags,
+)
 from lightning.run.runner import RolloutResult, Runner, load_callable
-from lightning.run.stats import Interval, reward_interval
+from lightning.run.stats import Interval
 from lightning.run.weight_sync import WeightSync, WeightUpdate, make_weight_sync
 
 log = logging.getLogger("lightning.run.loop")
@@ -155,9 +169,8 @@ class EmbeddedEngine:
         self.log_file.close()
 
 
-def _make_launcher(cfg: RunConfig) -> Any:
+def _make_launcher(h: HarnessSection) -> Any:
     """Where harness processes run: here, or as Ray tasks (lightning.run.ray)."""
-    h = cfg.harness
     if h.backend == "local":
         return None
     from lightning.run.ray import RayLauncher
@@ -335,32 +348,49 @@ class Run:
         self.client = GatewayClient(self.gateway.url, self.admin_key, store=db)
         self._stack.callback(self.client.close)
 
-    def _make_runner(self) -> Runner:
+    def _make_runner(self) -> HarnessRunner:
+        """One runner per harness, behind one ``run`` that routes by task["harness"]."""
+        in_process: dict[str, tuple[str, str]] = {}  # env key -> (value, harness)
+        runners = {}
+        for h in self.config.all_harnesses():
+            runners[h.name] = self._runner_for(h, in_process)
+        return HarnessRunner(runners)
+
+    def _runner_for(self, h: HarnessSection, in_process: dict[str, tuple[str, str]]) -> Runner:
         cfg = self.config
         harness: Any
-        if cfg.harness.command is not None:
+        if h.command is not None:
             # "{python}" is resolved where the harness runs (lightning.run.runner.resolve_argv).
-            harness = list(cfg.harness.command)
+            harness = list(h.command)
         else:
-            assert cfg.harness.callable is not None
-            harness = load_callable(cfg.harness.callable)
-        env = dict(cfg.harness.env)
+            assert h.callable is not None
+            harness = load_callable(h.callable)
+        env = dict(h.env)
         if self.engine is not None:
             env.setdefault("OPENAI_MODEL", SERVED_MODEL_NAME)
         if not isinstance(harness, list):
             # A callable harness runs in this process: it reads the same settings
             # from this process's environment that a harness process would get.
+            # Callable harnesses share that environment, so they must agree on it.
+            for key, value in env.items():
+                if key in in_process and in_process[key][0] != value:
+                    raise ValueError(
+                        f"harnesses {in_process[key][1]!r} and {h.name!r} both run in this "
+                        f"process (callable) but set {key} differently; give one a `command`, "
+                        "or pass the setting in the task"
+                    )
+                in_process[key] = (value, h.name)
             os.environ.update(env)
         return Runner(
             self.client,
             harness,
             reward_source=cfg.reward.source,
             reward_fn=cfg.reward.function,
-            concurrency=cfg.harness.concurrency,
-            timeout_s=cfg.harness.timeout_s,
+            concurrency=h.concurrency,
+            timeout_s=h.timeout_s,
             env=env,
-            cwd=cfg.harness.cwd,
-            launcher=_make_launcher(cfg),
+            cwd=h.cwd,
+            launcher=_make_launcher(h),
         )
 
     def _say(self, text: str) -> None:
@@ -370,52 +400,108 @@ class Run:
     # -- the loop ---------------------------------------------------------------
 
     def evaluate(self, label: str) -> Interval | None:
-        """Run every held-out task ``eval_samples`` times; the mean with its 95% interval.
+        """Run every held-out task ``eval_samples`` times; the mean with its 95% interval
+        (pooled over the trained harnesses)."""
+        return self._evaluate(label)[0]
 
-        Job j of every eval gets the same sampling seed, so evals before, during
-        and after training differ by the policy, not by the draws.
+    def _evaluate(self, label: str) -> tuple[Interval | None, dict[str, Any]]:
+        """Every held-out task ``eval_samples`` times through every harness
+        (``eval_only`` ones included): the interval pooled over the trained
+        harnesses, and per harness its interval and costs (``eval_harnesses``).
+
+        Job j of every eval gets the same sampling seed, in every harness, so
+        evals before, during and after training differ by the policy, not by
+        the draws, and harnesses by the harness.
         """
         if not self.eval_tasks:
-            return None
+            return None, {}
         temp = self.config.algorithm.eval_temperature
         k = self.config.algorithm.eval_samples
+        harnesses = self.config.all_harnesses()
         jobs = [
             (
-                {**t, "temperature": temp, "sampling_seed": sampling_seed(self.config.seed, -1, j)},
+                {
+                    **t,
+                    "temperature": temp,
+                    "sampling_seed": sampling_seed(self.config.seed, -1, j),
+                    HARNESS_KEY: h.name,
+                },
                 None,
             )
+            for h in harnesses
             for j, t in enumerate(t for t in self.eval_tasks for _ in range(k))
         ]
         t0 = time.monotonic()
         results = self.runner.run(jobs, mode="eval")
         self.phases.record("generate", t0, time.monotonic())
-        by_task: dict[str, list[float]] = {}
-        for i, r in enumerate(results):
-            by_task.setdefault(str(i // k), []).append(r.reward if r.reward is not None else 0.0)
-        interval = reward_interval(by_task, seed=self.config.seed)
+        interval, cells = eval_intervals(
+            results, [(h.name, h.eval_only) for h in harnesses], k=k, seed=self.config.seed
+        )
         self._say(
             f"eval ({label}): mean reward {interval} over {interval.tasks} held-out "
             f"tasks × {k} at temperature {temp:g}"
+            + (
+                f" through {len(harnesses) - sum(h.eval_only for h in harnesses)} harnesses"
+                if len(harnesses) > 1
+                else ""
+            )
         )
-        return interval
+        if len(harnesses) > 1:
+            for name, c in cells.items():
+                tag = " (eval only)" if c["eval_only"] else ""
+                self._say(
+                    f"  {name}{tag}: {c['reward']:.3f} [95% CI {c['low']:.3f}, {c['high']:.3f}]"
+                )
+            # What each harness cost at this eval (the only costs an eval_only one has).
+            try:
+                merged = self.client.step([r.rollout_id for r in results], tokenizer=self.tokenizer)
+                costs = harness_costs(results, merged, tokenizer=self.tokenizer)
+                for name, c in costs.items():
+                    cells[name]["costs"] = c
+            except Exception as e:  # costs are a view; the eval's rewards stand
+                log.warning("eval harness costs: %s", e)
+        return interval, cells
+
+    def _eval_row(self, label: str) -> dict[str, Any]:
+        interval, cells = self._evaluate(label)
+        row = _eval_metrics(interval)
+        if cells:
+            row["eval_harnesses"] = cells
+        return row
 
     def _rollouts(self, step: int) -> list[RolloutResult]:
         return self.runner.run(self._jobs(step), mode="train")
 
     def _jobs(self, step: int) -> list[tuple[dict[str, Any], str]]:
-        """The rollouts of one step: ``group_size`` per sampled task (one group each)."""
+        """The rollouts of one step: ``group_size`` per sampled task (one group each).
+
+        With several harnesses, the step's groups are split among the trained
+        ones (``RunConfig.harness_groups``), one group per (task, harness): see
+        lightning.run.harnesses for why groups never span harnesses."""
         cfg = self.config
+        counts = cfg.harness_groups(step)
+        total = sum(counts.values())
         rng = random.Random(cfg.seed * 1_000_003 + step)
-        chosen = rng.sample(
-            self.train_tasks, k=min(cfg.algorithm.tasks_per_step, len(self.train_tasks))
-        )
+        chosen = rng.sample(self.train_tasks, k=min(total, len(self.train_tasks)))
+        several = len(cfg.all_harnesses()) > 1
         jobs = []
-        for i, task in enumerate(chosen):
-            group = f"step{step}-task{i}-{task.get('id', i)}"
-            for _ in range(cfg.algorithm.group_size):
-                seed = sampling_seed(cfg.seed, step, len(jobs))
-                temp = cfg.algorithm.train_temperature
-                jobs.append(({**task, "temperature": temp, "sampling_seed": seed}, group))
+        i = 0
+        for name, n in counts.items():
+            for _ in range(n):
+                task = chosen[i % len(chosen)]
+                group = f"step{step}-task{i}-{task.get('id', i)}"
+                if several:
+                    group += f"@{name}"
+                i += 1
+                for _ in range(cfg.algorithm.group_size):
+                    seed = sampling_seed(cfg.seed, step, len(jobs))
+                    temp = cfg.algorithm.train_temperature
+                    jobs.append(
+                        (
+                            {**task, "temperature": temp, "sampling_seed": seed, HARNESS_KEY: name},
+                            group,
+                        )
+                    )
         return jobs
 
     def _sync_weights(self, version: int) -> None:
@@ -458,9 +544,19 @@ class Run:
         for d in merged.divergences:
             divs.setdefault(d.rollout_id, []).append({"position": int(d.position), "kind": d.kind})
         tasks = {r.rollout_id: r.task for r in results}
+        # Round-robin over harnesses, so each harness of the step shows.
+        per_harness: dict[str, list[str]] = {}
+        for rid in by_rollout:
+            per_harness.setdefault(harness_of(tasks.get(rid)), []).append(rid)
+        order = [
+            rid
+            for tier in itertools.zip_longest(*per_harness.values())
+            for rid in tier
+            if rid is not None
+        ]
         rows = []
         with open(self.out / "traces.jsonl", "a") as f:
-            for rid in list(by_rollout)[:n]:
+            for rid in order[:n]:
                 sample = by_rollout[rid][0]
                 pieces = decode_pieces([int(t) for t in sample.tokens], self.tokenizer.decode)
                 rows.append(
@@ -472,6 +568,7 @@ class Run:
                         "weights": [float(w) for w in sample.weights],
                         "divergences": divs.get(rid, []),
                         "task": tasks.get(rid),
+                        "harness": harness_of(tasks.get(rid)),
                     }
                 )
                 f.write(json.dumps(rows[-1]) + "\n")
@@ -536,6 +633,11 @@ class Run:
                 "weight_version": version,
             }
         )
+        costs = harness_costs(results, merged, tokenizer=self.tokenizer, rewards=rewards)
+        metrics["harnesses"] = costs
+        flags = split_flags(costs)
+        if flags:
+            metrics["harness_flags"] = flags
         self._write_traces(step, results, merged, rewards)
         return metrics
 
@@ -549,7 +651,7 @@ class Run:
         start = int(self.state["step"])
         summary: dict[str, Any] = {"output_dir": str(self.out)}
         if start == 0:
-            before = _eval_metrics(self.evaluate("before training"))
+            before = self._eval_row("before training")
             summary["eval_before"] = before["eval_reward"]
             summary["eval_before_ci"] = [before.get("eval_ci_low"), before.get("eval_ci_high")]
             self._append_metrics({"step": -1, **before})
@@ -563,17 +665,30 @@ class Run:
             for step in range(start, cfg.steps):
                 metrics = self.step(step) if pipeline is None else pipeline.step(step)
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                    metrics.update(_eval_metrics(self.evaluate(f"after step {step + 1}")))
+                    metrics.update(self._eval_row(f"after step {step + 1}"))
                 self._append_metrics(metrics)
                 self.state = {"step": step + 1, "weight_version": step + 1}
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     self._checkpoint()
                 self.state_path.write_text(json.dumps(self.state))
                 tick(metrics)
-        after = _eval_metrics(self.evaluate("after training"))
+        after = self._eval_row("after training")
         summary["eval_after"] = after["eval_reward"]
         summary["eval_after_ci"] = [after.get("eval_ci_low"), after.get("eval_ci_high")]
         self._append_metrics({"step": cfg.steps, **after})
+        if "eval_harnesses" in after:
+            from lightning.run.harnesses import eval_matrix, matrix_table, transfer_lines
+            from lightning.run.report import read_jsonl
+
+            matrix = eval_matrix(read_jsonl(self.out / "metrics.jsonl"))
+            # The matrix alone; each eval's costs stay in metrics.jsonl.
+            summary["eval_matrix"] = {
+                name: [{k: v for k, v in c.items() if k != "costs"} for c in cells]
+                for name, cells in matrix.items()
+            }
+            self._say("held-out reward per harness (95% intervals):\n" + matrix_table(matrix))
+            for line in transfer_lines(matrix):
+                self._say(line)
         self._checkpoint()
         self.state_path.write_text(json.dumps(self.state))
         try:

@@ -10,6 +10,13 @@ Inputs (written by the training loop):
   "rollout_id", "reward", "pieces": [decoded text per token], "weights": [float per
   token, 0 = context], "divergences": [{"position", "kind"}], "task": {...}}``.
 
+A run through several harnesses (lightning.run.harnesses) adds a section: the
+held-out matrix harness × (before, mid, final) with 95% intervals, drawn as
+points with error bars, the transfer to each ``eval_only`` harness as its
+headline, and each harness's costs (calls, prompt tokens, samples per rollout
+and their drift causes, wall clock), flagging one whose history rewriting
+splits every rollout.
+
 Output: ``RUN_DIR/report.html``, one self-contained file (PNGs inlined as base64
 data URIs, inline CSS, no scripts, nothing fetched from the network) and the same
 PNGs in ``RUN_DIR/report/``. A plot whose keys never appear is skipped and the page
@@ -252,6 +259,142 @@ def render_plot(spec: PlotSpec, rows: Sequence[Mapping[str, Any]]) -> bytes:
     return buf.getvalue()
 
 
+# ----------------------------------------------------------------- harnesses
+
+_EVAL_COLORS = ("#9aa3b5", "#f58518", "#4c78a8", "#54a24b", "#b279a2", "#e45756")
+
+
+def render_matrix_plot(matrix: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
+    """The eval matrix as PNG: per harness, one point per eval with its 95% interval."""
+    from matplotlib.figure import Figure
+
+    names = list(matrix)
+    labels: list[str] = []
+    for cells in matrix.values():
+        for c in cells:
+            if c["label"] not in labels:
+                labels.append(c["label"])
+    fig = Figure(figsize=(max(6.0, 1.6 * len(names) + 2), 3.4), dpi=110, layout="constrained")
+    ax = fig.add_subplot()
+    width = 0.8 / max(1, len(labels))
+    for li, label in enumerate(labels):
+        xs, ys, lo, hi = [], [], [], []
+        for ni, name in enumerate(names):
+            cell = next((c for c in matrix[name] if c["label"] == label), None)
+            if cell is None or _num(cell.get("reward")) is None:
+                continue
+            y = float(cell["reward"])
+            xs.append(ni - 0.4 + width * (li + 0.5))
+            ys.append(y)
+            lo.append(y - float(cell.get("low", y)))
+            hi.append(float(cell.get("high", y)) - y)
+        color = _EVAL_COLORS[li % len(_EVAL_COLORS)]
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", color=color, capsize=4, label=label)
+    ticks = [
+        f"{n}\n(eval only)" if matrix[n] and matrix[n][-1].get("eval_only") else n for n in names
+    ]
+    ax.set_xticks(range(len(names)), ticks, fontsize=8)
+    ax.set_ylabel("held-out reward (95% CI)")
+    ax.set_title("Held-out reward per harness", fontsize=11)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+_COST_COLUMNS = (
+    ("rollouts", "rollouts"),
+    ("reward_mean", "train reward"),
+    ("calls_per_rollout", "calls / rollout"),
+    ("prompt_tokens_per_call", "prompt tokens / call"),
+    ("first_prompt_tokens", "first prompt tokens"),
+    ("task_tokens", "task tokens"),
+    ("samples_per_rollout", "samples / rollout"),
+    ("split_frac", "split (multi-call)"),
+    ("wall_s_per_rollout", "wall s / rollout"),
+)
+
+
+def _costs_table(costs: Mapping[str, Mapping[str, Any]]) -> str:
+    head = "".join(f"<th>{html.escape(t)}</th>" for _, t in _COST_COLUMNS)
+    body = []
+    for name, c in costs.items():
+        cells = "".join(f"<td>{_fmt(c.get(k))}</td>" for k, _ in _COST_COLUMNS)
+        kinds = c.get("divergences") or {}
+        drift = ", ".join(f"{k} ×{n}" for k, n in kinds.items()) or "none"
+        body.append(f"<tr><td>{html.escape(name)}</td>{cells}<td>{html.escape(drift)}</td></tr>")
+    return (
+        f"<table><tr><th>harness</th>{head}<th>drift (divergences)</th></tr>{''.join(body)}</table>"
+    )
+
+
+def _harness_section(rows: Sequence[Mapping[str, Any]], png_dir: Path) -> tuple[str, Path | None]:
+    """The report's harness section (empty for a run with one harness)."""
+    from lightning.run.harnesses import (
+        eval_matrix,
+        matrix_table,
+        merge_costs,
+        split_flags,
+        transfer_lines,
+    )
+
+    matrix = eval_matrix(rows)
+    train_costs = merge_costs(rows, "harnesses")
+    if len(matrix) < 2 and len(train_costs) < 2:
+        return "", None
+    parts = ["<h2>Harnesses</h2>"]
+    png_path = None
+    if matrix:
+        for line in transfer_lines(matrix):
+            parts.append(f"<p class='headline'><b>{html.escape(line)}</b></p>")
+        png = render_matrix_plot(matrix)
+        png_path = png_dir / "harness_matrix.png"
+        png_path.write_bytes(png)
+        uri = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+        parts.append(
+            f'<figure><img src="{uri}" alt="Held-out reward per harness"></figure>'
+            "<p class='note'>Held-out reward, harness × eval (mean, 95% interval by "
+            "bootstrap over tasks):</p>"
+        )
+        table = matrix_table(matrix).splitlines()
+        head = [c.strip() for c in table[0].strip("|").split("|")]
+        rows_html = [
+            "<tr>"
+            + "".join(f"<td>{html.escape(c.strip())}</td>" for c in line.strip("|").split("|"))
+            + "</tr>"
+            for line in table[2:]
+        ]
+        parts.append(
+            "<table><tr>"
+            + "".join(f"<th>{html.escape(h)}</th>" for h in head)
+            + "</tr>"
+            + "".join(rows_html)
+            + "</table>"
+        )
+    if train_costs:
+        parts.append(
+            "<p class='note'>What each harness cost per training step (averaged over steps):</p>"
+        )
+        parts.append(_costs_table(train_costs))
+        for name, why in split_flags(train_costs).items():
+            parts.append(
+                f"<p class='flag'><b>{html.escape(name)}</b> rewrites its history: "
+                f"{html.escape(why)}</p>"
+            )
+    eval_costs = {
+        name: cells[-1]["costs"]
+        for name, cells in matrix.items()
+        if cells and isinstance(cells[-1].get("costs"), Mapping)
+    }
+    if eval_costs:
+        parts.append(
+            "<p class='note'>At the last eval (every harness, eval-only ones included):</p>"
+        )
+        parts.append(_costs_table(eval_costs))
+    return "".join(parts), png_path
+
+
 # ----------------------------------------------------------------- traces
 
 
@@ -445,6 +588,8 @@ td:first-child, th:first-child { text-align: left; }
 .div { background: #d62839; color: #fff; font-weight: 600; border-radius: 3px; padding: 0 4px;
        margin: 0 2px; font-size: 11px; }
 .legend span { margin-right: 14px; }
+.headline { font-size: 16px; }
+.flag { background: #fde8ea; border: 1px solid #d62839; border-radius: 6px; padding: 6px 10px; }
 """
 
 
@@ -509,6 +654,7 @@ def _trace_block(t: Mapping[str, Any]) -> str:
     n_gen = sum(1 for w in weights if w > 0)
     meta = [
         f"step <b>{html.escape(str(t.get('step', '?')))}</b>",
+        *([f"harness <b>{html.escape(str(t['harness']))}</b>"] if t.get("harness") else []),
         f"rollout <code>{html.escape(str(t.get('rollout_id', '?')))}</code>",
         f"reward <b>{_fmt(t.get('reward'))}</b>",
         f"{len(pieces)} tokens, {n_gen} generated",
@@ -581,6 +727,10 @@ def write_report(run_dir: str | Path, *, max_traces: int = 6) -> ReportResult:
             "<p class='note'>Not plotted (no data in <code>metrics.jsonl</code>):</p>"
             f"<ul class='note skipped'>{''.join(skipped)}</ul>"
         )
+    harness_html, matrix_png = _harness_section(rows, png_dir)
+    if matrix_png is not None:
+        pngs.append(matrix_png)
+    parts.append(harness_html)
     if rows:
         parts += ["<h2>Metrics summary</h2>", _last_values_table(rows)]
     parts.append("<h2>Traces</h2>")
@@ -663,6 +813,8 @@ def trace_records_from_store(
         return [f"⟨{i}⟩" for i in ids]
 
     divergences = [{"position": int(d.position), "kind": d.kind} for d in merged.divergences]
+    from lightning.run.harnesses import harness_of
+
     records = []
     for sample in merged.samples:
         ids = [int(t) for t in sample.tokens]
@@ -671,6 +823,7 @@ def trace_records_from_store(
                 "rollout_id": rollout_id,
                 "reward": reward,
                 "task": info["task"],
+                "harness": harness_of(info["task"]),
                 "pieces": decode_pieces(ids, tokenizer.decode) if tokenizer else by_id(ids),
                 "decoded": tokenizer is not None,
                 "weights": [float(w) for w in sample.weights],
@@ -725,8 +878,9 @@ def show_main(argv: list[str]) -> int:
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     for i, t in enumerate(records):
         divs = t.get("divergences") or []
+        harness = f" · harness {t['harness']}" if t.get("harness") else ""
         print(
-            f"— rollout {t.get('rollout_id')} · step {t.get('step', '?')} · sample {i} · "
+            f"— rollout {t.get('rollout_id')}{harness} · step {t.get('step', '?')} · sample {i} · "
             f"reward {_fmt(t.get('reward'))} · {len(divs)} divergences"
         )
         print(

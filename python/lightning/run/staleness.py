@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from lightning import GatewayClient, MergeResult, Tokenizer
     from lightning.config import RunConfig
-    from lightning.run.runner import RolloutResult, Runner
+    from lightning.run.harnesses import HarnessRunner
+    from lightning.run.runner import RolloutResult
 
 
 class Run(Protocol):
@@ -52,7 +53,9 @@ class Run(Protocol):
 
     config: RunConfig
     client: GatewayClient
-    runner: Runner
+    # The loop's runner routes each job to its harness's Runner; the bound only
+    # reruns stale jobs through it.
+    runner: HarnessRunner
     tokenizer: Tokenizer
     phases: PhaseLog
     state: dict[str, Any]
@@ -214,7 +217,8 @@ class RolloutPipeline:
             self.closed = True
             self.cond.notify_all()
         # A batch in flight finishes on its own (its rollouts have timeouts).
-        self.thread.join(timeout=self.run.config.harness.timeout_s + 60)
+        timeout = max(h.timeout_s for h in self.run.config.all_harnesses())
+        self.thread.join(timeout=timeout + 60)
 
     def _produce(self) -> None:
         for step in range(self.next_step, self.steps):

@@ -65,9 +65,11 @@ class WandbTracker:
         self.run.log(dict(values), step=step, commit=True)
 
     def traces(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
-        table = self.wandb.Table(columns=["step", "rollout_id", "reward", "text"])
+        table = self.wandb.Table(columns=["step", "rollout_id", "harness", "reward", "text"])
         for r in rows:
-            table.add_data(step, r.get("rollout_id"), r.get("reward"), trace_text(r))
+            table.add_data(
+                step, r.get("rollout_id"), r.get("harness"), r.get("reward"), trace_text(r)
+            )
         self.run.log({"traces": table}, step=step, commit=False)
 
     def close(self) -> None:
