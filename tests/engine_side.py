@@ -10,7 +10,7 @@ name, as SGLang's ``update_weights_from_distributed`` receives.
 
 Commands: ``{"op": "join", "address", "port", "rank", "world", "name"}``;
 ``{"op": "recv", "names", "dtypes", "shapes", "flat", "out"}`` (the tensors are
-written to ``out`` with ``torch.save``; ``flat``: one broadcast of the bucket's bytes,
+written to ``out`` with ``torch.save``, or dropped if it is null; ``flat``: one broadcast of the bucket's bytes,
 SGLang's ``load_format = "flattened_bucket"``); ``{"op": "quit"}``.
 """
 
@@ -96,7 +96,8 @@ def main() -> None:
             elif cmd["op"] == "recv" and cmd.get("flat"):
                 unpack = _unpack_sglang if join is _join_sglang else _unpack_lightning
                 got = dict(unpack(cmd, group))
-                torch.save({k: v.clone() for k, v in got.items()}, cmd["out"])
+                if cmd["out"] is not None:
+                    torch.save({k: v.clone() for k, v in got.items()}, cmd["out"])
             elif cmd["op"] == "recv":
                 got = {}
                 for name, dtype, shape in zip(
@@ -105,7 +106,8 @@ def main() -> None:
                     buf = torch.empty(shape, dtype=getattr(torch, dtype))
                     dist.broadcast(buf, src=0, group=group)
                     got[name] = buf
-                torch.save(got, cmd["out"])
+                if cmd["out"] is not None:
+                    torch.save(got, cmd["out"])
                 answer = {"ok": True}
             else:
                 return

@@ -158,6 +158,7 @@ class FakeEngine:
     ) -> None:
         self.data_plane = data_plane
         self.scratch = scratch  # where received tensors pass through (default: temp)
+        self.keep = True  # False: the engine side drops what it receives (benches)
         self.side: subprocess.Popen[str] | None = None
         self.log: list[tuple[str, Any]] = []
         self.lock = threading.Lock()
@@ -267,6 +268,11 @@ class FakeEngine:
 
         if self.group is None:
             raise _Refused(400, {"error": "weight transfer not initialized"})
+        if not self.keep:
+            cmd = {"op": "recv", "names": names, "dtypes": dtypes, "shapes": shapes}
+            self._ask({**cmd, "flat": flat, "out": None})
+            self.calls.append(len(names))
+            return
         with tempfile.TemporaryDirectory(dir=self.scratch) as d:
             out = str(Path(d) / "got.pt")
             cmd = {"op": "recv", "names": names, "dtypes": dtypes, "shapes": shapes}
