@@ -393,7 +393,11 @@ def test_fsdp2_two_ranks_stream_the_live_model_without_disk(tmp_path: Path) -> N
     tiny_model_dir(**MODEL)  # built once here, not by two ranks at once
     here = Path(__file__).parent
     out, watch, bucket = tmp_path / "out.pt", tmp_path / "watch", 1 << 20
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{here}:{os.environ.get('PYTHONPATH', '')}"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{here}:{os.environ.get('PYTHONPATH', '')}",
+    }
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(_port()),

@@ -6,6 +6,18 @@ lives here; moving the tensors themselves (NCCL broadcast, CUDA IPC, a shared
 disk) is a :class:`Transport`, so the choreography is the same whatever carries
 the bytes and can be tested on a CPU.
 
+What a push carries, :class:`WeightUpdate`, is a directory or a stream. The disk
+paths (``embedded``, ``sglang-disk``) get an exported safetensors directory. The
+process-group paths (``sglang-distributed``, ``vllm-nccl``; ``WeightSync.streams``)
+get :class:`LiveWeights`: the trainer's live parameters, each FSDP2 shard gathered
+(``full_tensor()``) only when its turn comes, grouped into buckets of
+``bucket_bytes`` (:func:`plan_buckets`, from shapes alone) that map to the engine's
+own unit of transfer: one SGLang ``update_weights_from_distributed`` call with
+``load_format = "flattened_bucket"`` (one broadcast per bucket), one vLLM packed
+buffer. Nothing is written to disk and the sender holds at most a bucket plus the
+tensor being gathered (``LiveWeights.stats``; tests/test_weight_sync.py checks it on
+2 FSDP2 ranks; benches/weight_sync.py measures it against the disk path).
+
 Engine APIs, with the sources every endpoint and payload was checked against:
 
 ``embedded`` (lightning's own engine, ``lightning serve``)
@@ -23,8 +35,14 @@ Engine APIs, with the sources every endpoint and payload was checked against:
       a collective, it returns once the trainer has joined the group too.
     - ``POST /update_weights_from_distributed`` ``UpdateWeightsFromDistributedReqInput
       {names, dtypes, shapes, group_name, flush_cache, abort_all_requests,
-      weight_version}``: the engine receives one broadcast from rank 0 per name, in
-      order, while the request is open.
+      weight_version, load_format, selector}``: the engine receives one broadcast
+      from rank 0 per name, in order, while the request is open; with
+      ``load_format = "flattened_bucket"`` one broadcast of all of them, laid end to
+      end as bytes (``srt/weight_sync/tensor_bucket.py`` ``FlattenedTensorBucket``).
+    - ``POST /begin_weight_update {"selector"}`` / ``POST /end_weight_update {}``:
+      sglang 0.5.23's scheduler (``managers/scheduler_components/weight_updater.py``)
+      refuses ``update_weights_from_distributed`` and ``update_weights_from_tensor``
+      outside such a session, so every push of those two opens one.
     - ``POST /update_weights_from_tensor`` ``UpdateWeightsFromTensorReqInput
       {serialized_named_tensors: [base64, one per TP rank], load_format, flush_cache,
       weight_version}`` (colocated engines: the bytes are SGLang's
@@ -64,6 +82,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import logging
 import math
 import weakref
@@ -244,7 +263,7 @@ class LiveWeights:
         for name, t in self._named:
             t = t.detach()
             fresh = hasattr(t, "full_tensor")
-            full = t.full_tensor() if fresh else t  # type: ignore[operator]
+            full = t.full_tensor() if fresh else t  # type: ignore[attr-defined]
             if self._casts(full):
                 full, fresh = full.to(self.dtype), True
             if fresh and self.sender:
@@ -764,10 +783,8 @@ class SglangDistributedSync(_SglangBase):
                     "weight_version": str(update.version) if last else None,
                 }
                 self._beside(
-                    lambda body=body: self._all(
-                        lambda root: self._call(root, "/update_weights_from_distributed", body)
-                    ),
-                    lambda metas=metas: self._send_bucket(metas, tensors, update.stats),
+                    functools.partial(self._all, functools.partial(self._call_update, body=body)),
+                    functools.partial(self._send_bucket, metas, tensors, update.stats),
                 )
             extra = next(tensors, None)  # also frees the source's last tensor
             if extra is not None:
@@ -785,7 +802,8 @@ class SglangDistributedSync(_SglangBase):
         else:
             self.transport.send_tensors(bucket, stats)
 
-    def _call(self, root: str, route: str, body: Any) -> None:
+    def _call_update(self, root: str, body: dict[str, Any]) -> None:
+        route = "/update_weights_from_distributed"
         _check_sglang(root, route, self._post(root, route, body))
 
     def close(self) -> None:
