@@ -421,3 +421,75 @@ def test_fsdp2_two_ranks_stream_the_live_model_without_disk(tmp_path: Path) -> N
     assert small["sent_bytes"] == whole["sent_bytes"] == total
     assert small["peak_bytes"] <= bucket + small["largest_bytes"] < total
     assert whole["peak_bytes"] >= total
+
+
+class _Recorder:
+    """Stands in for the gateway client, the trainer and the sync around
+    ``Run._sync_weights``."""
+
+    def __init__(self, streams: bool, fail: bool = False) -> None:
+        self.streams, self.fail = streams, fail
+        self.calls: list[str] = []
+        self.source = LiveWeights([(f"w{i}", torch.full((2,), float(i))) for i in range(4)])
+
+    def pause(self, **kw: Any) -> None:
+        self.calls.append("pause")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+    def set_upstreams(self, ups: Any) -> None:
+        self.calls.append("set_upstreams")
+
+    def live_weights(self) -> LiveWeights:
+        self.calls.append("live_weights")
+        return self.source
+
+    def export_weights(self, path: str) -> None:
+        self.calls.append("export_weights")
+        Path(path).mkdir(parents=True)
+
+    def push(self, update: WeightUpdate) -> None:
+        self.calls.append("push")
+        self.update = update
+        if update.source is None:
+            return
+        it = update.tensors()
+        next(it)  # a push that dies after its first tensor, when fail
+        if self.fail:
+            raise WeightSyncError("engine refused")
+        for _ in it:
+            pass
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_run_streams_without_export_and_drains_a_failed_push(tmp_path: Path, fail: bool) -> None:
+    """The loop hands a streaming sync the live model (no export_weights, no
+    directory) and, when the push dies halfway, still runs the remaining gathers:
+    under torchrun the other ranks are inside them."""
+    from types import SimpleNamespace
+
+    from lightning.run.loop import Run
+
+    r = _Recorder(streams=True, fail=fail)
+    run = object.__new__(Run)
+    run.config = SimpleNamespace(  # type: ignore[assignment]
+        algorithm=SimpleNamespace(max_staleness=0), engine=SimpleNamespace(urls=["http://e"])
+    )
+    run.out, run.engine = tmp_path, None
+    run.client = run.trainer = run.weight_sync = r  # type: ignore[assignment]
+    if fail:
+        with pytest.raises(WeightSyncError):
+            run._sync_weights(5)
+        assert r.calls == ["pause", "live_weights", "push", "resume"]
+    else:
+        run._sync_weights(5)
+        assert r.calls == ["pause", "live_weights", "push", "set_upstreams", "resume"]
+    assert r.update.source is r.source and r.update.path is None and r.update.version == 5
+    assert r.source._iter is not None and next(r.source._iter, None) is None  # all gathered
+    assert not (tmp_path / "weights").exists()
+    disk = _Recorder(streams=False)
+    run.client = run.trainer = run.weight_sync = disk  # type: ignore[assignment]
+    run._sync_weights(6)
+    assert disk.calls == ["pause", "export_weights", "push", "set_upstreams", "resume"]
+    assert disk.update.path == tmp_path / "weights" / "v6" and disk.update.source is None
