@@ -9,7 +9,7 @@ the bytes and can be tested on a CPU.
 What a push carries, :class:`WeightUpdate`, is a directory or a stream. The disk
 paths (``embedded``, ``sglang-disk``) get an exported safetensors directory. The
 process-group paths (``sglang-distributed``, ``vllm-nccl``; ``WeightSync.streams``)
-get :class:`LiveWeights`: the trainer's live parameters, each FSDP2 shard gathered
+get :class:`LiveWeights` (``lightning.rl.live_weights``): the trainer's live parameters, each FSDP2 shard gathered
 (``full_tensor()``) only when its turn comes, grouped into buckets of
 ``bucket_bytes`` (:func:`plan_buckets`, from shapes alone) that map to the engine's
 own unit of transfer: one SGLang ``update_weights_from_distributed`` call with
@@ -84,8 +84,6 @@ import base64
 import contextlib
 import functools
 import logging
-import math
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -95,8 +93,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from lightning._core import LightningError
 from lightning.config import VLLM_DISK_GONE
+from lightning.rl.live_weights import (
+    DEFAULT_BUCKET_BYTES,
+    GatherStats,
+    LiveWeights,
+    TensorMeta,
+    WeightSyncError,
+    meta_of,
+    plan_buckets,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -114,175 +120,6 @@ SyncKind = Literal[
 ]
 PauseMode = Literal["none", "abort", "retract"]
 GROUP_NAME = "lightning_weight_sync"
-
-
-class WeightSyncError(LightningError, RuntimeError):
-    """An engine refused a weight update; the message names the engine and the step."""
-
-
-# Bytes a push gathers before it hands them to the engines as one unit: one SGLang
-# update_weights_from_distributed call (one broadcast of a flattened bucket), one
-# vLLM packed buffer. It bounds what the sender holds beyond its shards.
-DEFAULT_BUCKET_BYTES = 256 << 20
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return int(getattr(torch, dtype).itemsize)
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    dtype: str  # a torch dtype attribute name: "bfloat16", "float32", ...
-    shape: list[int]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-
-def _meta(name: str, t: torch.Tensor) -> TensorMeta:
-    return TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape))
-
-
-def plan_buckets(
-    metas: Sequence[TensorMeta], bucket_bytes: int, *, aligned: bool = True
-) -> list[list[TensorMeta]]:
-    """Consecutive runs of ``metas`` of at most ``bucket_bytes`` each (a tensor larger
-    than that is a bucket of its own), in order. ``aligned``: a tensor also starts a
-    new bucket where its byte offset in the flattened bucket would not be a multiple
-    of its item size, which SGLang's receiver refuses (``FlattenedTensorBucket.empty``
-    in sglang 0.5.23 raises "Unaligned received tensor"; the layout has no padding).
-    The plan needs only shapes and dtypes, so every rank computes the same one
-    without gathering anything."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes = {bucket_bytes}: must be positive")
-    buckets: list[list[TensorMeta]] = []
-    current: list[TensorMeta] = []
-    size = 0
-    for m in metas:
-        n = m.nbytes
-        misaligned = aligned and size % _itemsize(m.dtype) != 0
-        if current and (size + n > bucket_bytes or misaligned):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(m)
-        size += n
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-@dataclass
-class GatherStats:
-    """What a sender materialised for one push, counted per tensor from its creation
-    until it is freed (``weakref.finalize``): gathered full tensors, dtype casts,
-    packing buffers. A model's own unsharded parameters are not counted (they exist
-    anyway); a view that outlives the tensor it was taken from is not either."""
-
-    live_bytes: int = 0
-    peak_bytes: int = 0
-    materialised_bytes: int = 0
-    sent_bytes: int = 0
-    largest_bytes: int = 0
-
-    def track(self, t: torch.Tensor) -> None:
-        n = t.numel() * t.element_size()
-        self.live_bytes += n
-        self.materialised_bytes += n
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self.largest_bytes = max(self.largest_bytes, n)
-        weakref.finalize(t, self._free, n)
-
-    def _free(self, n: int) -> None:
-        self.live_bytes -= n
-
-
-class LiveWeights:
-    """A live model's weights as ``(name, full tensor)``, materialised one at a time.
-
-    Built from ``module.state_dict(keep_vars=True)`` (persistent buffers included;
-    a tensor reachable under two names, tied embeddings, is sent once, under its
-    first name, as ``save_pretrained`` writes it). An FSDP2 ``DTensor`` is gathered
-    with ``full_tensor()``, a collective: every rank of the trainer iterates the
-    same source in the same order, and only the ``sender`` (rank 0) gets the
-    tensors; the others gather and drop them (:meth:`drain`). So the source is
-    single-pass, and must be drained on every rank even when a push fails halfway
-    (use it as a context manager). Shapes and dtypes (:meth:`metas`) come from the
-    global shapes, without gathering.
-
-    ``dtype``: cast floating tensors to it before sending (the engine's dtype).
-    ``stats`` counts what the sender materialised (:class:`GatherStats`)."""
-
-    def __init__(
-        self,
-        named: Iterable[tuple[str, torch.Tensor]],
-        *,
-        sender: bool = True,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        seen: set[int] = set()
-        self._named: list[tuple[str, torch.Tensor]] = []
-        for name, t in named:
-            if id(t) not in seen:
-                seen.add(id(t))
-                self._named.append((name, t))
-        self.sender = sender
-        self.dtype = dtype
-        self.stats = GatherStats()
-        self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
-
-    @classmethod
-    def of_module(
-        cls, module: torch.nn.Module, *, sender: bool = True, dtype: torch.dtype | None = None
-    ) -> LiveWeights:
-        return cls(module.state_dict(keep_vars=True).items(), sender=sender, dtype=dtype)
-
-    def metas(self) -> list[TensorMeta]:
-        out = []
-        for name, t in self._named:
-            dtype = self.dtype if self._casts(t) else t.dtype
-            out.append(TensorMeta(name, str(dtype).removeprefix("torch."), list(t.shape)))
-        return out
-
-    def _casts(self, t: torch.Tensor) -> bool:
-        return self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._iter is not None:
-            raise WeightSyncError(
-                "LiveWeights is single-pass (its gathers are collectives the other ranks "
-                "run once): read shapes with metas(), iterate tensors() once"
-            )
-        self._iter = self._gather()
-        return self._iter
-
-    def _gather(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in self._named:
-            t = t.detach()
-            fresh = hasattr(t, "full_tensor")
-            full = t.full_tensor() if fresh else t  # type: ignore[attr-defined]
-            if self._casts(full):
-                full, fresh = full.to(self.dtype), True
-            if fresh and self.sender:
-                self.stats.track(full)
-            if self.sender:
-                yield name, full
-            del full, t
-
-    def drain(self) -> None:
-        """Run the gathers not run yet (all of them on a rank that sends nothing)."""
-        it = self._iter if self._iter is not None else self.tensors()
-        for _ in it:
-            pass
-
-    def __enter__(self) -> LiveWeights:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.drain()
 
 
 @dataclass
@@ -331,7 +168,7 @@ class WeightUpdate:
     def metas(self) -> list[TensorMeta]:
         if self.source is not None:
             return self.source.metas()
-        return [_meta(n, t) for n, t in self._read()]
+        return [meta_of(n, t) for n, t in self._read()]
 
     @property
     def stats(self) -> GatherStats | None:
@@ -821,9 +658,9 @@ def _checked(
         if got is None:
             raise WeightSyncError(f"weights ended before {m.name!r} (announced to the engines)")
         name, t = got
-        if _meta(name, t) != m:
+        if meta_of(name, t) != m:
             raise WeightSyncError(
-                f"announced {m}, about to send {_meta(name, t)}: shapes come from metas() "
+                f"announced {m}, about to send {meta_of(name, t)}: shapes come from metas() "
                 "and must match the tensors in order"
             )
         yield name, t
