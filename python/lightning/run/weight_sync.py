@@ -72,7 +72,9 @@ Engine APIs, with the sources every endpoint and payload was checked against:
     by ``trainer_init`` with ``/init_weight_transfer_engine``.
 
 Verified: SGLang's group join (the trainer side joins a group built by SGLang
-0.5.23's own ``init_custom_process_group`` in tests/test_weight_sync.py). Not
+0.5.23's own ``init_custom_process_group`` in tests/test_weight_sync.py), and its
+flattened-bucket receive (SGLang's own ``FlattenedTensorBucket`` allocates and
+unpacks what the trainer sends, bitwise). Not
 verified on a CPU: vLLM's NCCL data plane (its receiver and
 ``NCCLTrainerWeightTransferEngine`` use PyNccl, GPU only); ``vllm-nccl`` logs
 :data:`VLLM_NCCL_UNVERIFIED` at setup.
