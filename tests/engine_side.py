@@ -9,8 +9,9 @@ needs a GPU). Receiving is ``torch.distributed.broadcast(buf, src=0, group=...)`
 name, as SGLang's ``update_weights_from_distributed`` receives.
 
 Commands: ``{"op": "join", "address", "port", "rank", "world", "name"}``;
-``{"op": "recv", "names", "dtypes", "shapes", "out"}`` (the tensors are written to
-``out`` with ``torch.save``); ``{"op": "quit"}``.
+``{"op": "recv", "names", "dtypes", "shapes", "flat", "out"}`` (the tensors are
+written to ``out`` with ``torch.save``, or dropped if it is null; ``flat``: one broadcast of the bucket's bytes,
+SGLang's ``load_format = "flattened_bucket"``); ``{"op": "quit"}``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,35 @@ def _join_lightning(cmd: dict[str, Any]) -> Any:
     )
 
 
+def _unpack_sglang(cmd: dict[str, Any], group: Any) -> Any:
+    """SGLang's own receive of a flattened bucket (sglang 0.5.23
+    ``WeightUpdater._receive_bucketed_weights_from_distributed``: allocate with
+    ``FlattenedTensorBucket.empty``, which checks alignment, one broadcast, then
+    ``reconstruct_tensors``), with SGLang's class doing the layout."""
+    import torch.distributed as dist
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bucket = FlattenedTensorBucket.empty(cmd["names"], cmd["dtypes"], cmd["shapes"], "cpu")
+    dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+    return bucket.reconstruct_tensors()
+
+
+def _unpack_lightning(cmd: dict[str, Any], group: Any) -> Any:
+    """The same layout without SGLang: bytes of each tensor end to end."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    dtypes = [getattr(torch, d) for d in cmd["dtypes"]]
+    sizes = [math.prod(s) * d.itemsize for s, d in zip(cmd["shapes"], dtypes, strict=True)]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    dist.broadcast(flat, src=0, group=group)
+    parts = flat.split(sizes)
+    for name, part, dtype, shape in zip(cmd["names"], parts, dtypes, cmd["shapes"], strict=True):
+        yield name, part.view(dtype).reshape(shape)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--join", choices=["sglang", "lightning"], required=True)
@@ -63,6 +93,11 @@ def main() -> None:
             if cmd["op"] == "join":
                 group = join(cmd)
                 answer: dict[str, Any] = {"ok": True, "module": join.__name__}
+            elif cmd["op"] == "recv" and cmd.get("flat"):
+                unpack = _unpack_sglang if join is _join_sglang else _unpack_lightning
+                got = dict(unpack(cmd, group))
+                if cmd["out"] is not None:
+                    torch.save({k: v.clone() for k, v in got.items()}, cmd["out"])
             elif cmd["op"] == "recv":
                 got = {}
                 for name, dtype, shape in zip(
@@ -71,7 +106,8 @@ def main() -> None:
                     buf = torch.empty(shape, dtype=getattr(torch, dtype))
                     dist.broadcast(buf, src=0, group=group)
                     got[name] = buf
-                torch.save(got, cmd["out"])
+                if cmd["out"] is not None:
+                    torch.save(got, cmd["out"])
                 answer = {"ok": True}
             else:
                 return

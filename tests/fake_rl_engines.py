@@ -15,14 +15,19 @@ Payload models mirror, field for field:
   ``nccl_engine.py`` of vllm 0.34.0);
 - SGLang ``python/sglang/srt/managers/io_struct.py`` (``InitWeightsUpdateGroupReqInput``,
   ``UpdateWeightsFromDistributedReqInput``, ``UpdateWeightFromDiskReqInput``,
-  ``UpdateWeightsFromTensorReqInput``, ``PauseGenerationReqInput``).
+  ``UpdateWeightsFromTensorReqInput``, ``PauseGenerationReqInput``,
+  ``BeginWeightUpdateReqInput``, ``EndWeightUpdateReqInput``) of sglang 0.5.23, whose
+  scheduler (``managers/scheduler_components/weight_updater.py``) refuses an update
+  from distributed or from tensor outside a begin/end weight-update session, and
+  receives ``load_format = "flattened_bucket"`` as one broadcast per call.
 
 The data plane is real too: on init the fake starts a process of its own
 (tests/engine_side.py) that joins the trainer's process group over gloo as
 ``rank_offset`` — for SGLang with SGLang's own ``init_custom_process_group`` from the
 pinned release (tests/engine_envs.py), for vLLM (whose receiver is PyNccl, GPU only)
 with ``lightning.run.weight_sync.join_group`` — and on update receives one broadcast
-per tensor, so tests compare what arrived with what was sent.
+per tensor (or one per flattened bucket: for SGLang, unpacked by SGLang's own
+``FlattenedTensorBucket``), so tests compare what arrived with what was sent.
 """
 
 from __future__ import annotations
@@ -96,8 +101,17 @@ class SglFromDistributed(_Strict):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
-    load_format: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None
+    selector: Literal["target", "draft", "all"] = "all"
     torch_empty_cache: bool = False
+
+
+class SglBeginUpdate(_Strict):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class SglEndUpdate(_Strict):
+    pass
 
 
 class SglFromDisk(_Strict):
@@ -139,12 +153,17 @@ class _Refused(Exception):
 class FakeEngine:
     """Base: a threaded HTTP server whose routes are methods ``r_<name>``."""
 
-    def __init__(self, data_plane: Literal["sglang", "lightning"] = "lightning") -> None:
+    def __init__(
+        self, data_plane: Literal["sglang", "lightning"] = "lightning", scratch: Path | None = None
+    ) -> None:
         self.data_plane = data_plane
+        self.scratch = scratch  # where received tensors pass through (default: temp)
+        self.keep = True  # False: the engine side drops what it receives (benches)
         self.side: subprocess.Popen[str] | None = None
         self.log: list[tuple[str, Any]] = []
         self.lock = threading.Lock()
         self.weights: dict[str, Any] = {}
+        self.calls: list[int] = []  # tensors received per transfer call
         self.version: str | None = None
         self.group: Any = None
         fake = self
@@ -240,18 +259,25 @@ class FakeEngine:
             raise _Refused(400, {"success": False, "message": answer["error"]})
         return answer
 
-    def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+    def _receive(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], flat: bool = False
+    ) -> None:
         import tempfile
 
         import torch
 
         if self.group is None:
             raise _Refused(400, {"error": "weight transfer not initialized"})
-        with tempfile.TemporaryDirectory() as d:
+        if not self.keep:
+            cmd = {"op": "recv", "names": names, "dtypes": dtypes, "shapes": shapes}
+            self._ask({**cmd, "flat": flat, "out": None})
+            self.calls.append(len(names))
+            return
+        with tempfile.TemporaryDirectory(dir=self.scratch) as d:
             out = str(Path(d) / "got.pt")
-            self._ask(
-                {"op": "recv", "names": names, "dtypes": dtypes, "shapes": shapes, "out": out}
-            )
+            cmd = {"op": "recv", "names": names, "dtypes": dtypes, "shapes": shapes}
+            self._ask({**cmd, "flat": flat, "out": out})
+            self.calls.append(len(names))
             self.weights.update(torch.load(out))
 
     def _load_dir(self, path: str) -> None:
@@ -349,10 +375,14 @@ class FakeSglang(FakeEngine):
     """SGLang's control plane; its data plane is SGLang's own group join (the pinned
     release, tests/engine_envs.py) unless ``data_plane="lightning"``."""
 
-    def __init__(self, data_plane: Literal["sglang", "lightning"] = "sglang") -> None:
-        super().__init__(data_plane)
+    def __init__(
+        self, data_plane: Literal["sglang", "lightning"] = "sglang", scratch: Path | None = None
+    ) -> None:
+        super().__init__(data_plane, scratch)
         self.paused: str | None = None
         self.group_name: str | None = None
+        self.session = False
+        self.versions: list[str | None] = []  # weight_version of every update call
 
     @staticmethod
     def _ok(message: str) -> dict[str, Any]:
@@ -377,12 +407,35 @@ class FakeSglang(FakeEngine):
         self.group_name = req.group_name
         return self._ok("Succeeded to initialize custom process group.")
 
+    def r_begin_weight_update(self, body: Any, query: dict[str, str]) -> Any:
+        _parse(SglBeginUpdate, body, 400, "sglang")
+        if self.session:
+            raise _Refused(400, {"success": False, "message": "a session is already open"})
+        self.session = True
+        return self._ok("Success")
+
+    def r_end_weight_update(self, body: Any, query: dict[str, str]) -> Any:
+        _parse(SglEndUpdate, body, 400, "sglang")
+        if not self.session:
+            raise _Refused(400, {"success": False, "message": "no weight-update session"})
+        self.session = False
+        return self._ok("Success")
+
+    def _in_session(self, route: str) -> None:
+        if not self.session:
+            message = f"{route} must run between begin_weight_update() and end_weight_update()"
+            raise _Refused(400, {"success": False, "message": message})
+
     def r_update_weights_from_distributed(self, body: Any, query: dict[str, str]) -> Any:
         req = _parse(SglFromDistributed, body, 400, "sglang")
+        self._in_session("update_weights_from_distributed")
         if req.group_name != self.group_name:
             raise _Refused(400, {"success": False, "message": f"no group {req.group_name!r}"})
-        self._receive(req.names, req.dtypes, req.shapes)
-        self.version = req.weight_version
+        flat = req.load_format == "flattened_bucket"
+        self._receive(req.names, req.dtypes, req.shapes, flat=flat)
+        self.versions.append(req.weight_version)
+        if req.weight_version is not None:
+            self.version = req.weight_version
         return self._ok("Succeeded to update parameter online from distributed.")
 
     def r_update_weights_from_disk(self, body: Any, query: dict[str, str]) -> Any:
@@ -395,6 +448,7 @@ class FakeSglang(FakeEngine):
 
     def r_update_weights_from_tensor(self, body: Any, query: dict[str, str]) -> Any:
         req = _parse(SglFromTensor, body, 400, "sglang")
+        self._in_session("update_weights_from_tensor")
         self.tensor_payloads = req.serialized_named_tensors
         self.version = req.weight_version
         return self._ok("Succeeded to update model weights.")

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from fake_rl_engines import FakeSglang, FakeVllm
 from lightning.run.weight_sync import (
     EmbeddedSync,
+    LiveWeights,
     SglangDiskSync,
     SglangDistributedSync,
     SglangTensorSync,
@@ -24,6 +25,7 @@ from lightning.run.weight_sync import (
     WeightSyncError,
     WeightUpdate,
     make_weight_sync,
+    plan_buckets,
     vllm_nccl_init_info,
     vllm_nccl_update_info,
 )
@@ -136,11 +138,7 @@ def test_sglang_own_join_receives_the_trainers_broadcast() -> None:
 
 
 def _memory_update(tensors: dict[str, torch.Tensor]) -> WeightUpdate:
-    class InMemory(WeightUpdate):
-        def tensors(self) -> Any:
-            return iter(tensors.items())
-
-    return InMemory(version=1, path=Path("/nonexistent"))
+    return WeightUpdate(version=1, source=LiveWeights(tensors.items()))
 
 
 def test_sglang_distributed_choreography_with_pause(update: WeightUpdate) -> None:
@@ -160,11 +158,14 @@ def test_sglang_distributed_choreography_with_pause(update: WeightUpdate) -> Non
         assert e.routes() == [
             "init_weights_update_group",
             "pause_generation",
+            "begin_weight_update",
             "update_weights_from_distributed",
+            "end_weight_update",
             "continue_generation",
         ]
         assert e.log[1][1] == {"mode": "retract"}
-        body = e.log[2][1]
+        body = e.log[3][1]
+        assert body["load_format"] == "flattened_bucket" and body["weight_version"] == "3"
         metas = dict(
             zip(body["names"], zip(body["dtypes"], body["shapes"], strict=True), strict=True)
         )
@@ -203,6 +204,11 @@ def test_sglang_tensor_payload_one_per_tp_rank(update: WeightUpdate) -> None:
     finally:
         sync.close()
         engine.stop()
+    assert engine.routes() == [
+        "begin_weight_update",
+        "update_weights_from_tensor",
+        "end_weight_update",
+    ]
     assert len(engine.tensor_payloads) == 2
     got = torch.load(io.BytesIO(base64.b64decode(engine.tensor_payloads[1])))
     _same(got, update)
@@ -254,3 +260,236 @@ def test_config_names_the_replacement_of_vllm_disk() -> None:
 
     with pytest.raises(ValidationError, match=r"vllm-disk' was removed.*use 'vllm-nccl'"):
         EngineSection(kind="external", urls=["http://x/v1"], weight_sync="vllm-disk")
+
+
+# -- no disk: buckets from the live model ------------------------------------------
+
+
+def _mixed(n: int = 12) -> dict[str, torch.Tensor]:
+    """Tensors of three dtypes and odd sizes, so a flattened bucket would misalign
+    a float32 behind an odd number of bfloat16 bytes unless the plan cuts there."""
+    g = torch.Generator().manual_seed(1)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        shape = (3 + i % 4, 5 + 2 * (i % 3))
+        t = torch.randn(shape, generator=g)
+        out[f"layers.{i}.w"] = t.to([torch.float32, torch.bfloat16, torch.float16][i % 3])
+    out["layers.3.odd"] = torch.randn(7, generator=g).to(torch.bfloat16)  # 14 bytes
+    return out
+
+
+def test_plan_buckets_bound_order_and_alignment() -> None:
+    metas = LiveWeights(_mixed().items()).metas()
+    for limit in (1, 100, 300, 10_000):
+        plan = plan_buckets(metas, limit)
+        assert [m for b in plan for m in b] == metas  # every tensor once, in order
+        for bucket in plan:
+            size = sum(m.nbytes for m in bucket)
+            assert size <= limit or len(bucket) == 1
+            offset = 0
+            for m in bucket:  # what FlattenedTensorBucket.empty checks
+                assert offset % torch.empty(0, dtype=getattr(torch, m.dtype)).element_size() == 0
+                offset += m.nbytes
+    assert len(plan_buckets(metas, 10_000, aligned=False)) == 1
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets(metas, 0)
+
+
+def test_live_weights_single_pass_drain_and_tied_names() -> None:
+    w = torch.randn(4, 3)
+    src = LiveWeights([("embed.weight", w), ("norm.weight", torch.ones(3)), ("lm_head.weight", w)])
+    assert [m.name for m in src.metas()] == ["embed.weight", "norm.weight"]  # tied: once
+    it = src.tensors()
+    assert next(it)[0] == "embed.weight"
+    with pytest.raises(WeightSyncError, match="single-pass"):
+        src.tensors()
+    src.drain()  # the rest
+    assert next(it, None) is None
+    # A rank that sends nothing still runs every gather and yields nothing.
+    assert list(LiveWeights([("a", w)], sender=False).tensors()) == []
+    with pytest.raises(WeightSyncError, match="streams from the live model"):
+        EmbeddedSync(["http://x"]).push(WeightUpdate(version=1, source=src))
+
+
+def test_sglang_flattened_buckets_received_by_sglangs_own_bucket() -> None:
+    """Buckets map to update_weights_from_distributed calls in one session; each is
+    one broadcast that SGLang 0.5.23's own ``FlattenedTensorBucket`` allocates (with
+    its alignment check) and unpacks; what arrives is bitwise what was sent, and the
+    version moves only with the last bucket."""
+    tensors = _mixed()
+    engine = FakeSglang(data_plane="sglang")
+    transport = TorchDistTransport("127.0.0.1", _port(), backend="gloo", timeout_s=60)
+    sync = SglangDistributedSync([engine.root], transport, bucket_bytes=300)
+    plan = plan_buckets(LiveWeights(tensors.items()).metas(), 300)
+    assert len(plan) > 3
+    try:
+        sync.setup()
+        sync.push(WeightUpdate(version=7, source=LiveWeights(tensors.items())))
+    finally:
+        sync.close()
+        engine.stop()
+    n = len(plan)
+    assert engine.routes() == [
+        "init_weights_update_group",
+        "begin_weight_update",
+        *["update_weights_from_distributed"] * n,
+        "end_weight_update",
+    ]
+    assert engine.calls == [len(b) for b in plan]
+    assert engine.versions == [None] * (n - 1) + ["7"] and engine.version == "7"
+    flushes = [body["flush_cache"] for r, body in engine.log if r.startswith("update_")]
+    assert flushes == [False] * (n - 1) + [True]
+    assert set(engine.weights) == set(tensors)
+    for name, t in tensors.items():
+        got = engine.weights[name]
+        assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_sender_holds_at_most_a_bucket_and_a_tensor() -> None:
+    """Casting to bfloat16 makes every sent tensor a fresh copy the sender owns, as
+    an FSDP2 gather does: with small buckets the peak is at most a bucket plus the
+    largest tensor, far below the model; with one bucket it is the whole model
+    (the counter sees what a sync that held everything would hold)."""
+    g = torch.Generator().manual_seed(2)
+    model = {f"layers.{i}.w": torch.randn(64, 64, generator=g) for i in range(16)}
+    model["embed.weight"] = torch.randn(256, 64, generator=g)
+    total = sum(t.numel() * 2 for t in model.values())  # in bfloat16
+    largest = 256 * 64 * 2
+    peaks = {}
+    for bucket in (10_000, 1 << 30):
+        engine = FakeSglang(data_plane="lightning")
+        transport = TorchDistTransport("127.0.0.1", _port(), backend="gloo", timeout_s=60)
+        sync = SglangDistributedSync([engine.root], transport, bucket_bytes=bucket)
+        source = LiveWeights(model.items(), dtype=torch.bfloat16)
+        try:
+            sync.setup()
+            sync.push(WeightUpdate(version=1, source=source))
+        finally:
+            sync.close()
+            engine.stop()
+        for name, t in model.items():
+            assert torch.equal(engine.weights[name], t.to(torch.bfloat16)), name
+        assert source.stats.sent_bytes == total
+        assert source.stats.live_bytes == 0  # nothing kept after the push
+        peaks[bucket] = source.stats.peak_bytes
+    assert peaks[10_000] <= 10_000 + largest < total / 2
+    assert peaks[1 << 30] >= total
+
+
+def test_fsdp2_two_ranks_stream_the_live_model_without_disk(tmp_path: Path) -> None:
+    """2 gloo ranks, FSDP2, one real step, then ``sglang-distributed`` from the
+    sharded parameters, driven as under torchrun (LeaderTrainer / follow): the
+    engine gets bitwise the full state dict, in several buckets; no safetensors
+    writer runs and no file appears in either rank's cwd or temp dir; the sender's
+    peak stays within a bucket plus the largest tensor (and one huge bucket, the
+    control, holds the whole model)."""
+    import os
+    import subprocess
+    import sys
+
+    from lightning.model_cache import tiny_model_dir
+    from sync_worker import MODEL
+
+    tiny_model_dir(**MODEL)  # built once here, not by two ranks at once
+    here = Path(__file__).parent
+    out, watch, bucket = tmp_path / "out.pt", tmp_path / "watch", 1 << 20
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{here}:{os.environ.get('PYTHONPATH', '')}",
+    }
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(_port()),
+        str(here / "sync_worker.py"), str(out), str(watch), str(bucket),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = torch.load(out, weights_only=True)
+    reference: dict[str, torch.Tensor] = r["reference"]
+    assert r["safetensors_calls"] == []
+    small, whole = r["pushes"]
+    for push in (small, whole):
+        assert push["files"] == []  # neither rank wrote anything during the syncs
+        got = push["weights"]
+        # Tied lm_head is sent once, as save_pretrained writes it.
+        assert set(got) == set(reference) - {"lm_head.weight"}
+        for name, t in got.items():
+            assert t.dtype == reference[name].dtype and torch.equal(t, reference[name]), name
+    total = sum(t.numel() * t.element_size() for n, t in reference.items() if n != "lm_head.weight")
+    assert len(small["calls"]) > 4 and len(whole["calls"]) == 1
+    assert small["sent_bytes"] == whole["sent_bytes"] == total
+    assert small["peak_bytes"] <= bucket + small["largest_bytes"] < total
+    assert whole["peak_bytes"] >= total
+
+
+class _Recorder:
+    """Stands in for the gateway client, the trainer and the sync around
+    ``Run._sync_weights``."""
+
+    def __init__(self, streams: bool, fail: bool = False) -> None:
+        self.streams, self.fail = streams, fail
+        self.calls: list[str] = []
+        self.source = LiveWeights([(f"w{i}", torch.full((2,), float(i))) for i in range(4)])
+
+    def pause(self, **kw: Any) -> None:
+        self.calls.append("pause")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+    def set_upstreams(self, ups: Any) -> None:
+        self.calls.append("set_upstreams")
+
+    def live_weights(self) -> LiveWeights:
+        self.calls.append("live_weights")
+        return self.source
+
+    def export_weights(self, path: str) -> None:
+        self.calls.append("export_weights")
+        Path(path).mkdir(parents=True)
+
+    def push(self, update: WeightUpdate) -> None:
+        self.calls.append("push")
+        self.update = update
+        if update.source is None:
+            return
+        it = update.tensors()
+        next(it)  # a push that dies after its first tensor, when fail
+        if self.fail:
+            raise WeightSyncError("engine refused")
+        for _ in it:
+            pass
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_run_streams_without_export_and_drains_a_failed_push(tmp_path: Path, fail: bool) -> None:
+    """The loop hands a streaming sync the live model (no export_weights, no
+    directory) and, when the push dies halfway, still runs the remaining gathers:
+    under torchrun the other ranks are inside them."""
+    from types import SimpleNamespace
+
+    from lightning.run.loop import Run
+
+    r = _Recorder(streams=True, fail=fail)
+    run = object.__new__(Run)
+    run.config = SimpleNamespace(  # type: ignore[assignment]
+        algorithm=SimpleNamespace(max_staleness=0), engine=SimpleNamespace(urls=["http://e"])
+    )
+    run.out, run.engine = tmp_path, None
+    run.client = run.trainer = run.weight_sync = r  # type: ignore[assignment]
+    if fail:
+        with pytest.raises(WeightSyncError):
+            run._sync_weights(5)
+        assert r.calls == ["pause", "live_weights", "push", "resume"]
+    else:
+        run._sync_weights(5)
+        assert r.calls == ["pause", "live_weights", "push", "set_upstreams", "resume"]
+    assert r.update.source is r.source and r.update.path is None and r.update.version == 5
+    assert r.source._iter is not None and next(r.source._iter, None) is None  # all gathered
+    assert not (tmp_path / "weights").exists()
+    disk = _Recorder(streams=False)
+    run.client = run.trainer = run.weight_sync = disk  # type: ignore[assignment]
+    run._sync_weights(6)
+    assert disk.calls == ["pause", "export_weights", "push", "set_upstreams", "resume"]
+    assert disk.update.path == tmp_path / "weights" / "v6" and disk.update.source is None

@@ -101,6 +101,9 @@ class EngineSection(_Section):
     sync_master_port: int = 0
     sync_world_sizes: list[int] = Field(default_factory=list)
     sync_pause: Literal["none", "abort", "retract"] = "none"
+    # sglang-distributed / vllm-nccl: MiB the trainer gathers per transfer (one
+    # SGLang call, one vLLM packed buffer); bounds its memory beyond the shards.
+    sync_bucket_mb: int = Field(default=256, ge=1)
     host: str = "127.0.0.1"
     port: int = 0
     max_batch: int = 16

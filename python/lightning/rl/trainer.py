@@ -52,7 +52,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -72,6 +72,9 @@ from lightning.rl.losses import (
     kl_penalty,
     policy_loss,
 )
+
+if TYPE_CHECKING:
+    from lightning.rl.live_weights import LiveWeights
 
 __all__ = ["LoraSettings", "Trainer", "TrainerConfig"]
 
@@ -670,6 +673,18 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
         return target
+
+    def live_weights(self) -> LiveWeights:
+        """The current policy as full tensors gathered one at a time from the live
+        (sharded) model, for weight syncs that broadcast without disk
+        (``lightning.rl.live_weights``). Every rank must drain it: under
+        FSDP2 each gather is a collective. LoRA adapters are merged into a copy."""
+        from lightning.rl.live_weights import LiveWeights
+
+        model = self.model
+        if self.config.lora is not None:
+            model = copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
+        return LiveWeights.of_module(model, sender=self.rank == 0)
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> Path:
         """Model (``model/``, merged, as :meth:`export_weights`), the LoRA adapter

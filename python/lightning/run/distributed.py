@@ -6,9 +6,10 @@ Rank 0 is the run (engines, gateway, harness runner, store, metrics: everything
 `lightning train` does on one process); every rank holds a shard of the trainer
 (DDP, or FSDP2 with ``[trainer] parallel = "fsdp2"``). Rank 0's trainer is a
 :class:`LeaderTrainer`: each call the run makes (``step``, ``export_weights``,
-``save_checkpoint``, ``load_checkpoint``, ``close``) is first broadcast to the
-other ranks, which run :func:`follow` and make the same call on their trainer,
-so the collectives inside line up. Samples cross as plain numpy records.
+``live_weights``, ``save_checkpoint``, ``load_checkpoint``, ``close``) is first
+broadcast to the other ranks, which run :func:`follow` and make the same call on
+their trainer, so the collectives inside line up (``live_weights``: rank 0 sends
+what it gathers to the engines, the others drain theirs). Samples cross as plain numpy records.
 
 The process group is ``nccl`` when CUDA is available (each rank on the GPU
 ``LOCAL_RANK``), else ``gloo``; the mirrored calls travel on a gloo group of
@@ -81,7 +82,7 @@ def _broadcast(message: Any) -> Any:
 class LeaderTrainer:
     """Rank 0's trainer: mirrors every call to the follower ranks first."""
 
-    MIRRORED = ("step", "export_weights", "save_checkpoint", "load_checkpoint")
+    MIRRORED = ("step", "export_weights", "live_weights", "save_checkpoint", "load_checkpoint")
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -118,7 +119,11 @@ def follow(trainer: Any) -> None:
             if hasattr(trainer, "close"):
                 trainer.close()
             return
-        getattr(trainer, name)(*args, **kwargs)
+        result = getattr(trainer, name)(*args, **kwargs)
+        if name == "live_weights":
+            # Rank 0 streams these weights to the engines; this rank joins each
+            # gather (FSDP2 full_tensor) in the same order and keeps nothing.
+            result.drain()
 
 
 def follower_main(config: Any, *, resume: bool) -> None:

@@ -194,6 +194,7 @@ def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
         master_port=e.sync_master_port,
         world_sizes=e.sync_world_sizes or None,
         pause_mode=e.sync_pause,
+        bucket_bytes=e.sync_bucket_mb << 20,
     )
 
 
@@ -516,15 +517,23 @@ class Run:
         if drain:
             self.client.pause(drain=True, timeout_s=120.0)
         try:
-            path = self.out / "weights" / f"v{version}"
-            self.trainer.export_weights(str(path))
-            self.weight_sync.push(WeightUpdate(version=version, path=path))
+            if self.weight_sync.streams:
+                # Broadcast from the live (sharded) model bucket by bucket: nothing
+                # on disk, never the whole model on one host. Leaving the block
+                # runs any gathers a failed push skipped, so every rank's
+                # collectives still line up.
+                with self.trainer.live_weights() as source:
+                    self.weight_sync.push(WeightUpdate(version=version, source=source))
+            else:
+                path = self.out / "weights" / f"v{version}"
+                self.trainer.export_weights(str(path))
+                self.weight_sync.push(WeightUpdate(version=version, path=path))
+                # Only the newest weights are needed from now on.
+                for old in (self.out / "weights").glob("v*"):
+                    if old != path:
+                        shutil.rmtree(old, ignore_errors=True)
             upstreams = [self.engine.url] if self.engine is not None else self.config.engine.urls
             self.client.set_upstreams([{"url": u, "weight_version": version} for u in upstreams])
-            # Only the newest weights are needed from now on.
-            for old in (self.out / "weights").glob("v*"):
-                if old != path:
-                    shutil.rmtree(old, ignore_errors=True)
         finally:
             if drain:
                 self.client.resume()

@@ -6,6 +6,18 @@ lives here; moving the tensors themselves (NCCL broadcast, CUDA IPC, a shared
 disk) is a :class:`Transport`, so the choreography is the same whatever carries
 the bytes and can be tested on a CPU.
 
+What a push carries, :class:`WeightUpdate`, is a directory or a stream. The disk
+paths (``embedded``, ``sglang-disk``) get an exported safetensors directory. The
+process-group paths (``sglang-distributed``, ``vllm-nccl``; ``WeightSync.streams``)
+get :class:`LiveWeights` (``lightning.rl.live_weights``): the trainer's live parameters, each FSDP2 shard gathered
+(``full_tensor()``) only when its turn comes, grouped into buckets of
+``bucket_bytes`` (:func:`plan_buckets`, from shapes alone) that map to the engine's
+own unit of transfer: one SGLang ``update_weights_from_distributed`` call with
+``load_format = "flattened_bucket"`` (one broadcast per bucket), one vLLM packed
+buffer. Nothing is written to disk and the sender holds at most a bucket plus the
+tensor being gathered (``LiveWeights.stats``; tests/test_weight_sync.py checks it on
+2 FSDP2 ranks; benches/weight_sync.py measures it against the disk path).
+
 Engine APIs, with the sources every endpoint and payload was checked against:
 
 ``embedded`` (lightning's own engine, ``lightning serve``)
@@ -23,8 +35,14 @@ Engine APIs, with the sources every endpoint and payload was checked against:
       a collective, it returns once the trainer has joined the group too.
     - ``POST /update_weights_from_distributed`` ``UpdateWeightsFromDistributedReqInput
       {names, dtypes, shapes, group_name, flush_cache, abort_all_requests,
-      weight_version}``: the engine receives one broadcast from rank 0 per name, in
-      order, while the request is open.
+      weight_version, load_format, selector}``: the engine receives one broadcast
+      from rank 0 per name, in order, while the request is open; with
+      ``load_format = "flattened_bucket"`` one broadcast of all of them, laid end to
+      end as bytes (``srt/weight_sync/tensor_bucket.py`` ``FlattenedTensorBucket``).
+    - ``POST /begin_weight_update {"selector"}`` / ``POST /end_weight_update {}``:
+      sglang 0.5.23's scheduler (``managers/scheduler_components/weight_updater.py``)
+      refuses ``update_weights_from_distributed`` and ``update_weights_from_tensor``
+      outside such a session, so every push of those two opens one.
     - ``POST /update_weights_from_tensor`` ``UpdateWeightsFromTensorReqInput
       {serialized_named_tensors: [base64, one per TP rank], load_format, flush_cache,
       weight_version}`` (colocated engines: the bytes are SGLang's
@@ -54,7 +72,9 @@ Engine APIs, with the sources every endpoint and payload was checked against:
     by ``trainer_init`` with ``/init_weight_transfer_engine``.
 
 Verified: SGLang's group join (the trainer side joins a group built by SGLang
-0.5.23's own ``init_custom_process_group`` in tests/test_weight_sync.py). Not
+0.5.23's own ``init_custom_process_group`` in tests/test_weight_sync.py), and its
+flattened-bucket receive (SGLang's own ``FlattenedTensorBucket`` allocates and
+unpacks what the trainer sends, bitwise). Not
 verified on a CPU: vLLM's NCCL data plane (its receiver and
 ``NCCLTrainerWeightTransferEngine`` use PyNccl, GPU only); ``vllm-nccl`` logs
 :data:`VLLM_NCCL_UNVERIFIED` at setup.
@@ -63,6 +83,8 @@ verified on a CPU: vLLM's NCCL data plane (its receiver and
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -73,8 +95,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from lightning._core import LightningError
 from lightning.config import VLLM_DISK_GONE
+from lightning.rl.live_weights import (
+    DEFAULT_BUCKET_BYTES,
+    GatherStats,
+    LiveWeights,
+    TensorMeta,
+    WeightSyncError,
+    meta_of,
+    plan_buckets,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -94,42 +124,57 @@ PauseMode = Literal["none", "abort", "retract"]
 GROUP_NAME = "lightning_weight_sync"
 
 
-class WeightSyncError(LightningError, RuntimeError):
-    """An engine refused a weight update; the message names the engine and the step."""
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    dtype: str  # a torch dtype attribute name: "bfloat16", "float32", ...
-    shape: list[int]
-
-
 @dataclass
 class WeightUpdate:
-    """One new policy. ``path`` is the exported HF directory (safetensors);
-    ``tensors`` yields the same weights as ``(name, tensor)`` for transports that
-    stream them (by default: read back from ``path``)."""
+    """One new policy, as a directory or as a stream.
+
+    ``path``: an exported HF directory (safetensors), what the disk-based syncs
+    (``embedded``, ``sglang-disk``) hand to the engine. ``source``: the live model
+    (:class:`LiveWeights`), what the process-group syncs (``sglang-distributed``,
+    ``vllm-nccl``) broadcast from, bucket by bucket, with nothing written to disk.
+    :meth:`tensors` and :meth:`metas` read whichever is set (the source first)."""
 
     version: int
-    path: Path
+    path: Path | None = None
+    source: LiveWeights | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is None and self.source is None:
+            raise ValueError("WeightUpdate needs a path (exported weights) or a source")
+
+    def disk_path(self, who: str) -> Path:
+        if self.path is None:
+            raise WeightSyncError(
+                f"{who} loads weights from a directory, but update v{self.version} streams "
+                "from the live model: export_weights first and pass path="
+            )
+        return self.path
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.source is not None:
+            return self.source.tensors()
+        return self._read()
+
+    def _read(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
-        files = sorted(self.path.glob("*.safetensors"))
+        path = self.disk_path("reading tensors")
+        files = sorted(path.glob("*.safetensors"))
         if not files:
-            raise WeightSyncError(f"{self.path} holds no .safetensors files to send")
+            raise WeightSyncError(f"{path} holds no .safetensors files to send")
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
 
     def metas(self) -> list[TensorMeta]:
-        return [
-            TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape))
-            for n, t in self.tensors()
-        ]
+        if self.source is not None:
+            return self.source.metas()
+        return [meta_of(n, t) for n, t in self._read()]
+
+    @property
+    def stats(self) -> GatherStats | None:
+        return self.source.stats if self.source is not None else None
 
 
 # -- transports -------------------------------------------------------------------
@@ -137,6 +182,10 @@ class WeightUpdate:
 
 class Transport(ABC):
     """Moves tensors from the trainer (rank 0 of a group) to the engines' workers."""
+
+    # Whether it sends from WeightUpdate.tensors() (a live source serves it without
+    # disk) rather than handing the engine a path or a handle.
+    streams = False
 
     @abstractmethod
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
@@ -160,8 +209,11 @@ class TorchDistTransport(Transport):
     """A ``torch.distributed`` process group of its own (not the default group, so
     it lives beside torchrun's), rendezvous through a TCP store at
     ``master_address:master_port``, store keys prefixed with the group name as
-    ``init_process_group`` does. One broadcast from rank 0 per tensor, in order:
-    what SGLang's ``update_weights_from_distributed`` receives."""
+    ``init_process_group`` does. Rank 0 broadcasts one tensor at a time
+    (:meth:`send_tensors`) or one flattened bucket at a time (:meth:`send_flat`),
+    the two ways SGLang's ``update_weights_from_distributed`` receives."""
+
+    streams = True
 
     def __init__(
         self,
@@ -209,15 +261,71 @@ class TorchDistTransport(Transport):
             "group_name": self.group_name,
         }
 
+    def _device(self) -> str:
+        return "cuda" if self.backend == "nccl" else "cpu"
+
     def send(self, update: WeightUpdate) -> None:
-        if self.group is None:
-            raise WeightSyncError("TorchDistTransport.send before open(): call setup() first")
+        self.send_tensors(update.tensors(), update.stats)
+
+    def send_tensors(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], stats: GatherStats | None = None
+    ) -> None:
+        """One broadcast per tensor, in order: what SGLang's
+        ``update_weights_from_distributed`` receives without a ``load_format``."""
+        group = self._group()
         import torch.distributed as dist
 
-        device = "cuda" if self.backend == "nccl" else "cpu"
-        for _, tensor in update.tensors():
-            # What SGLang's update_weights_from_distributed receives, one per name.
-            dist.broadcast(tensor.to(device).contiguous(), src=0, group=self.group)
+        for _, tensor in tensors:
+            send = tensor.to(self._device()).contiguous()
+            dist.broadcast(send, src=0, group=group)
+            if stats is not None:
+                stats.sent_bytes += send.numel() * send.element_size()
+            del send, tensor  # before the next gather
+
+    def send_flat(
+        self,
+        metas: Sequence[TensorMeta],
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        stats: GatherStats | None = None,
+    ) -> None:
+        """One broadcast of the bucket's tensors laid end to end as bytes, each
+        copied in as it is gathered and dropped: the sender holds the bucket buffer
+        and one tensor, never the bucket twice. The layout is SGLang's
+        ``FlattenedTensorBucket`` (``load_format = "flattened_bucket"``): row-major
+        bytes of each tensor in ``metas`` order, no padding."""
+        import torch
+        import torch.distributed as dist
+
+        group = self._group()
+        total = sum(m.nbytes for m in metas)
+        if len(metas) == 1:  # its own bytes are the layout: send them without a copy
+            _, tensor = next(iter(tensors))
+            flat = tensor.to(self._device()).contiguous().reshape(-1).view(torch.uint8)
+            del tensor
+            dist.broadcast(flat, src=0, group=group)
+            if stats is not None:
+                stats.sent_bytes += total
+            return
+        flat = torch.empty(total, dtype=torch.uint8, device=self._device())
+        if stats is not None:
+            stats.track(flat)
+        offset = 0
+        it = iter(tensors)
+        for m in metas:
+            # Not zip(): it keeps the previous pair alive while the next is gathered.
+            _, tensor = next(it)
+            n = m.nbytes
+            flat[offset : offset + n].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+            offset += n
+            del tensor
+        dist.broadcast(flat, src=0, group=group)
+        if stats is not None:
+            stats.sent_bytes += total
+
+    def _group(self) -> Any:
+        if self.group is None:
+            raise WeightSyncError("TorchDistTransport.send before open(): call setup() first")
+        return self.group
 
     def close(self) -> None:
         if self.group is not None:
@@ -329,7 +437,13 @@ class PlainTransport(Transport):
 
 class WeightSync(ABC):
     """Pushes each new policy to every engine. ``roots`` are the engines' server
-    roots (``http://host:port``, no ``/v1``)."""
+    roots (``http://host:port``, no ``/v1``).
+
+    ``streams``: the sync sends tensors over a process group, so the caller passes
+    ``WeightUpdate(source=LiveWeights...)`` and writes nothing to disk; otherwise it
+    passes an exported directory (``path``)."""
+
+    streams = False
 
     def __init__(self, roots: Sequence[str], *, timeout_s: float = 600.0) -> None:
         self.roots = [_root(u) for u in roots]
@@ -397,7 +511,8 @@ def _check_sglang(root: str, route: str, answer: Any) -> None:
 
 class EmbeddedSync(WeightSync):
     def push(self, update: WeightUpdate) -> None:
-        body = {"path": str(update.path.resolve()), "version": update.version}
+        path = update.disk_path("weight_sync = 'embedded'")
+        body = {"path": str(path.resolve()), "version": update.version}
         self._all(lambda root: self._post(root, "/admin/load_weights", body))
 
 
@@ -424,7 +539,7 @@ class _SglangBase(WeightSync):
 class SglangDiskSync(_SglangBase):
     def _update(self, update: WeightUpdate) -> None:
         body = {
-            "model_path": str(update.path.resolve()),
+            "model_path": str(update.disk_path("weight_sync = 'sglang-disk'").resolve()),
             "weight_version": str(update.version),
             "abort_all_requests": False,
             "flush_cache": True,
@@ -441,7 +556,24 @@ class SglangDiskSync(_SglangBase):
 
 
 class SglangDistributedSync(_SglangBase):
-    """``world_sizes``: each engine's number of workers (TP × PP × DP ranks)."""
+    """``world_sizes``: each engine's number of workers (TP × PP × DP ranks).
+
+    A push is one weight-update session (``/begin_weight_update`` …
+    ``/end_weight_update``, which sglang 0.5.23 requires around
+    ``update_weights_from_distributed``) holding one ``update_weights_from_distributed``
+    call per bucket of at most ``bucket_bytes`` (:func:`plan_buckets`). With
+    ``flatten`` (default) each call is ``load_format = "flattened_bucket"``: one
+    broadcast of the bucket's bytes, which the sender fills as it gathers
+    (:meth:`TorchDistTransport.send_flat`); without it, one broadcast per tensor.
+    Only the last call carries ``weight_version`` and flushes the cache, so the
+    engine reports the new version once every bucket has landed.
+
+    Between two calls SGLang may schedule requests on partly updated weights: the
+    loop drains the gateway before a synchronous push, so only asynchronous runs
+    (``max_staleness > 0``) with ``pause_mode = "none"`` and more than one bucket
+    are exposed; use ``pause_mode = "retract"`` (or one bucket) there."""
+
+    streams = True
 
     def __init__(
         self,
@@ -450,11 +582,15 @@ class SglangDistributedSync(_SglangBase):
         *,
         world_sizes: Sequence[int] | None = None,
         pause_mode: PauseMode = "none",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        flatten: bool = True,
         timeout_s: float = 600.0,
     ) -> None:
         super().__init__(roots, pause_mode=pause_mode, timeout_s=timeout_s)
         self.transport = transport
         self.world, self.offsets = self._group_ranks(world_sizes)
+        self.bucket_bytes = bucket_bytes
+        self.flatten = flatten
 
     def setup(self) -> None:
         world, offsets = self.world, self.offsets
@@ -470,22 +606,89 @@ class SglangDistributedSync(_SglangBase):
         self._beside(lambda: self._all(init), lambda: self.transport.open(world))
 
     def _update(self, update: WeightUpdate) -> None:
-        body = {
-            **self.transport.update_info(update),
-            "flush_cache": True,
-            "abort_all_requests": False,
-            "weight_version": str(update.version),
-        }
+        plan = plan_buckets(update.metas(), self.bucket_bytes, aligned=self.flatten)
+        tensors = update.tensors()
+        with _sglang_session(self):
+            for i, metas in enumerate(plan):
+                last = i == len(plan) - 1
+                body = {
+                    "names": [m.name for m in metas],
+                    "dtypes": [m.dtype for m in metas],
+                    "shapes": [m.shape for m in metas],
+                    "group_name": self.transport.group_name,
+                    "load_format": "flattened_bucket" if self.flatten else None,
+                    "flush_cache": last,
+                    "abort_all_requests": False,
+                    "weight_version": str(update.version) if last else None,
+                }
+                self._beside(
+                    functools.partial(self._all, functools.partial(self._call_update, body=body)),
+                    functools.partial(self._send_bucket, metas, tensors, update.stats),
+                )
+            extra = next(tensors, None)  # also frees the source's last tensor
+            if extra is not None:
+                raise WeightSyncError(f"{extra[0]!r} was sent but not announced (metas())")
 
-        def one(root: str) -> None:
-            route = "/update_weights_from_distributed"
-            _check_sglang(root, route, self._post(root, route, body))
+    def _send_bucket(
+        self,
+        metas: list[TensorMeta],
+        tensors: Iterator[tuple[str, torch.Tensor]],
+        stats: GatherStats | None,
+    ) -> None:
+        bucket = _checked(metas, tensors)
+        if self.flatten:
+            self.transport.send_flat(metas, bucket, stats)
+        else:
+            self.transport.send_tensors(bucket, stats)
 
-        self._beside(lambda: self._all(one), lambda: self.transport.send(update))
+    def _call_update(self, root: str, body: dict[str, Any]) -> None:
+        route = "/update_weights_from_distributed"
+        _check_sglang(root, route, self._post(root, route, body))
 
     def close(self) -> None:
         self.transport.close()
         super().close()
+
+
+def _checked(
+    metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The next ``len(metas)`` tensors, each checked against what the engines were
+    told: a mismatch would leave them waiting for bytes that never come."""
+    for m in metas:
+        got = next(tensors, None)
+        if got is None:
+            raise WeightSyncError(f"weights ended before {m.name!r} (announced to the engines)")
+        name, t = got
+        if meta_of(name, t) != m:
+            raise WeightSyncError(
+                f"announced {m}, about to send {meta_of(name, t)}: shapes come from metas() "
+                "and must match the tensors in order"
+            )
+        yield name, t
+        del got, t
+
+
+@contextlib.contextmanager
+def _sglang_session(sync: WeightSync) -> Iterator[None]:
+    """sglang 0.5.23's weight-update session (``BeginWeightUpdateReqInput
+    {selector}``, ``EndWeightUpdateReqInput {}``): its scheduler refuses
+    ``update_weights_from_distributed`` / ``_from_tensor`` outside one, and runs the
+    model's post-load hooks once, at the end."""
+
+    def call(route: str) -> Callable[[str], None]:
+        return lambda root: _check_sglang(root, route, sync._post(root, route, {}))
+
+    sync._all(call("/begin_weight_update"))
+    try:
+        yield
+    except BaseException:
+        try:
+            sync._all(call("/end_weight_update"))
+        except WeightSyncError as e:  # the first error is the one to report
+            log.warning("closing the weight-update session after a failed push: %s", e)
+        raise
+    sync._all(call("/end_weight_update"))
 
 
 Serializer = Callable[[list[tuple[str, "torch.Tensor"]]], bytes]
@@ -530,7 +733,8 @@ class SglangTensorSync(_SglangBase):
             route = "/update_weights_from_tensor"
             _check_sglang(root, route, self._post(root, route, body))
 
-        self._all(one)
+        with _sglang_session(self):
+            self._all(one)
 
 
 class VllmSync(WeightSync):
@@ -547,6 +751,7 @@ class VllmSync(WeightSync):
         super().__init__(roots, timeout_s=timeout_s)
         self.transport = transport
         self.world, self.offsets = self._group_ranks(world_sizes)
+        self.streams = transport.streams
 
     def setup(self) -> None:
         world, offsets = self.world, self.offsets
@@ -633,14 +838,21 @@ def _update_source() -> Any:
 
         @cached_property
         def metadata(self) -> list[Any]:
+            import torch
+
             if self.update is None:
                 return []
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.update.tensors()]
+            # From shapes alone (a live source gathers nothing for them), so the
+            # single pass over the weights is iter_full's.
+            return [
+                ParamMeta(m.name, getattr(torch, m.dtype), tuple(m.shape))
+                for m in self.update.metas()
+            ]
 
         def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
             assert self.update is not None
             for name, tensor in self.update.tensors():
-                yield name, tensor.cuda()
+                yield name, tensor.cuda()  # a no-op for a model already on the GPU
 
     return UpdateSource()
 
@@ -648,7 +860,13 @@ def _update_source() -> Any:
 class VllmNcclSync(WeightSync):
     """vLLM's NCCL backend, sent by vLLM's own ``NCCLTrainerWeightTransferEngine``
     (needs ``vllm`` importable on the trainer); experimental, see
-    :data:`VLLM_NCCL_UNVERIFIED`."""
+    :data:`VLLM_NCCL_UNVERIFIED`.
+
+    Packed (default): vLLM's producer packs the tensors ``iter_full`` yields into
+    ``packed_num_buffers`` (2) buffers of ``bucket_bytes`` each and broadcasts them
+    in turn, so the sender holds those buffers and the tensor being gathered."""
+
+    streams = True
 
     def __init__(
         self,
@@ -658,10 +876,12 @@ class VllmNcclSync(WeightSync):
         *,
         world_sizes: Sequence[int] | None = None,
         packed: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 600.0,
     ) -> None:
         super().__init__(roots, timeout_s=timeout_s)
         self.master_address, self.master_port, self.packed = master_address, master_port, packed
+        self.bucket_bytes = bucket_bytes
         self.world, self.offsets = self._group_ranks(world_sizes)
         self.client = _VllmClients(self)
         self.engine: Any = None
@@ -679,6 +899,7 @@ class VllmNcclSync(WeightSync):
             master_port=self.master_port,
             world_size=self.world,
             packed=self.packed,
+            packed_buffer_size_bytes=self.bucket_bytes,
             rank=0,
         )
         self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
@@ -718,6 +939,7 @@ def make_weight_sync(
     world_sizes: Sequence[int] | None = None,
     pause_mode: PauseMode = "none",
     backend: Literal["nccl", "gloo"] = "nccl",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> WeightSync:
     """The sync for ``[engine] weight_sync = kind`` (see the module docstring)."""
     roots = list(urls)
@@ -731,13 +953,19 @@ def make_weight_sync(
         port = master_port or _free_port(master_address)
         transport = TorchDistTransport(master_address, port, backend=backend)
         return SglangDistributedSync(
-            roots, transport, world_sizes=world_sizes, pause_mode=pause_mode
+            roots,
+            transport,
+            world_sizes=world_sizes,
+            pause_mode=pause_mode,
+            bucket_bytes=bucket_bytes,
         )
     if kind == "vllm-disk":  # type: ignore[comparison-overlap]  # a removed kind, named
         raise ValueError(VLLM_DISK_GONE)
     if kind == "vllm-nccl":
         port = master_port or _free_port(master_address)
-        return VllmNcclSync(roots, master_address, port, world_sizes=world_sizes)
+        return VllmNcclSync(
+            roots, master_address, port, world_sizes=world_sizes, bucket_bytes=bucket_bytes
+        )
     if kind == "vllm-ipc":
         raise ValueError(
             "weight_sync = 'vllm-ipc' needs a trainer colocated on the engine's GPU; build "
