@@ -1156,9 +1156,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn locate_finds_sequences_in_every_tree_that_starts_alike() {
-        // Two groups share a system prompt [1, 2]: one tree each, same roots.
+    /// Two groups whose calls share the system prompt [1, 2]: one tree each.
+    fn two_groups_sharing_a_prefix() -> PackedTree {
         let calls = [
             CallView {
                 group: Some("g0"),
@@ -1169,7 +1168,13 @@ mod tests {
                 ..call("b", &[1, 2], &[4], None)
             },
         ];
-        let tree = pack(&calls, None, true, &Fresh).unwrap();
+        pack(&calls, None, true, &Fresh).unwrap()
+    }
+
+    #[test]
+    fn locate_finds_sequences_in_every_tree_that_starts_alike() {
+        // Two groups share a system prompt [1, 2]: one tree each, same roots.
+        let tree = two_groups_sharing_a_prefix();
         assert_eq!(tree.tree_keys, vec!["g0", "g1"]);
         let index = TreeIndex::new(&tree);
         assert_eq!(index.locate(&[1, 2, 3]).unwrap(), vec![0, 1, 2]);
@@ -1245,17 +1250,7 @@ mod tests {
 
     #[test]
     fn index_from_parts_is_the_trees_index() {
-        let calls = [
-            CallView {
-                group: Some("g0"),
-                ..call("a", &[1, 2], &[3], None)
-            },
-            CallView {
-                group: Some("g1"),
-                ..call("b", &[1, 2], &[4], None)
-            },
-        ];
-        let tree = pack(&calls, None, true, &Fresh).unwrap();
+        let tree = two_groups_sharing_a_prefix();
         let parts = TreeIndex::from_parts(&tree.tokens, &tree.parent, &tree.tree_offsets);
         let whole = TreeIndex::new(&tree);
         for seq in [&[1, 2, 3][..], &[1, 2, 4], &[1, 2, 5], &[2]] {

@@ -580,9 +580,15 @@ mod tests {
         );
         // A bare host means the engines' usual /v1.
         for bare in ["http://127.0.0.1:8000", "http://127.0.0.1:8000/"] {
-            assert_eq!(parse_base_url(bare).unwrap().prefix, "/v1");
+            assert_eq!(
+                parse_base_url(bare).map(|b| b.prefix),
+                Ok("/v1".to_string())
+            );
         }
-        assert_eq!(parse_base_url("http://h/api/v2").unwrap().prefix, "/api/v2");
+        assert_eq!(
+            parse_base_url("http://h/api/v2").map(|b| b.prefix),
+            Ok("/api/v2".to_string())
+        );
         assert!(parse_base_url("https://x/v1").is_err());
         assert!(parse_base_url("http:///v1").is_err());
     }

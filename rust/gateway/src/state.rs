@@ -99,6 +99,17 @@ impl State {
         crate::http::read_body(self.cfg.max_body_bytes, idle, total, req).await
     }
 
+    /// An admin route's JSON body: the admin key is checked before a byte of
+    /// the body is read, so an unauthenticated client cannot make it buffer.
+    pub async fn admin_json(
+        &self,
+        req: hyper::Request<hyper::body::Incoming>,
+    ) -> Result<serde_json::Value, ApiError> {
+        self.require_admin(req.headers())?;
+        let (_, body) = self.read_body(req).await?;
+        crate::http::parse_json(&body)
+    }
+
     /// 503 with `Retry-After` while paused for a weight update.
     pub fn check_not_paused(&self) -> Result<(), ApiError> {
         if !self.paused.load(std::sync::atomic::Ordering::SeqCst) {

@@ -9,14 +9,12 @@ use std::time::{Duration, Instant};
 
 use crate::config::UpstreamConfig;
 use crate::error::ApiError;
-use crate::http::{json_response, parse_json, Body};
+use crate::http::{json_response, Body};
 use crate::state::State;
 
 /// `POST /admin/pause`: new calls get 503; optionally waits for in-flight calls to drain.
 pub async fn pause(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    st.require_admin(req.headers())?;
-    let (_, body) = st.read_body(req).await?;
-    let v = parse_json(&body)?;
+    let v = st.admin_json(req).await?;
     st.paused.store(true, Ordering::SeqCst);
     tracing::info!("paused: new calls get 503");
     let drain = v.get("drain").and_then(|x| x.as_bool()).unwrap_or(true);
@@ -66,9 +64,7 @@ pub async fn replace_upstreams(
     st: &Arc<State>,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
-    st.require_admin(req.headers())?;
-    let (_, body) = st.read_body(req).await?;
-    let v = parse_json(&body)?;
+    let v = st.admin_json(req).await?;
     let list = v.get("upstreams").cloned().unwrap_or(v);
     let cfgs: Vec<UpstreamConfig> = serde_json::from_value(list).map_err(|e| {
         ApiError::bad_request(

@@ -21,9 +21,7 @@ pub async fn create_key(
     st: &Arc<State>,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
-    st.require_admin(req.headers())?;
-    let (_, body) = st.read_body(req).await?;
-    let v = parse_json(&body)?;
+    let v = st.admin_json(req).await?;
     let name = v
         .get("name")
         .and_then(Value::as_str)
@@ -166,9 +164,7 @@ pub async fn mark_trained(
     st: &Arc<State>,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
-    st.require_admin(req.headers())?;
-    let (_, body) = st.read_body(req).await?;
-    let v = parse_json(&body)?;
+    let v = st.admin_json(req).await?;
     let ids: Vec<String> = v
         .get("session_ids")
         .and_then(Value::as_array)
