@@ -237,7 +237,7 @@ class PassStopped(LightningError):
     message says which sessions and values, and what to do."""
 
 
-class BadReward(ValueError):
+class BadReward(LightningError, ValueError):
     """A session's reward (or a signal it counts) is not finite or beyond ``max_abs``."""
 
 
