@@ -16,7 +16,20 @@ What stays the same as DDP, and why it needs care here:
    split can give ranks different counts. :func:`balance` pads the shorter lists
    with a one-token micro-batch that has no targets: its loss is an empty sum,
    zero, whose backward still walks every layer and joins every reduce-scatter.
-3. Checkpoints: :func:`save_sharded` / :func:`load_sharded` write and read model
+3. Mixed precision: the sharded parameters (the optimizer's master weights)
+   and its state stay float32; ``MixedPrecisionPolicy(param_dtype=compute,
+   reduce_dtype=float32)`` casts each unit's all-gathered parameters to the
+   compute dtype for its forward and backward, and reduce-scatters gradients in
+   float32 into float32 shards. No autocast on top: the policy already sets the
+   dtype of every matmul, and one mechanism is easier to reason about.
+4. Memory: :func:`build_sharded` builds the model with its parameters on the meta
+   device (no storage), shards it, allocates only this rank's shards, then rank 0
+   reads the checkpoint and ``set_model_state_dict(broadcast_from_rank0=True)``
+   sends each rank its part. No rank but 0 ever holds the whole model, and rank 0
+   holds it once (the file it reads), not twice. The KL reference model is built
+   the same way, stored in the compute dtype (exactly what the policy's policy
+   casts to, so the two agree before the first update) and frozen.
+5. Checkpoints: :func:`save_sharded` / :func:`load_sharded` write and read model
    and optimizer shards with ``torch.distributed.checkpoint`` (each rank its own
    files, resharding on load to any world size); :func:`full_state_dict` gathers
    the whole model on rank 0 (CPU) for ``export_weights`` — a plain safetensors
@@ -27,7 +40,8 @@ Not supported yet: LoRA with FSDP2 (a config error), CPU offload, HSDP.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +49,110 @@ import torch
 import torch.distributed as dist
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """Apply ``fully_shard`` to every decoder layer, then to the root (in place)."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Apply ``fully_shard`` to every decoder layer, then to the root (in place).
+    Parameters are all-gathered in ``compute_dtype``; gradients reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layers = _decoder_layers(model)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no storage,
+    initialisers are no-ops) while buffers stay real. Why not ``torch.device("meta")``:
+    non-persistent buffers (rotary ``inv_freq``) are computed in ``__init__``, are
+    not in any checkpoint, and would be lost."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: Any) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"fsdp2 loads safetensors; {path} has none (re-save the model with "
+            "save_pretrained(safe_serialization=True))"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def build_sharded(
+    path: str | Path,
+    device: torch.device,
+    *,
+    compute_dtype: torch.dtype,
+    storage_dtype: torch.dtype = torch.float32,
+    prepare: Any = None,
+) -> torch.nn.Module:
+    """The Hugging Face causal LM at ``path``, sharded, each rank materialising only
+    its shards (point 4 of the module docstring). ``prepare(model)`` runs on the
+    unsharded meta model (activation checkpointing must wrap layers before
+    ``fully_shard``). Collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=storage_dtype, attn_implementation="sdpa"
+        )
+    model.config.use_cache = False
+    if prepare is not None:
+        prepare(model)
+    shard(model, compute_dtype)
+    buffers = dict(model.named_buffers())
+    model.to_empty(device=device)  # this rank's shards: allocated, not yet filled
+    for name, value in buffers.items():  # to_empty left the buffers uninitialised
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = value.to(device)
+    full: dict[str, torch.Tensor] = {}
+    problem: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            full = _read_checkpoint(Path(path))
+        except OSError as e:
+            problem[0] = str(e)
+        expected = set(model.state_dict())
+        if getattr(model.config, "tie_word_embeddings", False):
+            expected.discard("lm_head.weight")
+            full.pop("lm_head.weight", None)
+        if problem[0] is None and set(full) != expected:
+            problem[0] = (
+                f"fsdp2: the checkpoint at {path} does not name the model's parameters "
+                f"(missing {sorted(expected - set(full))[:5]}, unexpected "
+                f"{sorted(set(full) - expected)[:5]}); use parallel = 'ddp' for this model"
+            )
+    # Every rank learns of rank 0's failure (else they would wait in the broadcast).
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise ValueError(problem[0])
+    set_model_state_dict(
+        model,
+        full,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+    )
+    del full
     return model
 
 
