@@ -1,9 +1,17 @@
 """Peak host memory per trainer rank: one process against FSDP2 on 2 gloo CPU ranks.
 
 Each run builds a :class:`lightning.rl.trainer.Trainer` (KL on, so the
-reference model counts too), takes one step on a small GRPO-shaped batch, and
-reads each rank's resident-set high-water mark (``VmHWM`` in ``/proc/self/status``)
-after construction and after the step. Runs, per model:
+reference model counts too) and takes one step on a small GRPO-shaped batch.
+Per rank it prints three numbers from ``/proc/self/status``:
+
+- ``build``: the resident-set high-water mark (``VmHWM``) after construction;
+- ``step``: the high-water mark during the step (reset after the build by
+  writing 5 to ``/proc/self/clear_refs``);
+- ``kept``: the resident set after the step once glibc has returned its free
+  memory (``malloc_trim``): what the rank holds between steps (weights,
+  gradients, optimizer state, the reference model, the Python process itself).
+
+Runs, per model:
 
 - ``1 rank``: a plain single process (the whole model, optimizer and reference
   model in one place): the per-rank peak the FSDP2 runs should undercut;
@@ -37,11 +45,11 @@ from typing import Any
 HERE = Path(__file__).resolve()
 
 
-def _hwm_mib() -> float:
+def _status_mib(key: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+    raise RuntimeError(f"no {key} in /proc/self/status (Linux only)")
 
 
 def _full_load(path: Any, device: Any, *, compute_dtype: Any, storage_dtype: Any = None, prepare: Any = None) -> Any:
@@ -103,10 +111,17 @@ def worker(model_dir: str, load: str) -> None:
         micro_batch_tokens=512,
         device="cpu",
     )
+    import ctypes
+    import gc
+
     tr = Trainer(cfg)
-    built = _hwm_mib()
+    built = _status_mib("VmHWM")
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
     tr.step(*_batch(tr.tokenizer.vocab_size))
-    row = {"built": built, "stepped": _hwm_mib()}
+    stepped = _status_mib("VmHWM")
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    row = {"built": built, "stepped": stepped, "kept": _status_mib("VmRSS")}
     rows = [row]
     if world > 1:
         rows = [None] * world  # type: ignore[list-item]
@@ -153,7 +168,7 @@ def main() -> None:
     ).stdout.strip()
     print(f"machine: {platform.machine()} {platform.processor()} {os.cpu_count()} cpus; "
           f"python {platform.python_version()}; commit {commit}")  # fmt: skip
-    print("peak RSS (VmHWM) per rank, MiB, after building the trainer / after one step")
+    print("per rank, MiB: peak RSS while building / peak RSS during one step / RSS kept after it")
     dirs = {"tiny": tiny_model_dir, "smollm2": smollm2_dir}
     for name in args.model:
         path = dirs[name]()
@@ -162,15 +177,18 @@ def main() -> None:
         for label, ranks, load in runs:
             rows = _run(path, ranks, load)
             cells = "  ".join(
-                f"rank {k}: {r['built']:7.0f} / {r['stepped']:7.0f}" for k, r in enumerate(rows)
+                f"rank {k}: {r['built']:5.0f} / {r['stepped']:5.0f} / {r['kept']:5.0f}"
+                for k, r in enumerate(rows)
             )
-            peak[label] = max(r["stepped"] for r in rows)
+            peak[label] = {k: max(r[k] for r in rows) for k in ("built", "stepped", "kept")}
             print(f"{name:8} {label:20} {cells}")
-        one = peak["1 rank"]
-        print(
-            f"{name:8} max per-rank peak vs 1 rank: full load {peak['2 ranks, full load'] / one:.2f}x, "
-            f"meta {peak['2 ranks, meta'] / one:.2f}x"
-        )
+        for k in ("built", "stepped", "kept"):
+            one = peak["1 rank"][k]
+            full, meta = peak["2 ranks, full load"][k], peak["2 ranks, meta"][k]
+            print(
+                f"{name:8} largest rank's {k:7} vs 1 rank: full load {full / one:.2f}x, "
+                f"meta {meta / one:.2f}x"
+            )
 
 
 if __name__ == "__main__":
