@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--quick", action="store_true", help="small sizes; the tiny model by default")
-    ap.add_argument("--model", choices=["tiny", "smollm2"], help="default: smollm2, tiny if --quick")
+    ap.add_argument(
+        "--model", choices=["tiny", "smollm2"], help="default: smollm2, tiny if --quick"
+    )
     ap.add_argument(
         "--only",
         nargs="+",

@@ -25,7 +25,8 @@ def full_params(tr: object) -> dict[str, torch.Tensor]:
 
 def mixed_precision() -> dict[str, object]:
     from lightning.rl.batching import micro_batches, seq_items
-    from precision_case import full_params as flat, one_step_delta
+    from precision_case import full_params as flat
+    from precision_case import one_step_delta
 
     kw = {"parallel": "fsdp2", "lr": 1e-6, "micro_batch_tokens": 40}
     fp32 = trainer(compute_dtype="float32", **kw)

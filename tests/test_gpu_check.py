@@ -29,7 +29,13 @@ def test_cpu_quick_path_passes(capsys: pytest.CaptureFixture[str]) -> None:
     gpu_check = _load()
     assert gpu_check.main(["--device", "cpu", "--quick"]) == 0
     out = capsys.readouterr().out
-    for name in ("fp32 tree+fused", "bf16 autocast", "trainer step", "engine decode", "lightning train"):
+    for name in (
+        "fp32 tree+fused",
+        "bf16 autocast",
+        "trainer step",
+        "engine decode",
+        "lightning train",
+    ):
         assert f"ok   {name}" in out, out
 
 

@@ -23,10 +23,10 @@ What stays the same as DDP, and why it needs care here:
    float32 into float32 shards. No autocast on top: the policy already sets the
    dtype of every matmul, and one mechanism is easier to reason about.
 4. Memory: :func:`build_sharded` builds the model with its parameters on the meta
-   device (no storage), shards it, allocates only this rank's shards, then rank 0
-   reads the checkpoint and ``set_model_state_dict(broadcast_from_rank0=True)``
-   sends each rank its part. No rank but 0 ever holds the whole model, and rank 0
-   holds it once (the file it reads), not twice. The KL reference model is built
+   device (no storage), shards it, allocates only this rank's shards, then fills
+   them tensor by tensor: rank 0 reads one tensor from the safetensors files and
+   ``distribute_tensor`` scatters each rank its shard. No rank ever holds the
+   whole model, rank 0 included. The KL reference model is built
    the same way, stored in the compute dtype (exactly what the policy's policy
    casts to, so the two agree before the first update) and frozen.
 5. Checkpoints: :func:`save_sharded` / :func:`load_sharded` write and read model
@@ -82,8 +82,9 @@ def parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _checkpoint_index(path: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor (names only, no data read)."""
+    from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -91,10 +92,11 @@ def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
             f"fsdp2 loads safetensors; {path} has none (re-save the model with "
             "save_pretrained(safe_serialization=True))"
         )
-    state: dict[str, torch.Tensor] = {}
+    index: dict[str, Path] = {}
     for f in files:
-        state.update(load_file(f))
-    return state
+        with safe_open(f, framework="pt") as handle:
+            index.update(dict.fromkeys(handle.keys(), f))
+    return index
 
 
 def build_sharded(
@@ -109,7 +111,6 @@ def build_sharded(
     its shards (point 4 of the module docstring). ``prepare(model)`` runs on the
     unsharded meta model (activation checkpointing must wrap layers before
     ``fully_shard``). Collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
@@ -126,34 +127,67 @@ def build_sharded(
     for name, value in buffers.items():  # to_empty left the buffers uninitialised
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = value.to(device)
-    full: dict[str, torch.Tensor] = {}
+    # Tied weights are one parameter (named once by named_parameters); the
+    # checkpoint may or may not carry the tied copy.
+    targets = dict(model.named_parameters()) | {
+        n: b for n, b in model.named_buffers() if n in model.state_dict()
+    }
+    index: dict[str, Path] = {}
     problem: list[str | None] = [None]
     if dist.get_rank() == 0:
         try:
-            full = _read_checkpoint(Path(path))
+            index = _checkpoint_index(Path(path))
         except OSError as e:
             problem[0] = str(e)
-        expected = set(model.state_dict())
-        if getattr(model.config, "tie_word_embeddings", False):
-            expected.discard("lm_head.weight")
-            full.pop("lm_head.weight", None)
-        if problem[0] is None and set(full) != expected:
+        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+        missing, unexpected = set(targets) - set(index), set(index) - set(targets) - tied
+        if problem[0] is None and (missing or unexpected):
             problem[0] = (
                 f"fsdp2: the checkpoint at {path} does not name the model's parameters "
-                f"(missing {sorted(expected - set(full))[:5]}, unexpected "
-                f"{sorted(set(full) - expected)[:5]}); use parallel = 'ddp' for this model"
+                f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}); "
+                "use parallel = 'ddp' for this model"
             )
-    # Every rank learns of rank 0's failure (else they would wait in the broadcast).
+    # Every rank learns of rank 0's failure (else they would wait in a collective).
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise ValueError(problem[0])
-    set_model_state_dict(
-        model,
-        full,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
-    )
-    del full
+    _load_streamed(targets, index, device)
     return model
+
+
+def _load_streamed(
+    targets: dict[str, torch.Tensor], index: dict[str, Path], device: torch.device
+) -> None:
+    """Fill each sharded parameter (and persistent buffer) from the checkpoint, one
+    tensor at a time: rank 0 reads it, ``distribute_tensor`` scatters each rank its
+    shard. At most one whole tensor is in flight, on any rank, so no rank ever
+    holds the whole model. (``set_model_state_dict(broadcast_from_rank0=True)``
+    wants the whole state dict on rank 0 at once; with it, rank 0's build peak on
+    SmolLM2-135M was above what loading the whole model on every rank had cost:
+    ``benches/fsdp_memory.py``.)"""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    rank0 = dist.get_rank() == 0
+    with contextlib.ExitStack() as stack:
+        handles = {
+            f: stack.enter_context(safe_open(f, framework="pt")) for f in set(index.values())
+        }
+        for name, target in targets.items():
+            if rank0:
+                whole = handles[index[name]].get_tensor(name).to(device, target.dtype)
+            else:  # received into
+                whole = torch.empty(target.shape, dtype=target.dtype, device=device)
+            with torch.no_grad():
+                if isinstance(target, DTensor):
+                    mine = distribute_tensor(
+                        whole, target.device_mesh, target.placements, src_data_rank=0
+                    )
+                    target.to_local().copy_(mine.to_local())
+                else:
+                    dist.broadcast(whole, src=0)
+                    target.copy_(whole)
+            del whole
 
 
 def _decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
