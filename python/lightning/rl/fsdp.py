@@ -75,7 +75,7 @@ def parameters_on_meta() -> Iterator[None]:
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -169,25 +169,24 @@ def _load_streamed(
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     rank0 = dist.get_rank() == 0
-    with contextlib.ExitStack() as stack:
-        handles = {
-            f: stack.enter_context(safe_open(f, framework="pt")) for f in set(index.values())
-        }
-        for name, target in targets.items():
-            if rank0:
-                whole = handles[index[name]].get_tensor(name).to(device, target.dtype)
-            else:  # received into
-                whole = torch.empty(target.shape, dtype=target.dtype, device=device)
-            with torch.no_grad():
-                if isinstance(target, DTensor):
-                    mine = distribute_tensor(
-                        whole, target.device_mesh, target.placements, src_data_rank=0
-                    )
-                    target.to_local().copy_(mine.to_local())
-                else:
-                    dist.broadcast(whole, src=0)
-                    target.copy_(whole)
-            del whole
+    for name, target in targets.items():
+        if rank0:
+            # Opened per tensor: a handle maps its whole file, and the pages read
+            # stay resident (and count) until it closes.
+            with safe_open(index[name], framework="pt") as handle:
+                whole = handle.get_tensor(name).to(device, target.dtype)
+        else:  # received into
+            whole = torch.empty(target.shape, dtype=target.dtype, device=device)
+        with torch.no_grad():
+            if isinstance(target, DTensor):
+                mine = distribute_tensor(
+                    whole, target.device_mesh, target.placements, src_data_rank=0
+                )
+                target.to_local().copy_(mine.to_local())
+            else:
+                dist.broadcast(whole, src=0)
+                target.copy_(whole)
+        del whole
 
 
 def _decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
