@@ -110,3 +110,21 @@ def test_fsdp2_bf16_compute_with_float32_master_shards(tmp_path: Path) -> None:
     assert m16["ref_changed"] > 0.9
     assert abs(m16["changed"] - m16["ref_changed"]) < 0.01, m16
     assert m16["cosine"] > 0.99, m16
+
+
+def test_parameters_on_meta_keeps_buffers() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning.model_cache import tiny_model_dir
+    from lightning.rl.fsdp import parameters_on_meta
+
+    config = AutoConfig.from_pretrained(tiny_model_dir())
+    real = AutoModelForCausalLM.from_config(config)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config)
+    assert all(p.is_meta for p in model.parameters())
+    # Rotary inv_freq is computed in __init__ and is in no checkpoint: it must survive.
+    for (name, buf), (_, want) in zip(model.named_buffers(), real.named_buffers(), strict=True):
+        assert not buf.is_meta, name
+        torch.testing.assert_close(buf, want, atol=0, rtol=0)
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # restored on exit
