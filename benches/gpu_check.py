@@ -2,7 +2,7 @@
 checked on this project's CPU boxes, each against a float32 reference, in one
 command that fails loudly (exit 1, a ``FAIL`` line per wrong number).
 
-    python benches/gpu_check.py                        # one GPU, SmolLM2-135M, < 10 min
+    python benches/gpu_check.py                        # one GPU, SmolLM2-135M (sized for < 10 min; not yet run)
     python benches/gpu_check.py --device cpu --quick   # the same code on a CPU, tiny model
                                                        # (tests/test_gpu_check.py runs this)
 
