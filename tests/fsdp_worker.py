@@ -51,6 +51,12 @@ def mixed_precision() -> dict[str, object]:
     pol_lp = bf16._logprobs(bf16.model, mbs, n)
     delta16 = one_step_delta(bf16)
     hook.remove()
+    # A short bf16 run learns: the objective the policy gradient ascends rises.
+    learner = trainer(compute_dtype="bfloat16", **{**kw, "lr": 1e-3})
+    samples, rewards, groups = batch()
+    for _ in range(3):
+        learner.step(samples, rewards, groups)
+    learned = fsdp.full_state_dict(learner.model)  # collective; rank 0 gets it
     return {
         "loaded": loaded,
         "delta32": delta32,
@@ -59,6 +65,7 @@ def mixed_precision() -> dict[str, object]:
         "ref_lp": ref_lp,
         "pol_lp": pol_lp,
         "local_numel": sum(p.to_local().numel() for p in fp32.params),  # type: ignore[attr-defined]
+        "learned": learned,
     }
 
 
