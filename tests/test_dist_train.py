@@ -52,7 +52,7 @@ tasks_per_step = 2
 train_temperature = 0.7
 [trainer]
 lr = 1e-3
-autocast = "none"
+compute_dtype = "float32"
 parallel = "fsdp2"
 batching = "packed"
 """

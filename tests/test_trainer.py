@@ -170,3 +170,52 @@ def test_smollm2_step_moves_towards_positive_advantage() -> None:
     assert after[0] > before[0]
     assert after[1] < before[1]
     assert np.isfinite(m["grad_norm"])
+
+
+def test_old_precision_keys() -> None:
+    model = str(tiny_model_dir())
+    # autocast was the compute dtype's old name; old configs still load.
+    assert TrainerConfig(model=model, autocast="none").compute_dtype == "float32"
+    assert TrainerConfig(model=model, autocast="bfloat16").compute_dtype == "bfloat16"
+    assert TrainerConfig(model=model, param_dtype="float32").compute_dtype == "auto"
+    # bf16 storage without a master copy is refused, naming the fix.
+    with pytest.raises(ValidationError, match="compute_dtype = 'bfloat16'"):
+        TrainerConfig(model=model, param_dtype="bfloat16")
+    with pytest.raises(ValidationError, match="float16 needs loss scaling"):
+        TrainerConfig(model=model, autocast="float16")
+    with pytest.raises(ValidationError, match="disagree"):
+        TrainerConfig(model=model, autocast="none", compute_dtype="bfloat16")
+
+
+def test_bf16_compute_steps_like_float32() -> None:
+    from precision_case import bf16_storage_changed, moved, one_step_delta
+
+    kw = {"lr": 1e-6, "max_grad_norm": None, "max_len": 64}
+    ref_tr = tiny_trainer(compute_dtype="float32", **kw)
+    ref = one_step_delta(ref_tr)
+    tr = tiny_trainer(compute_dtype="bfloat16", **kw)
+    assert tr._amp_dtype == torch.bfloat16  # the math really ran in bf16
+    m = moved(one_step_delta(tr), ref)
+    # Measured: changed 1.0000 vs 1.0000, cosine 0.9996. The plain reference of
+    # the old bf16 storage changes 0.019 of the weights from the same gradients.
+    assert m["ref_changed"] > 0.9
+    assert abs(m["changed"] - m["ref_changed"]) < 0.01, m
+    assert m["cosine"] > 0.99, m
+    assert bf16_storage_changed(ref_tr) < 0.2
+
+
+def test_bf16_compute_short_run_learns() -> None:
+    from precision_case import objective
+    from split_case import batch
+
+    samples, rewards, groups = batch()
+    gains = {}
+    for dtype in ("float32", "bfloat16"):
+        tr = tiny_trainer(compute_dtype=dtype, lr=1e-3, max_len=64)
+        before = objective(tr.model)
+        for _ in range(3):
+            tr.step(samples, rewards, groups)
+        gains[dtype] = objective(tr.model) - before
+    # Measured: the objective rose from -2.98 to 12.65 in both (gains within 3e-4).
+    assert gains["bfloat16"] > 5, gains
+    assert 0.9 < gains["bfloat16"] / gains["float32"] < 1.1, gains

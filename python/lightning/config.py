@@ -18,14 +18,13 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from lightning.gateway.server import GatewayConfig, UpstreamConfig
 from lightning.modes import (
     AggregationMode,
-    Autocast,
     BatchMode,
+    ComputeDtype,
     Device,
     Estimator,
     KLEstimator,
     LrSchedule,
     OldLogprobs,
-    ParamDtype,
     RatioLevel,
 )
 
@@ -289,11 +288,13 @@ class TrainerSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # numerics
+    # numerics: master weights, gradients and optimizer state are always float32
+    # (sharded under FSDP2); compute_dtype is the dtype of the forward and
+    # backward math. bfloat16: autocast on one process, FSDP2's
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under torchrun.
+    # "auto": bfloat16 on CUDA, float32 on CPU.
     device: Device = "auto"
-    param_dtype: ParamDtype = "float32"
-    # "auto": bf16 autocast on CUDA, none (fp32) on CPU.
-    autocast: Autocast = "auto"
+    compute_dtype: ComputeDtype = "auto"
     gradient_checkpointing: bool = False
     lora: LoraSettings | None = None
     # Under torchrun: "ddp" replicates the model, "fsdp2" shards it (lightning.rl.fsdp).
@@ -338,6 +339,37 @@ class TrainerSection(BaseModel):
     micro_batch_tokens: int = Field(4096, gt=0)
 
     log_dir: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_precision_keys(cls, data: Any) -> Any:
+        """Configs written before ``compute_dtype``: ``autocast`` still loads (it
+        meant the compute dtype); ``param_dtype = "bfloat16"`` is refused, as it
+        trained bf16 weights with no float32 master copy."""
+        if not isinstance(data, Mapping) or not ({"autocast", "param_dtype"} & set(data)):
+            return data
+        data = dict(data)
+        stored = data.pop("param_dtype", "float32")
+        if stored != "float32":
+            raise ValueError(
+                f"param_dtype {stored!r} is gone: it kept the weights in {stored} with no "
+                "float32 master copy, so small updates rounded away (one AdamW step at "
+                "lr 1e-6 changed ~2% of the weights). Master weights are now always float32; "
+                "remove param_dtype and set compute_dtype = 'bfloat16' for bf16 compute"
+            )
+        if "autocast" in data:
+            old = data.pop("autocast")
+            new = {"none": "float32"}.get(old, old)
+            if new not in ("auto", "float32", "bfloat16"):
+                raise ValueError(
+                    f"autocast {old!r} is not supported (float16 needs loss scaling); "
+                    "autocast was renamed compute_dtype: set compute_dtype = 'bfloat16'"
+                )
+            if data.setdefault("compute_dtype", new) != new:
+                raise ValueError(
+                    "autocast (the old name) and compute_dtype disagree; keep compute_dtype"
+                )
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSection:

@@ -23,21 +23,19 @@ RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k3"]
 BatchMode = Literal["padded", "packed", "tree"]
 Device = Literal["auto", "cpu", "cuda"]
-ParamDtype = Literal["float32", "bfloat16"]
-Autocast = Literal["auto", "none", "bfloat16", "float16"]
+ComputeDtype = Literal["auto", "float32", "bfloat16"]
 LrSchedule = Literal["constant", "linear", "cosine"]
 OldLogprobs = Literal["auto", "recompute", "rollout"]
 
 __all__ = [
     "AGGREGATION_MODES",
     "AggregationMode",
-    "Autocast",
     "BatchMode",
+    "ComputeDtype",
     "Device",
     "Estimator",
     "KLEstimator",
     "LrSchedule",
     "OldLogprobs",
-    "ParamDtype",
     "RatioLevel",
 ]

@@ -227,7 +227,7 @@ def main(argv: list[str]) -> int:
             weight_sync=WeightSyncSection(policy="embedded", urls=[engine.url]),
             temperature=args.temperature,
             sessions_per_step=args.sessions_per_step,
-            trainer=TrainerSection(lr=args.lr, autocast="none"),
+            trainer=TrainerSection(lr=args.lr, compute_dtype="float32"),
             output_dir=str(out / "online"),
             seed=args.seed,
         )

@@ -16,7 +16,20 @@ What stays the same as DDP, and why it needs care here:
    split can give ranks different counts. :func:`balance` pads the shorter lists
    with a one-token micro-batch that has no targets: its loss is an empty sum,
    zero, whose backward still walks every layer and joins every reduce-scatter.
-3. Checkpoints: :func:`save_sharded` / :func:`load_sharded` write and read model
+3. Mixed precision: the sharded parameters (the optimizer's master weights)
+   and its state stay float32; ``MixedPrecisionPolicy(param_dtype=compute,
+   reduce_dtype=float32)`` casts each unit's all-gathered parameters to the
+   compute dtype for its forward and backward, and reduce-scatters gradients in
+   float32 into float32 shards. No autocast on top: the policy already sets the
+   dtype of every matmul, and one mechanism is easier to reason about.
+4. Memory: :func:`build_sharded` builds the model with its parameters on the meta
+   device (no storage), shards it, allocates only this rank's shards, then fills
+   them tensor by tensor: rank 0 reads one tensor from the safetensors files and
+   ``distribute_tensor`` scatters each rank its shard. No rank ever holds the
+   whole model, rank 0 included. The KL reference model is built
+   the same way, stored in the compute dtype (exactly what the policy's policy
+   casts to, so the two agree before the first update) and frozen.
+5. Checkpoints: :func:`save_sharded` / :func:`load_sharded` write and read model
    and optimizer shards with ``torch.distributed.checkpoint`` (each rank its own
    files, resharding on load to any world size); :func:`full_state_dict` gathers
    the whole model on rank 0 (CPU) for ``export_weights`` — a plain safetensors
@@ -27,7 +40,8 @@ Not supported yet: LoRA with FSDP2 (a config error), CPU offload, HSDP.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +49,144 @@ import torch
 import torch.distributed as dist
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """Apply ``fully_shard`` to every decoder layer, then to the root (in place)."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Apply ``fully_shard`` to every decoder layer, then to the root (in place).
+    Parameters are all-gathered in ``compute_dtype``; gradients reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layers = _decoder_layers(model)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no storage,
+    initialisers are no-ops) while buffers stay real. Why not ``torch.device("meta")``:
+    non-persistent buffers (rotary ``inv_freq``) are computed in ``__init__``, are
+    not in any checkpoint, and would be lost."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: Any) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _checkpoint_index(path: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor (names only, no data read)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"fsdp2 loads safetensors; {path} has none (re-save the model with "
+            "save_pretrained(safe_serialization=True))"
+        )
+    index: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as handle:
+            index.update(dict.fromkeys(handle.keys(), f))
+    return index
+
+
+def build_sharded(
+    path: str | Path,
+    device: torch.device,
+    *,
+    compute_dtype: torch.dtype,
+    storage_dtype: torch.dtype = torch.float32,
+    prepare: Any = None,
+) -> torch.nn.Module:
+    """The Hugging Face causal LM at ``path``, sharded, each rank materialising only
+    its shards (point 4 of the module docstring). ``prepare(model)`` runs on the
+    unsharded meta model (activation checkpointing must wrap layers before
+    ``fully_shard``). Collective: every rank calls it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=storage_dtype, attn_implementation="sdpa"
+        )
+    model.config.use_cache = False
+    if prepare is not None:
+        prepare(model)
+    shard(model, compute_dtype)
+    buffers = dict(model.named_buffers())
+    model.to_empty(device=device)  # this rank's shards: allocated, not yet filled
+    for name, value in buffers.items():  # to_empty left the buffers uninitialised
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = value.to(device)
+    # Tied weights are one parameter (named once by named_parameters); the
+    # checkpoint may or may not carry the tied copy.
+    targets = dict(model.named_parameters()) | {
+        n: b for n, b in model.named_buffers() if n in model.state_dict()
+    }
+    index: dict[str, Path] = {}
+    problem: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            index = _checkpoint_index(Path(path))
+        except OSError as e:
+            problem[0] = str(e)
+        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+        missing, unexpected = set(targets) - set(index), set(index) - set(targets) - tied
+        if problem[0] is None and (missing or unexpected):
+            problem[0] = (
+                f"fsdp2: the checkpoint at {path} does not name the model's parameters "
+                f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}); "
+                "use parallel = 'ddp' for this model"
+            )
+    # Every rank learns of rank 0's failure (else they would wait in a collective).
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise ValueError(problem[0])
+    _load_streamed(targets, index, device)
+    return model
+
+
+def _load_streamed(
+    targets: dict[str, torch.Tensor], index: dict[str, Path], device: torch.device
+) -> None:
+    """Fill each sharded parameter (and persistent buffer) from the checkpoint, one
+    tensor at a time: rank 0 reads it, ``distribute_tensor`` scatters each rank its
+    shard. At most one whole tensor is in flight, on any rank, so no rank ever
+    holds the whole model. (``set_model_state_dict(broadcast_from_rank0=True)``
+    wants the whole state dict on rank 0 at once; with it, rank 0's build peak on
+    SmolLM2-135M was above what loading the whole model on every rank had cost:
+    ``benches/fsdp_memory.py``.)"""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    rank0 = dist.get_rank() == 0
+    for name, target in targets.items():
+        if rank0:
+            # Opened per tensor: a handle maps its whole file, and the pages read
+            # stay resident (and count) until it closes.
+            with safe_open(index[name], framework="pt") as handle:
+                whole = handle.get_tensor(name).to(device, target.dtype)
+        else:  # received into
+            whole = torch.empty(target.shape, dtype=target.dtype, device=device)
+        with torch.no_grad():
+            if isinstance(target, DTensor):
+                mine = distribute_tensor(
+                    whole, target.device_mesh, target.placements, src_data_rank=0
+                )
+                target.to_local().copy_(mine.to_local())
+            else:
+                dist.broadcast(whole, src=0)
+                target.copy_(whole)
+        del whole
 
 
 def _decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:

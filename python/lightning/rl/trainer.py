@@ -325,18 +325,37 @@ class Trainer:
             self.device = torch.device("cpu")
         else:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        auto = "bfloat16" if self.device.type == "cuda" else "none"
-        amp = cfg.autocast if cfg.autocast != "auto" else auto
-        self._amp_dtype = None if amp == "none" else getattr(torch, amp)
+        compute = cfg.compute_dtype
+        if compute == "auto":
+            compute = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.compute_dtype: torch.dtype = getattr(torch, compute)
+        self.fsdp = self.world > 1 and cfg.parallel == "fsdp2"
+        # Master weights are the float32 parameters the optimizer steps (see
+        # TrainerSection.compute_dtype). One process: autocast runs the matmuls
+        # in bf16 against those same parameters, so there is no second copy to
+        # keep in sync and gradients land in float32. FSDP2: its mixed-precision
+        # policy casts instead, and autocast stays off.
+        low = self.compute_dtype != torch.float32
+        self._amp_dtype = self.compute_dtype if low and not self.fsdp else None
 
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.model, dtype=getattr(torch, cfg.param_dtype), attn_implementation="sdpa"
-        ).to(self.device)
+        def prepare(model: Any) -> None:
+            model.config.use_cache = False
+            if cfg.gradient_checkpointing:
+                # Non-reentrant checkpointing works with DDP, FSDP2, LoRA and no_sync.
+                model.activation_checkpointing_enable({"use_reentrant": False})
+
+        if self.fsdp:  # FSDP2 hook: meta init, shard, load per shard (lightning.rl.fsdp)
+            from lightning.rl import fsdp
+
+            model = fsdp.build_sharded(
+                cfg.model, self.device, compute_dtype=self.compute_dtype, prepare=prepare
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model, dtype=torch.float32, attn_implementation="sdpa"
+            ).to(self.device)
+            prepare(model)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        model.config.use_cache = False
-        if cfg.gradient_checkpointing:
-            # Non-reentrant checkpointing works with DDP, LoRA and no_sync.
-            model.activation_checkpointing_enable({"use_reentrant": False})
         if cfg.lora is not None:
             from peft import LoraConfig, get_peft_model
 
@@ -355,12 +374,7 @@ class Trainer:
         model.train()
         self.model: torch.nn.Module = model
         self.ddp: torch.nn.Module | None = None
-        self.fsdp = self.world > 1 and cfg.parallel == "fsdp2"
-        if self.fsdp:  # FSDP2 hook: shard in place (lightning.rl.fsdp)
-            from lightning.rl import fsdp
-
-            fsdp.shard(model)
-        elif self.world > 1:
+        if self.world > 1 and not self.fsdp:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -375,13 +389,23 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.ref_model: torch.nn.Module | None = None
+        # No reference model at all unless the KL term needs one (LoRA without
+        # ref_model uses the base weights under disable_adapter()).
         if cfg.kl_coef > 0 and (cfg.lora is None or cfg.ref_model is not None):
-            ref = AutoModelForCausalLM.from_pretrained(
-                cfg.ref_model or cfg.model,
-                dtype=getattr(torch, cfg.param_dtype),
-                attn_implementation="sdpa",
-            )
-            self.ref_model = ref.to(self.device).eval().requires_grad_(False)
+            if self.fsdp:  # FSDP2 hook: sharded like the policy, stored in compute dtype
+                from lightning.rl import fsdp
+
+                ref = fsdp.build_sharded(
+                    cfg.ref_model or cfg.model,
+                    self.device,
+                    compute_dtype=self.compute_dtype,
+                    storage_dtype=self.compute_dtype,
+                )
+            else:
+                ref = AutoModelForCausalLM.from_pretrained(
+                    cfg.ref_model or cfg.model, dtype=torch.float32, attn_implementation="sdpa"
+                ).to(self.device)
+            self.ref_model = ref.eval().requires_grad_(False)
         self.step_count = 0
         self._log_file: Any = None
         self._tb: Any = None
