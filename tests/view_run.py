@@ -96,9 +96,7 @@ def record_online(engine: Any, db: Path) -> dict[str, Any]:
         conv1 = {"x-session-id": "conv-1"}
         with openai.OpenAI(base_url=gw.url + "/v1", api_key=support, max_retries=0) as oa:
             history: list[Any] = [{"role": "user", "content": "first question [[len:6]]"}]
-            chat_out = oa.chat.completions.create(
-                model="m", messages=history, extra_headers=conv1
-            )
+            chat_out = oa.chat.completions.create(model="m", messages=history, extra_headers=conv1)
             history.append({"role": "assistant", "content": chat_out.choices[0].message.content})
             history.append({"role": "user", "content": "second, via responses [[len:5]]"})
             resp_out = oa.responses.create(model="m", input=history, extra_headers=conv1)

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lightning_gateway::config::SyncMode;
-use lightning_gateway::store::online::{AppKey, NewFeedback, Op, OnlineCall, Outcome};
+use lightning_gateway::store::online::{AppKey, NewFeedback, OnlineCall, Op, Outcome};
 use lightning_gateway::store::{CallRecord, CallStatus, NewRollout, SecretSource, Store};
 use tokio::task::JoinSet;
 
@@ -51,7 +51,11 @@ fn call(rollout: &str, i: usize, n: usize, t0: f64, status: CallStatus) -> CallR
         retry_count: 0,
         weight_version: 1,
         upstream: "bench".into(),
-        http_status: if status == CallStatus::UpstreamError { 502 } else { 200 },
+        http_status: if status == CallStatus::UpstreamError {
+            502
+        } else {
+            200
+        },
         latency_ms: 12.0,
         usage: None,
         created: t0 - SPAN_S + SPAN_S * (i as f64) / (n as f64),
@@ -124,10 +128,7 @@ async fn session(store: Arc<Store>, key: Arc<AppKey>, s: usize, total: usize, t0
             data: serde_json::Value::Null,
             ts: t0,
         };
-        store
-            .online(Op::Feedback(fb))
-            .await
-            .expect("feedback");
+        store.online(Op::Feedback(fb)).await.expect("feedback");
     }
 }
 

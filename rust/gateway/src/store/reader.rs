@@ -398,7 +398,8 @@ pub fn list_keys(c: &Connection) -> rusqlite::Result<Vec<KeyRow>> {
 }
 
 /// The columns of a `SessionRow` (`session_from_row`), `nf` its feedback count.
-const SESSION_FROM: &str = "SELECT s.rollout_id, s.key_id, k.name, s.session_key, s.user, s.n_calls, s.started,
+const SESSION_FROM: &str =
+    "SELECT s.rollout_id, s.key_id, k.name, s.session_key, s.user, s.n_calls, s.started,
                 s.updated, s.closed, s.trained,
                 (SELECT COUNT(*) FROM feedback f WHERE f.rollout_id = s.rollout_id) AS nf,
                 COALESCE(r.task, '{}')
@@ -841,7 +842,11 @@ mod tests {
 
     fn plan(conn: &Connection, sql: &str) -> String {
         let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
-        let rows = stmt.query_map([], |r| r.get::<_, String>(3)).unwrap();
+        // The plan does not depend on the values: bind NULL to every parameter.
+        let nulls = vec![rusqlite::types::Null; stmt.parameter_count()];
+        let rows = stmt
+            .query_map(rusqlite::params_from_iter(nulls), |r| r.get::<_, String>(3))
+            .unwrap();
         rows.map(Result::unwrap).collect::<Vec<_>>().join("; ")
     }
 
@@ -928,7 +933,14 @@ mod tests {
         let mut stmt = conn.prepare(&rollout_page_sql(&sel, true)).unwrap();
         let n = stmt
             .query_map(
-                params![None::<String>, "eval", None::<String>, mid.created, mid.rollout_id, 50],
+                params![
+                    None::<String>,
+                    "eval",
+                    None::<String>,
+                    mid.created,
+                    mid.rollout_id,
+                    50
+                ],
                 |r| r.get::<_, String>(0),
             )
             .unwrap()
@@ -937,6 +949,7 @@ mod tests {
         let steps = stmt.get_status(rusqlite::StatementStatus::VmStep);
         assert!(steps < 2_000, "a 50-row page took {steps} VM steps");
         assert_eq!(stmt.get_status(rusqlite::StatementStatus::FullscanStep), 0);
+        drop(stmt);
         // An unknown `after` is an empty page, not the first page again.
         let lost = Selection {
             after: Some("gone".into()),
@@ -1019,5 +1032,4 @@ mod tests {
         store.close();
         let _ = std::fs::remove_dir_all(&dir);
     }
-
 }
