@@ -77,7 +77,12 @@ async fn rollout(store: Arc<Store>, r: usize, per: usize, total: usize, t0: f64)
         id: id.clone(),
         group: Some(format!("g{}", r / 8)),
         task: format!(r#"{{"q": {r}}}"#),
-        mode: if r % 10 == 0 { "eval" } else { "train" }.into(),
+        mode: if r.is_multiple_of(10) {
+            "eval"
+        } else {
+            "train"
+        }
+        .into(),
         token_hash: format!("bench-{r}"),
     };
     store.create_rollout(row).await.expect("create rollout");
@@ -117,7 +122,7 @@ async fn session(store: Arc<Store>, key: Arc<AppKey>, s: usize, total: usize, t0
             .await
             .expect("online call");
     }
-    if s % 2 == 0 {
+    if s.is_multiple_of(2) {
         let fb = NewFeedback {
             key_id: key.id.clone(),
             feedback_id: format!("f{s}"),

@@ -871,7 +871,12 @@ mod tests {
                         id: format!("r{i:05}"),
                         group: Some(format!("g{}", i % 100)),
                         task: "{}".into(),
-                        mode: if i % 10 == 0 { "eval" } else { "train" }.into(),
+                        mode: if i.is_multiple_of(10) {
+                            "eval"
+                        } else {
+                            "train"
+                        }
+                        .into(),
                         token_hash: format!("h{i}"),
                     })
                     .await
