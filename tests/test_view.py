@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from fake_vllm import FakeEngine
 from lightning.view.data import View, first_difference, read_metrics
 from lightning.view.server import create_app, is_loopback, main
-from view_run import ByteDecoder, append_metrics, record_run
+from view_run import ByteDecoder, append_metrics, record_online, record_run
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,23 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[s
         yield run_dir, record_run(engine.url, run_dir)
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def online(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """A store written by a gateway process in online mode (see ``record_online``)."""
+    engine = FakeEngine("V", unique_ids=True)
+    try:
+        db = tmp_path_factory.mktemp("view-online") / "online.db"
+        yield db, record_online(engine, db)
+    finally:
+        engine.stop()
+
+
+@pytest.fixture()
+def oclient(online: Any) -> Iterator[TestClient]:
+    with TestClient(create_app(View(online[0], tokenizer=ByteDecoder()))) as c:
+        yield c
 
 
 @pytest.fixture()
@@ -242,3 +259,121 @@ def test_a_run_dir_names_its_store_and_model(tmp_path: Path) -> None:
     )
     (tmp_path / "config.json").write_text(cfg.model_dump_json())
     assert run_paths(tmp_path) == (Path("/x/g.db"), model)
+
+
+def test_rollout_pages_come_from_the_reader_and_end(client: TestClient, run: Any) -> None:
+    """Keyset pages: every rollout once, in creation order, under each filter; an
+    unknown ``after`` is an empty page (a client following ``next`` cannot loop)."""
+    _, ids = run
+    seen, nxt = [], None
+    while True:
+        page = client.get("/api/rollouts?limit=1" + (f"&after={nxt}" if nxt else "")).json()
+        seen += [r["rollout_id"] for r in page["rollouts"]]
+        nxt = page["next"]
+        if nxt is None:
+            break
+    assert seen == ids["g0"] + ids["g1"]
+    assert client.get("/api/rollouts?after=gone").json() == {"rollouts": [], "next": None}
+    one = client.get(f"/api/rollouts?status=succeeded&limit=2&after={ids['g0'][0]}").json()
+    assert [r["rollout_id"] for r in one["rollouts"]] == ids["g0"][1:] and one["next"] is None
+    assert client.get("/api/rollouts?mode=eval").json()["rollouts"] == []
+
+
+def test_the_reader_pages_and_counts_without_python(run: Any) -> None:
+    """``StoreReader.rollouts(after=, limit=)`` and ``rollout_counts()`` directly."""
+    from lightning._core import StoreReader
+
+    run_dir, ids = run
+    r = StoreReader(run_dir / "lightning.db")
+    everyone = ids["g0"] + ids["g1"]
+    assert [x["rollout_id"] for x in r.rollouts(limit=2)] == everyone[:2]
+    assert [x["rollout_id"] for x in r.rollouts(after=everyone[1], limit=10)] == everyone[2:]
+    assert [x["reward"] for x in r.rollouts(limit=3)] == [1.0, 0.0, 0.5]
+    counts = {(m, s): n for m, s, n in r.rollout_counts()}
+    assert counts.pop(("train", "succeeded")) == 3 and sum(counts.values()) == 1
+    with pytest.raises(ValueError, match="not both"):
+        r.rollouts([everyone[0]], limit=1)
+    with pytest.raises(ValueError, match=">= 0"):
+        r.rollouts(limit=-1)
+
+
+def test_calls_per_time_bucket_and_errors(client: TestClient, oclient: TestClient) -> None:
+    rate = client.get("/api/rate").json()
+    assert rate["bucket_s"] == 5.0 and rate["end"] is not None
+    assert sum(b["calls"] for b in rate["buckets"]) == 8  # 4 rollouts x 2 calls
+    assert sum(b["upstream_errors"] + b["aborted"] for b in rate["buckets"]) == 0
+    starts = [b["start"] for b in rate["buckets"]]
+    assert starts == sorted(starts) and all(s % 5 == 0 for s in starts)
+    assert starts[-1] <= rate["end"] < starts[-1] + 5 and len(starts) in (120, 121)
+    # The online store: six calls, one of which failed upstream mid-stream.
+    orate = oclient.get("/api/rate?window=60&bucket=1").json()
+    assert orate["bucket_s"] == 1.0
+    assert sum(b["calls"] for b in orate["buckets"]) == 6
+    assert sum(b["upstream_errors"] for b in orate["buckets"]) == 1
+    assert oclient.get("/api/rate?window=-3&bucket=x").json()["bucket_s"] == 5.0
+
+
+def test_sessions_page_lists_keys_tags_feedback_reward_and_trained(
+    oclient: TestClient, online: Any
+) -> None:
+    _, got = online
+    sid = got["sessions"]
+    rows = oclient.get("/api/sessions").json()
+    assert rows["next"] is None
+    by_key = {s["session_key"]: s for s in rows["sessions"]}
+    assert set(by_key) == {"conv-1", "conv-2", "conv-3"}
+    c1, c2, c3 = by_key["conv-1"], by_key["conv-2"], by_key["conv-3"]
+    assert c1["rollout_id"] == sid["conv-1"] and c1["app_key"] == "support-bot"
+    assert c1["tags"] == ["support"] and c1["n_calls"] == 3 and c1["feedback"] == 2
+    # The default online reward: mean of the latest signal per (name, target).
+    assert c1["reward"] == 0.75 and c1["trained"] is None
+    assert c3["reward"] == 0.0 and c3["trained"] is not None and c3["feedback"] == 1
+    assert c2["reward"] is None and c2["feedback"] == 0 and c2["tags"] == []
+    # Newest activity first.
+    updated = [s["updated"] for s in rows["sessions"]]
+    assert updated == sorted(updated, reverse=True)
+
+    def keys(q: str) -> set[str]:
+        return {s["session_key"] for s in oclient.get("/api/sessions?" + q).json()["sessions"]}
+
+    assert keys("key=other-bot") == {"conv-2"}
+    assert keys(f"key={got['keys']['support-bot']}") == {"conv-1", "conv-3"}
+    assert keys("tag=support") == {"conv-1", "conv-3"} and keys("tag=nope") == set()
+    assert keys("feedback=1") == {"conv-1", "conv-3"} and keys("feedback=0") == {"conv-2"}
+    assert keys("trained=1") == {"conv-3"} and keys("trained=0") == {"conv-1", "conv-2"}
+    assert keys("trained=1&tag=support&feedback=yes") == {"conv-3"}
+    # Keyset pages of one reproduce the list, then end.
+    seen, nxt = [], None
+    while True:
+        page = oclient.get("/api/sessions?limit=1" + (f"&after={nxt}" if nxt else "")).json()
+        seen += [s["rollout_id"] for s in page["sessions"]]
+        nxt = page["next"]
+        if nxt is None:
+            break
+    assert seen == [s["rollout_id"] for s in rows["sessions"]]
+    assert oclient.get("/api/sessions?after=gone").json() == {"sessions": [], "next": None}
+
+
+def test_a_session_shows_its_conversation_across_protocols(
+    oclient: TestClient, online: Any
+) -> None:
+    _, got = online
+    d = oclient.get(f"/api/sessions/{got['sessions']['conv-1']}").json()
+    assert [c["protocol"] for c in d["calls"]] == [
+        "openai_chat",
+        "openai_responses",
+        "anthropic_messages",
+    ]
+    assert [c["response_id"] for c in d["calls"]] == got["responses"]
+    # What the harness sent each turn (the new messages), whatever the protocol.
+    sent = [[m["content"] for m in c["sent"] if m.get("role") == "user"] for c in d["calls"]]
+    assert sent == [
+        ["first question [[len:6]]"],
+        ["second, via responses [[len:5]]"],
+        ["third, via messages [[len:4]]"],
+    ]
+    for c in d["calls"]:  # the answer decoded from its exact ids is the text sent
+        assert "".join(c["completion"]) == c["text"] and c["status"] == "ok"
+    assert sorted(f["name"] for f in d["feedback"]) == ["rating", "thumbs"]
+    assert d["reward"] == 0.75 and d["rollout"]["task"]["app_key"] == "support-bot"
+    assert oclient.get("/api/sessions/nope").status_code == 404

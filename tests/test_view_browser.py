@@ -20,7 +20,7 @@ from fake_vllm import FakeEngine
 from gateways import wait_until
 from lightning.view.data import View
 from lightning.view.server import create_app
-from view_run import ByteDecoder, append_metrics, record_run
+from view_run import ByteDecoder, append_metrics, record_online, record_run
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
@@ -46,6 +46,32 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     wait_until(lambda: server.started, "the view's server to start")
     port = server.servers[0].sockets[0].getsockname()[1]
     yield f"http://127.0.0.1:{port}/", run_dir, ids
+    server.should_exit = True
+    thread.join(10)
+
+
+def serve(view: View) -> tuple[uvicorn.Server, threading.Thread, str]:
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(view), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the view's server to start")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}/"
+
+
+@pytest.fixture(scope="module")
+def served_online(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
+    """The view of an online-mode store written by a gateway process."""
+    engine = FakeEngine("W", unique_ids=True)
+    db = tmp_path_factory.mktemp("view-browser-online") / "online.db"
+    try:
+        got = record_online(engine, db)
+    finally:
+        engine.stop()
+    server, thread, url = serve(View(db, tokenizer=ByteDecoder()))
+    yield url, got
     server.should_exit = True
     thread.join(10)
 
@@ -93,6 +119,10 @@ def test_charts_update_live_as_steps_land(page: Any, served: Any, artifacts: Pat
     page.wait_for_function("document.querySelector('#live').dataset.steps === '7'")
     assert page.locator("#rollouts tbody tr").count() == 4
     assert "in flight" in page.inner_text("#counts")
+    # Calls per second and errors, from the store: 8 calls, none failed.
+    page.wait_for_selector("#chart-rate[data-calls]")
+    assert page.get_attribute("#chart-rate", "data-calls") == "8"
+    assert page.get_attribute("#chart-rate", "data-errors") == "0"
     page.screenshot(path=str(artifacts / "2-run-7-steps.png"), full_page=True)
     assert page.errors == []
 
@@ -133,4 +163,42 @@ def test_group_and_compare_render(page: Any, served: Any, artifacts: Path) -> No
     assert page.locator(".tok.diff").count() == 2
     assert "first diverging token" in page.inner_text("#first-diff")
     page.screenshot(path=str(artifacts / "5-compare.png"), full_page=True)
+    assert page.errors == []
+
+
+def test_sessions_page_and_a_sessions_conversation(
+    page: Any, served_online: Any, artifacts: Path
+) -> None:
+    url, got = served_online
+    page.goto(url + "#/sessions")
+    page.wait_for_selector("#session-list tbody tr.session")
+    assert page.locator("#session-list tbody tr").count() == 3
+    assert page.is_hidden("#run")
+    row = page.locator(f'tr.session[data-id="{got["sessions"]["conv-1"]}"]')
+    cells = row.locator("td").all_inner_texts()
+    assert cells[1:6] == ["support-bot", "support", "3", "2", "0.75"]
+    page.select_option("#s-feedback", "0")
+    page.wait_for_function("document.querySelectorAll('#session-list tbody tr').length === 1")
+    assert "other-bot" in page.inner_text("#session-list tbody")
+    page.screenshot(path=str(artifacts / "6-sessions-filtered.png"), full_page=True)
+    page.select_option("#s-feedback", "")
+    page.wait_for_function("document.querySelectorAll('#session-list tbody tr').length === 3")
+    page.screenshot(path=str(artifacts / "6-sessions.png"), full_page=True)
+    row.click()
+    page.wait_for_selector("#conversation .turn")
+    turns = page.locator("#conversation .turn")
+    assert [turns.nth(i).get_attribute("data-protocol") for i in range(3)] == [
+        "openai_chat",
+        "openai_responses",
+        "anthropic_messages",
+    ]
+    assert "second, via responses" in turns.nth(1).inner_text()
+    assert turns.nth(2).locator(".tok").count() > 0
+    assert "reward 0.75" in page.inner_text("#detail")
+    assert page.locator("#feedback tbody tr").count() == 2
+    page.screenshot(path=str(artifacts / "7-session.png"), full_page=True)
+    page.goto(url)
+    page.wait_for_selector("#chart-rate[data-errors]")
+    assert page.get_attribute("#chart-rate", "data-errors") == "1"
+    page.screenshot(path=str(artifacts / "8-online-calls-chart.png"), full_page=True)
     assert page.errors == []

@@ -75,3 +75,70 @@ def record_run(engine_url: str, run_dir: Path) -> dict[str, list[str]]:
                     ids.setdefault(group, []).append(r.id)
     append_metrics(run_dir, range(1, 4))
     return ids
+
+
+def record_online(engine: Any, db: Path) -> dict[str, Any]:
+    """A store written by a real gateway process in online mode: two application
+    keys, three sessions by ``x-session-id``, feedback posted to ``/v1/feedback``,
+    one session marked trained, one call that failed upstream. ``conv-1`` speaks
+    all three protocols in one session (chat, Responses, Anthropic Messages).
+    Returns the session ids (by session key), the response ids of ``conv-1``
+    and the key ids."""
+    import anthropic
+
+    from lightning.online.train import mark_trained
+    from test_online import ADMIN, Gw, new_key
+
+    gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")
+    try:
+        support = new_key(gw, "support-bot", tags=["support"])
+        other = new_key(gw, "other-bot")
+        conv1 = {"x-session-id": "conv-1"}
+        with openai.OpenAI(base_url=gw.url + "/v1", api_key=support, max_retries=0) as oa:
+            history: list[Any] = [{"role": "user", "content": "first question [[len:6]]"}]
+            chat_out = oa.chat.completions.create(model="m", messages=history, extra_headers=conv1)
+            history.append({"role": "assistant", "content": chat_out.choices[0].message.content})
+            history.append({"role": "user", "content": "second, via responses [[len:5]]"})
+            resp_out = oa.responses.create(model="m", input=history, extra_headers=conv1)
+            history.append({"role": "assistant", "content": resp_out.output_text})
+            history.append({"role": "user", "content": "third, via messages [[len:4]]"})
+            with anthropic.Anthropic(base_url=gw.url, api_key=support, max_retries=0) as an:
+                msg_out = an.messages.create(
+                    model="m", max_tokens=64, messages=history, extra_headers=conv1
+                )
+            oa.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "another user [[len:3]]"}],
+                extra_headers={"x-session-id": "conv-3"},
+            )
+        with openai.OpenAI(base_url=gw.url + "/v1", api_key=other, max_retries=0) as oa:
+            oa.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "other key [[len:3]]"}],
+                extra_headers={"x-session-id": "conv-2"},
+            )
+            engine.control(break_stream_after=2)  # the next stream fails upstream
+            try:
+                for _ in oa.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": "breaks [[len:9]]"}],
+                    stream=True,
+                    extra_headers={"x-session-id": "conv-2"},
+                ):
+                    pass
+            except openai.APIError:
+                pass
+            engine.control()
+        gw.api.feedback(support, "f1", name="thumbs", value=True, response_id=resp_out.id)
+        gw.api.feedback(support, "f2", name="rating", value=0.5, session_id="conv-1")
+        gw.api.feedback(support, "f3", name="thumbs", value=False, session_id="conv-3")
+        sessions = {s.session_key: s.session_id for s in gw.api.sessions()}
+        mark_trained(str(db), [sessions["conv-3"]], gateway=gw.url, admin_key=ADMIN)
+        keys = {k.name: k.id for k in gw.api.app_keys()}
+    finally:
+        gw.stop()
+    return {
+        "sessions": sessions,
+        "responses": [chat_out.id, resp_out.id, msg_out.id],
+        "keys": keys,
+    }

@@ -345,6 +345,20 @@ class StoreReader:
         group: str | None = None,
         status: str | None = None,
         mode: str | None = None,
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> list[dict[str, Any]]: ...
+    def rollout_counts(self) -> list[tuple[str, str, int]]: ...
+    def call_rate(self, *, window_s: float = 600.0, bucket_s: float = 5.0) -> dict[str, Any]: ...
+    def session_page(
+        self,
+        *,
+        after: str | None = None,
+        limit: int = 50,
+        key: str | None = None,
+        tag: str | None = None,
+        feedback: bool | None = None,
+        trained: bool | None = None,
     ) -> list[dict[str, Any]]: ...
     def records(self, rollout_id: str) -> list[dict[str, Any]]: ...
     def events(self, rollout_id: str) -> list[tuple[int, str, str, float]]: ...

@@ -18,7 +18,9 @@ from lightning._core import StoreReader, Tokenizer
 from lightning.gateway.store import Store
 from lightning.run.report import decode_pieces
 
-PAGE_MAX = 200  # rollouts per page at most
+PAGE_MAX = 200  # rollouts (or sessions) per page at most
+RATE_WINDOW_S = 600.0  # the calls chart: the last ten minutes of activity...
+RATE_BUCKET_S = 5.0  # ...in five-second buckets
 
 
 class Decoder(Protocol):
@@ -113,21 +115,32 @@ class View:
         return {"rows": rows, "offset": nxt, "file": str(self.metrics_path)}
 
     def summary(self) -> dict[str, Any]:
-        """Rollouts per mode and status (in flight = not finished), and the sources."""
-        rows = self._read(lambda _, r: r.rollouts())
+        """Rollouts per mode and status (in flight = not finished), and the sources.
+        The counts are one SQL aggregate in the reader, not a row per rollout."""
+        rows = self._read(lambda _, r: r.rollout_counts())
         counts: dict[str, dict[str, int]] = {}
-        for r in rows or []:
-            per = counts.setdefault(r.get("mode") or "-", {})
-            status = r.get("status") or "-"
-            per[status] = per.get(status, 0) + 1
+        for mode, status, n in rows or []:
+            counts.setdefault(mode or "-", {})[status or "-"] = int(n)
         return {
             "db": str(self.db),
             "store": rows is not None,
             "metrics": str(self.metrics_path) if self.metrics_path else None,
             "decoded": self.tokenizer is not None,
-            "rollouts": len(rows or []),
+            "rollouts": sum(n for per in counts.values() for n in per.values()),
             "by_mode": counts,
         }
+
+    def call_rate(
+        self, window_s: float = RATE_WINDOW_S, bucket_s: float = RATE_BUCKET_S
+    ) -> dict[str, Any]:
+        """Calls, upstream errors and aborted calls per bucket over the window
+        ending at the store's latest call (one aggregate over an index)."""
+        got = self._read(lambda _, r: r.call_rate(window_s=window_s, bucket_s=bucket_s))
+        if got is None:
+            return {"end": None, "bucket_s": bucket_s, "buckets": []}
+        keys = ("start", "calls", "upstream_errors", "aborted")
+        got["buckets"] = [dict(zip(keys, b, strict=True)) for b in got["buckets"]]
+        return dict(got)
 
     def rollouts(
         self,
@@ -137,17 +150,118 @@ class View:
         mode: str | None = None,
         group: str | None = None,
     ) -> dict[str, Any]:
-        """One page of rollouts in creation order, starting after rollout ``after``."""
+        """One page of rollouts in creation order, starting after rollout ``after``:
+        a keyset page read by the reader through an index (one row more than the
+        page says whether there is a next)."""
         limit = max(1, min(limit, PAGE_MAX))
-        rows = self._read(lambda _, r: r.rollouts(group=group, status=status, mode=mode))
+        rows = self._read(
+            lambda _, r: r.rollouts(
+                group=group, status=status, mode=mode, after=after, limit=limit + 1
+            )
+        )
         rows = rows or []
-        start = 0
-        if after:
-            start = next((i + 1 for i, r in enumerate(rows) if r["rollout_id"] == after), 0)
-        page = rows[start : start + limit]
-        out = [_rollout_row(r) for r in page]
-        more = start + limit < len(rows)
+        out = [_rollout_row(r) for r in rows[:limit]]
+        more = len(rows) > limit
         return {"rollouts": out, "next": out[-1]["rollout_id"] if more and out else None}
+
+    # ------------------------------------------------------------ online sessions
+
+    def sessions(
+        self,
+        after: str | None = None,
+        limit: int = 50,
+        key: str | None = None,
+        tag: str | None = None,
+        feedback: bool | None = None,
+        trained: bool | None = None,
+    ) -> dict[str, Any]:
+        """One page of online sessions, newest activity first: key, tags, number of
+        signals, the reward ``lightning train --online`` computes from them by
+        default (mean of the latest signal per name and target), trained or not."""
+        from lightning.online.train import BadReward, OnlineRewardSection, session_reward, signals
+
+        limit = max(1, min(limit, PAGE_MAX))
+
+        def read(_: Store, r: StoreReader) -> Any:
+            rows = r.session_page(
+                after=after, limit=limit + 1, key=key, tag=tag, feedback=feedback, trained=trained
+            )
+            page = rows[:limit]
+            return rows, page, signals(r, [x["rollout_id"] for x in page if x["feedback"]])
+
+        got = self._read(read)
+        if got is None:
+            return {"sessions": [], "next": None}
+        rows, page, sigs = got
+        cfg = OnlineRewardSection()
+        out = []
+        for row in page:
+            task = _json(row.pop("task_json"))
+            reward: float | None
+            try:
+                reward = session_reward(sigs.get(row["rollout_id"], []), cfg)
+                note = None
+            except BadReward as e:
+                reward, note = None, str(e)
+            out.append(
+                _finite(
+                    {
+                        **row,
+                        "tags": list(task.get("tags") or []) if isinstance(task, dict) else [],
+                        "reward": reward,
+                        "reward_error": note,
+                    }
+                )
+            )
+        more = len(rows) > limit
+        return {"sessions": out, "next": out[-1]["rollout_id"] if more and out else None}
+
+    def session(self, session_id: str) -> dict[str, Any] | None:
+        """A session's conversation across protocols: each call with its protocol,
+        the response id the client was given, the messages the harness sent that
+        turn (as chat messages, whatever the protocol) and the answer, decoded
+        from the exact ids; its feedback signals and computed reward."""
+        from lightning.online.train import (
+            BadReward,
+            OnlineRewardSection,
+            _sent_messages,
+            session_reward,
+            signals,
+        )
+
+        def read(_: Store, r: StoreReader) -> Any:
+            return r.call_bodies(session_id), signals(r, [session_id]).get(session_id, [])
+
+        detail = self.rollout(session_id)
+        if detail is None:
+            return None
+        got = self._read(read)
+        bodies, sigs = got if got is not None else ([], [])
+        by_seq = {seq: (proto, harness, resp) for seq, proto, harness, resp in bodies}
+        before: list[Any] = []
+        for call in detail["calls"]:
+            proto, harness, resp = by_seq.get(call["seq"], (None, None, None))
+            call["protocol"], call["response_id"] = proto, resp
+            try:
+                body = json.loads(harness) if harness else {}
+                sent = _sent_messages(body, before) if isinstance(body, dict) else None
+            except ValueError:
+                sent = None
+            if sent is None:  # a later choice of a request, or a redacted call
+                call["sent"] = []
+                continue
+            fresh = sent[len(before) :] if sent[: len(before)] == before else sent
+            call["sent"] = _finite(fresh)
+            before = [*sent, {"role": "assistant", "content": call["text"]}]
+        try:
+            reward: float | None = session_reward(sigs, OnlineRewardSection())
+            note = None
+        except BadReward as e:
+            reward, note = None, str(e)
+        detail["feedback"] = _finite(sigs)
+        detail["reward"] = reward
+        detail["reward_error"] = note
+        return detail
 
     # ------------------------------------------------------------ one rollout
 
@@ -187,6 +301,7 @@ class View:
                     "upstream": r.upstream,
                     "latency_ms": r.latency_ms,
                     "trainable": r.trainable,
+                    "text": r.text,
                     "prompt": self._pieces([] if r.prompt_ids is None else r.prompt_ids),
                     "prompt_ids": [] if r.prompt_ids is None else [int(t) for t in r.prompt_ids],
                     "completion": self._pieces(completion),

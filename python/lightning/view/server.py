@@ -33,7 +33,14 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lightning.view.data import PAGE_MAX, Decoder, View, run_paths
+from lightning.view.data import (
+    PAGE_MAX,
+    RATE_BUCKET_S,
+    RATE_WINDOW_S,
+    Decoder,
+    View,
+    run_paths,
+)
 
 STATIC = Path(__file__).resolve().parent / "static"
 ASSETS = {"view.js": "text/javascript", "view.css": "text/css"}
@@ -94,6 +101,32 @@ def create_app(view: View, admin_key: str | None = None) -> ASGIApp:
         )
         return JSONResponse(page_)
 
+    async def rate(req: Request) -> Response:
+        q = req.query_params
+        window = _float(q.get("window"), RATE_WINDOW_S)
+        bucket = _float(q.get("bucket"), RATE_BUCKET_S)
+        return JSONResponse(await run_in_threadpool(view.call_rate, window, bucket))
+
+    async def sessions(req: Request) -> Response:
+        q = req.query_params
+        page_ = await run_in_threadpool(
+            view.sessions,
+            q.get("after") or None,
+            _int(q.get("limit"), 50, hi=PAGE_MAX),
+            q.get("key") or None,
+            q.get("tag") or None,
+            _flag(q.get("feedback")),
+            _flag(q.get("trained")),
+        )
+        return JSONResponse(page_)
+
+    async def session(req: Request) -> Response:
+        sid = req.path_params["session_id"]
+        got = await run_in_threadpool(view.session, sid)
+        if got is None:
+            return JSONResponse({"error": f"no session {sid!r} in the store"}, status_code=404)
+        return JSONResponse(got)
+
     async def rollout(req: Request) -> Response:
         rid = req.path_params["rollout_id"]
         got = await run_in_threadpool(view.rollout, rid)
@@ -120,6 +153,9 @@ def create_app(view: View, admin_key: str | None = None) -> ASGIApp:
             Route("/api/rollouts", rollouts, methods=["GET"]),
             Route("/api/rollouts/{rollout_id:path}", rollout, methods=["GET"]),
             Route("/api/groups/{group:path}", group, methods=["GET"]),
+            Route("/api/rate", rate, methods=["GET"]),
+            Route("/api/sessions", sessions, methods=["GET"]),
+            Route("/api/sessions/{session_id:path}", session, methods=["GET"]),
             Route("/api/compare", compare, methods=["GET"]),
         ]
     )
@@ -135,6 +171,23 @@ def _int(text: str | None, default: int, hi: int | None = None) -> int:
         value = default
     value = max(0, value)
     return min(value, hi) if hi is not None else value
+
+
+def _float(text: str | None, default: float) -> float:
+    """A positive finite number from a query parameter, else ``default``."""
+    try:
+        value = float(text) if text is not None else default
+    except ValueError:
+        return default
+    return value if 0 < value < float("inf") else default
+
+
+def _flag(text: str | None) -> bool | None:
+    """``1``/``true``/``yes`` → True, ``0``/``false``/``no`` → False, else None (no filter)."""
+    if text is None:
+        return None
+    t = text.lower()
+    return True if t in ("1", "true", "yes") else False if t in ("0", "false", "no") else None
 
 
 def is_loopback(host: str) -> bool:

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use lightning_gateway::config::SyncMode;
-use lightning_gateway::store::online::SessionFilter;
+use lightning_gateway::store::online::{SessionFilter, SessionPage};
 use lightning_gateway::store::{Reader, SecretSource, Selection, Store};
 use lightning_gateway::GatewayError;
 use numpy::IntoPyArray;
@@ -35,8 +35,10 @@ impl PyStoreReader {
 
     /// Rollouts as dicts (rollout_id, group, task_json, mode, status, reward,
     /// created, updated), filtered by every given argument; `rollout_ids` also
-    /// fixes the order.
-    #[pyo3(signature = (rollout_ids=None, *, group=None, status=None, mode=None))]
+    /// fixes the order. Without ids: creation order, one keyset page at a time
+    /// (`after` a rollout id, at most `limit`), read through an index.
+    #[pyo3(signature = (rollout_ids=None, *, group=None, status=None, mode=None, after=None, limit=None))]
+    #[allow(clippy::too_many_arguments)]
     fn rollouts<'py>(
         &self,
         py: Python<'py>,
@@ -44,12 +46,26 @@ impl PyStoreReader {
         group: Option<String>,
         status: Option<String>,
         mode: Option<String>,
+        after: Option<String>,
+        limit: Option<i64>,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        if rollout_ids.is_some() && (after.is_some() || limit.is_some()) {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "rollouts(): `after`/`limit` page the creation order; give them or `rollout_ids`, not both",
+            ));
+        }
+        if limit.is_some_and(|n| n < 0) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "rollouts(): limit={limit:?} must be >= 0 (or None: all)"
+            )));
+        }
         let sel = Selection {
             rollout_ids,
             group,
             status,
             mode,
+            after,
+            limit,
         };
         let rows = py
             .detach(|| self.inner.rollouts(&sel))
@@ -159,6 +175,90 @@ impl PyStoreReader {
             .collect()
     }
 
+    /// Rollouts per mode and status, as `(mode, status, count)`, by one SQL aggregate.
+    fn rollout_counts(&self, py: Python<'_>) -> PyResult<Vec<(String, String, i64)>> {
+        py.detach(|| self.inner.rollout_counts())
+            .map_err(|e| gateway_error(py, e))
+    }
+
+    /// Calls per `bucket_s` over the `window_s` ending at the latest call:
+    /// `{"end": float | None, "bucket_s": float, "buckets": [(start, calls,
+    /// upstream_errors, aborted), ...]}`, empty buckets included.
+    #[pyo3(signature = (*, window_s=600.0, bucket_s=5.0))]
+    fn call_rate<'py>(
+        &self,
+        py: Python<'py>,
+        window_s: f64,
+        bucket_s: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let rate = py
+            .detach(|| self.inner.call_rate(window_s, bucket_s))
+            .map_err(|e| gateway_error(py, e))?;
+        let d = PyDict::new(py);
+        d.set_item("end", rate.end)?;
+        d.set_item("bucket_s", rate.bucket_s)?;
+        let buckets: Vec<(f64, i64, i64, i64)> = rate
+            .buckets
+            .into_iter()
+            .map(|b| (b.start, b.calls, b.upstream_errors, b.aborted))
+            .collect();
+        d.set_item("buckets", buckets)?;
+        Ok(d)
+    }
+
+    /// One page of online sessions, newest activity first, as dicts
+    /// (rollout_id, key_id, app_key, session_key, user, task_json, n_calls,
+    /// started, updated, closed, trained, feedback = number of signals).
+    /// `key` is a key's id or name; `feedback`/`trained` select with (True)
+    /// or without (False); `after` is the last session of the previous page.
+    #[pyo3(signature = (*, after=None, limit=50, key=None, tag=None, feedback=None, trained=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn session_page<'py>(
+        &self,
+        py: Python<'py>,
+        after: Option<String>,
+        limit: i64,
+        key: Option<String>,
+        tag: Option<String>,
+        feedback: Option<bool>,
+        trained: Option<bool>,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        if limit < 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "session_page(): limit={limit} must be >= 0"
+            )));
+        }
+        let page = SessionPage {
+            key,
+            tag,
+            with_feedback: feedback,
+            trained,
+            after,
+            limit,
+        };
+        let rows = py
+            .detach(|| self.inner.session_page(&page))
+            .map_err(|e| gateway_error(py, e))?;
+        rows.into_iter()
+            .map(|r| {
+                let d = PyDict::new(py);
+                d.set_item("rollout_id", r.session_id)?;
+                d.set_item("key_id", r.key_id)?;
+                d.set_item("app_key", r.key_name)?;
+                d.set_item("session_key", r.session_key)?;
+                d.set_item("user", r.user)?;
+                d.set_item("task_json", r.task)?;
+                d.set_item("n_calls", r.n_calls)?;
+                d.set_item("started", r.started)?;
+                d.set_item("updated", r.updated)?;
+                d.set_item("closed", r.closed)?;
+                d.set_item("trained", r.trained)?;
+                d.set_item("feedback", r.feedback)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
     /// A session's feedback signals in timestamp, then arrival, order, as
     /// dicts (feedback_id, response_id, name, value, ts, after_training, data_json).
     fn feedback<'py>(
@@ -233,6 +333,7 @@ impl PyStoreReader {
             group,
             status,
             mode,
+            ..Selection::default()
         };
         let data = py
             .detach(|| self.inner.step(&sel))

@@ -2,7 +2,7 @@
 "use strict";
 const KEY = new URLSearchParams(location.search).get("key");
 const POLL_MS = 1500;
-const state = { offset: 0, rows: [], next: null, filters: "" };
+const state = { offset: 0, rows: [], next: null, filters: "", sessionsNext: null };
 
 async function api(path) {
   const headers = KEY ? { Authorization: "Bearer " + KEY } : {};
@@ -102,6 +102,23 @@ function drawChart(card, spec, keys, rows) {
     if (ci.length) legend.append(el("span", { class: "muted" }, "| eval 95% interval"));
   }
   card.dataset.points = n;
+}
+
+// Calls per second and errors, from the store (one aggregate per poll): x is
+// seconds before the latest call, so a finished store shows its last activity.
+const RATE = { id: "rate", title: "calls/s and errors (x: seconds before the latest call)", keys: ["calls_per_s", "upstream_errors_per_s", "aborted_per_s"] };
+async function loadRate() {
+  const r = await api("api/rate");
+  let card = document.getElementById("chart-rate");
+  if (!r.buckets.length) { if (card) card.remove(); return; }
+  if (!card) {
+    card = el("div", { class: "chart", id: "chart-rate" }, el("h3", {}, RATE.title), svg("svg", { viewBox: "0 0 340 170", preserveAspectRatio: "none" }), el("div", { class: "legend" }));
+    document.getElementById("charts").prepend(card);
+  }
+  const rows = r.buckets.map((b) => ({ step: b.start - r.end, calls_per_s: b.calls / r.bucket_s, upstream_errors_per_s: b.upstream_errors / r.bucket_s, aborted_per_s: b.aborted / r.bucket_s }));
+  drawChart(card, RATE, RATE.keys, rows);
+  card.dataset.calls = r.buckets.reduce((n, b) => n + b.calls, 0);
+  card.dataset.errors = r.buckets.reduce((n, b) => n + b.upstream_errors + b.aborted, 0);
 }
 
 // ---------------------------------------------------------------- rollout list
@@ -208,16 +225,83 @@ async function showCompare(a, b) {
     el("div", { class: "side" }, col(c.a), col(c.b)));
 }
 
+// ---------------------------------------------------------------- online sessions
+function sessionQuery() {
+  const q = new URLSearchParams();
+  for (const [id, k] of [["s-key", "key"], ["s-tag", "tag"], ["s-feedback", "feedback"], ["s-trained", "trained"]]) {
+    const v = document.getElementById(id).value.trim();
+    if (v) q.set(k, v);
+  }
+  return q;
+}
+const when = (t) => (t === null || t === undefined ? "–" : new Date(t * 1000).toLocaleString());
+function sessionRow(s) {
+  return el("tr", { class: "session", "data-id": s.rollout_id, onclick: () => (location.hash = "#/session/" + encodeURIComponent(s.rollout_id)) },
+    el("td", {}, s.rollout_id + (s.session_key ? " · " + s.session_key : "")), el("td", {}, s.app_key || s.key_id), el("td", {}, s.tags.join(", ")),
+    el("td", {}, String(s.n_calls)), el("td", {}, String(s.feedback)), el("td", { title: s.reward_error || "" }, fmt(s.reward)),
+    el("td", {}, s.trained ? when(s.trained) : "no"), el("td", {}, when(s.updated) + (s.closed ? "" : " (open)")));
+}
+async function loadSessions(append) {
+  const q = sessionQuery();
+  q.set("limit", "50");
+  if (append && state.sessionsNext) q.set("after", state.sessionsNext);
+  const page = await api("api/sessions?" + q);
+  const body = document.querySelector("#session-list tbody");
+  if (!append) body.replaceChildren();
+  for (const s of page.sessions) body.append(sessionRow(s));
+  state.sessionsNext = page.next;
+  document.getElementById("more-sessions").hidden = !page.next;
+}
+function contentText(c) {
+  if (typeof c === "string") return c;
+  if (Array.isArray(c)) return c.map((b) => (b && typeof b.text === "string" ? b.text : JSON.stringify(b))).join("");
+  return c === null || c === undefined ? "" : JSON.stringify(c);
+}
+function message(m) {
+  const role = m && m.role ? m.role : m && m.type ? m.type : "item";
+  return el("div", { class: "msg " + role }, el("span", { class: "role" }, role), contentText(m && m.role ? m.content : m));
+}
+async function showSession(id) {
+  const d = await api("api/sessions/" + encodeURIComponent(id));
+  const r = d.rollout;
+  const task = r.task || {};
+  const protos = [...new Set(d.calls.map((c) => c.protocol).filter(Boolean))];
+  const head = el("div", {},
+    el("h2", {}, "session " + r.rollout_id),
+    el("p", {}, el("span", { class: "pill" }, "key " + (task.app_key || "–")), ...(task.tags || []).map((t) => el("span", { class: "pill" }, "tag " + t)),
+      task.session_key ? el("span", { class: "pill" }, "session id " + task.session_key) : null,
+      el("span", { class: "pill", title: d.reward_error || "" }, "reward " + fmt(d.reward)), el("span", { class: "pill" }, d.feedback.length + " feedback"),
+      el("span", { class: "pill" }, d.calls.length + " calls"), el("span", { class: "pill" }, "protocols " + (protos.join(", ") || "–")),
+      el("a", { class: "pill", href: "#/rollout/" + encodeURIComponent(r.rollout_id) }, "tokens and samples")));
+  const conv = el("div", { id: "conversation" }, el("h3", {}, "conversation (each call: what the harness sent that turn, then the answer decoded from its exact ids)"));
+  d.calls.forEach((c, i) => conv.append(el("div", { class: "turn", "data-protocol": c.protocol || "" },
+    el("h4", {}, el("span", { class: "pill proto" }, c.protocol || "unknown protocol"), "call " + i + " · " + (c.response_id || "no response id") + " · " + c.status + " · weights v" + c.weight_version),
+    ...c.sent.map(message),
+    el("div", { class: "msg assistant" }, el("span", { class: "role" }, "assistant"), tokenSpans(c.completion, { ids: c.completion_ids, logprobs: c.logprobs })))));
+  const fb = el("div", { id: "feedback" }, el("h3", {}, "feedback signals"),
+    d.feedback.length ? el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "name"), el("th", {}, "value"), el("th", {}, "target"), el("th", {}, "at"), el("th", {}, "after training"))),
+      el("tbody", {}, ...d.feedback.map((f) => el("tr", {}, el("td", {}, f.name), el("td", {}, fmt(f.value)), el("td", {}, f.response_id || "session"), el("td", {}, when(f.ts)), el("td", {}, f.after_training ? "yes" : "no")))))
+      : el("p", { class: "muted" }, "none"));
+  document.getElementById("detail").replaceChildren(head, conv, fb);
+}
+
 // ---------------------------------------------------------------- routing and polling
 async function route() {
   const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
   const detail = document.getElementById("detail");
-  detail.hidden = !parts[0];
+  const online = parts[0] === "sessions" || parts[0] === "session";
+  document.getElementById("run").hidden = online;
+  document.getElementById("sessions").hidden = !online;
+  document.getElementById("nav-run").className = online ? "" : "here";
+  document.getElementById("nav-sessions").className = online ? "here" : "";
+  detail.hidden = !parts[0] || parts[0] === "sessions";
   try {
-    if (parts[0] === "rollout") await showRollout(parts.slice(1).join("/"));
+    if (online) await loadSessions(false);
+    if (parts[0] === "session") await showSession(parts.slice(1).join("/"));
+    else if (parts[0] === "rollout") await showRollout(parts.slice(1).join("/"));
     else if (parts[0] === "group") await showGroup(parts.slice(1).join("/"));
     else if (parts[0] === "compare") await showCompare(parts[1], parts[2]);
-    if (parts[0]) detail.scrollIntoView();
+    if (parts[0] && parts[0] !== "sessions") detail.scrollIntoView();
   } catch (e) {
     detail.replaceChildren(el("p", { class: "status-failed" }, String(e)));
   }
@@ -229,6 +313,8 @@ async function poll() {
     state.offset = m.offset;
     if (m.rows.length || !state.drawn) { state.rows.push(...m.rows); drawCharts(); state.drawn = true; }
     await loadSummary();
+    await loadRate();
+    if (!document.getElementById("sessions").hidden && document.querySelectorAll("#session-list tbody tr").length <= 50) await loadSessions(false);
     if (!state.next || document.querySelectorAll("#rollouts tbody tr").length <= 50) await loadRollouts(false);
     const live = document.getElementById("live");
     live.textContent = "live · " + state.rows.length + " steps · updated " + new Date().toLocaleTimeString();
@@ -239,6 +325,8 @@ async function poll() {
   setTimeout(poll, POLL_MS);
 }
 document.getElementById("more").addEventListener("click", () => loadRollouts(true));
+document.getElementById("more-sessions").addEventListener("click", () => loadSessions(true));
+for (const id of ["s-key", "s-tag", "s-feedback", "s-trained"]) document.getElementById(id).addEventListener("change", () => loadSessions(false));
 for (const id of ["f-status", "f-mode", "f-group"]) document.getElementById(id).addEventListener("change", () => loadRollouts(false));
 document.getElementById("cmp-go").addEventListener("click", () => {
   location.hash = "#/compare/" + encodeURIComponent(document.getElementById("cmp-a").value.trim()) + "/" + encodeURIComponent(document.getElementById("cmp-b").value.trim());

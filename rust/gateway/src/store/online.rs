@@ -213,6 +213,25 @@ pub struct SessionFilter {
     pub oldest_first: bool,
 }
 
+/// One page of sessions for a browser (`Reader::session_page`): newest
+/// activity first, keyset-paged on `(updated, rollout_id)`; every given filter
+/// must hold.
+#[derive(Debug, Clone, Default)]
+pub struct SessionPage {
+    /// An application key, by id or by name.
+    pub key: Option<String>,
+    /// A tag of the session (its key's tags when it opened).
+    pub tag: Option<String>,
+    /// With (`true`) or without (`false`) any feedback signal.
+    pub with_feedback: Option<bool>,
+    /// Used by a training pass (`true`) or not yet (`false`).
+    pub trained: Option<bool>,
+    /// Only sessions after this one in the page order. An id not in the store
+    /// gives an empty page.
+    pub after: Option<String>,
+    pub limit: i64,
+}
+
 /// SHA-256 of ids as little-endian u32 (the tail a continuing prompt starts with).
 pub fn ids_hash(ids: &[u32]) -> [u8; 32] {
     let mut h = Sha256::new();

@@ -18,10 +18,10 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBeha
 use serde_json::Value;
 
 use super::columnar::{blob_to_f32s, blob_to_ids};
-use super::online::{KeyRow, SessionFilter, SessionRow};
+use super::online::{KeyRow, SessionFilter, SessionPage, SessionRow};
 use super::records::{
-    CallBody, EventRecord, FeedbackRecord, RolloutRecord, RolloutRow, Selection, StepData,
-    StoredCall,
+    CallBody, CallRate, EventRecord, FeedbackRecord, RateBucket, RolloutRecord, RolloutRow,
+    Selection, StepData, StoredCall,
 };
 use crate::error::GatewayError;
 
@@ -54,7 +54,36 @@ pub fn latest_reward(conn: &Connection, rollout_id: &str) -> rusqlite::Result<Op
         .and_then(|v| v.get("value").and_then(serde_json::Value::as_f64)))
 }
 
-/// Rollouts matching `sel`, each with its latest reward.
+/// The SQL of a rollout listing: only the filters given (`?1` status, `?2`
+/// mode, `?3` group), keyset paging after `(?4 created, ?5 id)` when
+/// `after`, at most `?6` rows (-1: all), in `(created, id)` order. Filters are
+/// left out rather than written `?1 IS NULL OR …` so that SQLite can walk one
+/// of the `rollouts_*created` indexes from the page's start and stop after
+/// `?6` rows (`tests::a_page_reads_its_rows_not_the_table`).
+pub(crate) fn rollout_page_sql(sel: &Selection, after: bool) -> String {
+    let mut cond = Vec::new();
+    if sel.status.is_some() {
+        cond.push("status = ?1");
+    }
+    if sel.mode.is_some() {
+        cond.push("mode = ?2");
+    }
+    if sel.group.is_some() {
+        cond.push("grp = ?3");
+    }
+    if after {
+        cond.push("(created, id) > (?4, ?5)");
+    }
+    let filter = if cond.is_empty() {
+        String::new()
+    } else {
+        format!("WHERE {}", cond.join(" AND "))
+    };
+    format!("SELECT {ROLLOUT_COLUMNS} FROM rollouts {filter} ORDER BY created, id LIMIT ?6")
+}
+
+/// Rollouts matching `sel`, each with its latest reward: by id (in the order
+/// given), or in creation order, one keyset page at a time (`after`, `limit`).
 pub fn rollouts(conn: &Connection, sel: &Selection) -> rusqlite::Result<Vec<RolloutRecord>> {
     let mut out = match &sel.rollout_ids {
         Some(ids) => {
@@ -77,12 +106,34 @@ pub fn rollouts(conn: &Connection, sel: &Selection) -> rusqlite::Result<Vec<Roll
             out
         }
         None => {
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {ROLLOUT_COLUMNS} FROM rollouts
-                 WHERE (?1 IS NULL OR grp = ?1) AND (?2 IS NULL OR status = ?2) AND (?3 IS NULL OR mode = ?3)
-                 ORDER BY created, id"
-            ))?;
-            let rows = stmt.query_map(params![sel.group, sel.status, sel.mode], rollout_row)?;
+            let after = match &sel.after {
+                None => None,
+                Some(id) => {
+                    let key = conn
+                        .prepare_cached("SELECT created, id FROM rollouts WHERE id = ?1")?
+                        .query_row(params![id], |r| {
+                            Ok((r.get::<_, f64>(0)?, r.get::<_, String>(1)?))
+                        })
+                        .optional()?;
+                    match key {
+                        Some(k) => Some(k),
+                        None => return Ok(Vec::new()),
+                    }
+                }
+            };
+            let mut stmt = conn.prepare_cached(&rollout_page_sql(sel, after.is_some()))?;
+            let (after_created, after_id) = after.unzip();
+            let rows = stmt.query_map(
+                params![
+                    sel.status,
+                    sel.mode,
+                    sel.group,
+                    after_created,
+                    after_id,
+                    sel.limit.unwrap_or(-1)
+                ],
+                rollout_row,
+            )?;
             rows.collect::<rusqlite::Result<Vec<_>>>()?
         }
     };
@@ -90,6 +141,84 @@ pub fn rollouts(conn: &Connection, sel: &Selection) -> rusqlite::Result<Vec<Roll
         r.reward = latest_reward(conn, &r.rollout_id)?;
     }
     Ok(out)
+}
+
+/// Rollouts per `(mode, status)`, by SQL aggregate (one pass over the
+/// `rollouts_status_created` index, not a row per rollout to the caller).
+pub fn rollout_counts(conn: &Connection) -> rusqlite::Result<Vec<(String, String, i64)>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT mode, status, COUNT(*) FROM rollouts GROUP BY mode, status ORDER BY mode, status",
+    )?;
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+    rows.collect()
+}
+
+/// Most buckets one `call_rate` returns (a longer window gets wider buckets).
+pub const MAX_RATE_BUCKETS: f64 = 2000.0;
+
+/// Per bucket `b` (counted from `?3`, the window's first): calls, upstream
+/// errors, aborted calls, for calls created at or after `?1`.
+const CALL_RATE_SQL: &str = "SELECT CAST(created / ?2 AS INTEGER) - ?3 AS b, COUNT(*),
+        SUM(status = 'upstream_error'), SUM(status = 'aborted')
+ FROM calls WHERE created >= ?1 GROUP BY b ORDER BY b";
+
+/// Calls, upstream errors and aborted calls per `bucket_s` over the `window_s`
+/// that ends at the latest call (so a finished store shows its last activity,
+/// and a live one the last minutes). Buckets are aligned to multiples of
+/// `bucket_s`, so a poll sees the same buckets fill rather than shift. Reads
+/// the window's rows from the `calls_created` index only.
+pub fn call_rate(conn: &Connection, window_s: f64, bucket_s: f64) -> rusqlite::Result<CallRate> {
+    let window_s = if window_s.is_finite() && window_s > 0.0 {
+        window_s
+    } else {
+        600.0
+    };
+    let bucket_s = if bucket_s.is_finite() && bucket_s > 0.0 {
+        bucket_s.max(window_s / MAX_RATE_BUCKETS)
+    } else {
+        5.0
+    };
+    let end: Option<f64> = conn
+        .prepare_cached("SELECT MAX(created) FROM calls")?
+        .query_row([], |r| r.get(0))?;
+    let Some(end) = end else {
+        return Ok(CallRate {
+            end: None,
+            bucket_s,
+            buckets: Vec::new(),
+        });
+    };
+    let first = ((end - window_s) / bucket_s).floor();
+    let last = (end / bucket_s).floor();
+    let n = (last - first) as usize + 1;
+    let mut buckets: Vec<RateBucket> = (0..n)
+        .map(|i| RateBucket {
+            start: (first + i as f64) * bucket_s,
+            ..RateBucket::default()
+        })
+        .collect();
+    let mut stmt = conn.prepare_cached(CALL_RATE_SQL)?;
+    let rows = stmt.query_map(params![first * bucket_s, bucket_s, first as i64], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, i64>(1)?,
+            r.get::<_, i64>(2)?,
+            r.get::<_, i64>(3)?,
+        ))
+    })?;
+    for row in rows {
+        let (b, calls, upstream_errors, aborted) = row?;
+        if let Some(slot) = usize::try_from(b).ok().and_then(|b| buckets.get_mut(b)) {
+            slot.calls = calls;
+            slot.upstream_errors = upstream_errors;
+            slot.aborted = aborted;
+        }
+    }
+    Ok(CallRate {
+        end: Some(end),
+        bucket_s,
+        buckets,
+    })
 }
 
 /// Every recorded call of a rollout in seq order, trainable or not.
@@ -268,19 +397,40 @@ pub fn list_keys(c: &Connection) -> rusqlite::Result<Vec<KeyRow>> {
     rows.collect()
 }
 
-pub fn list_sessions(c: &Connection, f: &SessionFilter) -> rusqlite::Result<Vec<SessionRow>> {
-    let mut stmt = c.prepare_cached(
-        "SELECT s.rollout_id, s.key_id, k.name, s.session_key, s.user, s.n_calls, s.started,
+/// The columns of a `SessionRow` (`session_from_row`), `nf` its feedback count.
+const SESSION_FROM: &str =
+    "SELECT s.rollout_id, s.key_id, k.name, s.session_key, s.user, s.n_calls, s.started,
                 s.updated, s.closed, s.trained,
                 (SELECT COUNT(*) FROM feedback f WHERE f.rollout_id = s.rollout_id) AS nf,
                 COALESCE(r.task, '{}')
          FROM online_sessions s LEFT JOIN app_keys k ON k.id = s.key_id
-              LEFT JOIN rollouts r ON r.id = s.rollout_id
+              LEFT JOIN rollouts r ON r.id = s.rollout_id";
+
+fn session_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRow> {
+    Ok(SessionRow {
+        session_id: r.get(0)?,
+        key_id: r.get(1)?,
+        key_name: r.get(2)?,
+        session_key: r.get(3)?,
+        user: r.get(4)?,
+        n_calls: r.get(5)?,
+        started: r.get(6)?,
+        updated: r.get(7)?,
+        closed: r.get::<_, i64>(8)? != 0,
+        trained: r.get(9)?,
+        feedback: r.get(10)?,
+        task: r.get(11)?,
+    })
+}
+
+pub fn list_sessions(c: &Connection, f: &SessionFilter) -> rusqlite::Result<Vec<SessionRow>> {
+    let mut stmt = c.prepare_cached(&format!(
+        "{SESSION_FROM}
          WHERE (?1 IS NULL OR s.key_id = ?1) AND (?2 IS NULL OR s.closed = ?2)
            AND (?3 IS NULL OR (nf > 0) = ?3)
            AND (?5 IS NULL OR s.updated >= ?5) AND (?6 IS NULL OR s.updated < ?6)
-         ORDER BY CASE WHEN ?7 THEN s.updated END, s.updated DESC, s.rollout_id LIMIT ?4",
-    )?;
+         ORDER BY CASE WHEN ?7 THEN s.updated END, s.updated DESC, s.rollout_id LIMIT ?4"
+    ))?;
     let args = params![
         f.key_id,
         f.closed,
@@ -290,22 +440,69 @@ pub fn list_sessions(c: &Connection, f: &SessionFilter) -> rusqlite::Result<Vec<
         f.updated_before,
         f.oldest_first
     ];
-    let rows = stmt.query_map(args, |r| {
-        Ok(SessionRow {
-            session_id: r.get(0)?,
-            key_id: r.get(1)?,
-            key_name: r.get(2)?,
-            session_key: r.get(3)?,
-            user: r.get(4)?,
-            n_calls: r.get(5)?,
-            started: r.get(6)?,
-            updated: r.get(7)?,
-            closed: r.get::<_, i64>(8)? != 0,
-            trained: r.get(9)?,
-            feedback: r.get(10)?,
-            task: r.get(11)?,
-        })
-    })?;
+    let rows = stmt.query_map(args, session_from_row)?;
+    rows.collect()
+}
+
+/// The SQL of a session page: only the filters given (`?1` key id or name,
+/// `?2` tag, feedback and trained as fixed clauses), keyset paging before
+/// `(?3 updated, ?4 rollout_id)` when `after`, at most `?5` rows, newest
+/// activity first: the `online_sessions_updated` index walked backwards, so a
+/// page stops after its rows instead of sorting every session.
+pub(crate) fn session_page_sql(p: &SessionPage, after: bool) -> String {
+    let mut cond = Vec::new();
+    if p.key.is_some() {
+        cond.push("(s.key_id = ?1 OR k.name = ?1)");
+    }
+    if p.tag.is_some() {
+        cond.push("EXISTS (SELECT 1 FROM json_each(r.task, '$.tags') t WHERE t.value = ?2)");
+    }
+    match p.with_feedback {
+        Some(true) => cond.push("nf > 0"),
+        Some(false) => cond.push("nf = 0"),
+        None => {}
+    }
+    match p.trained {
+        Some(true) => cond.push("s.trained IS NOT NULL"),
+        Some(false) => cond.push("s.trained IS NULL"),
+        None => {}
+    }
+    if after {
+        cond.push("(s.updated, s.rollout_id) < (?3, ?4)");
+    }
+    let filter = if cond.is_empty() {
+        String::new()
+    } else {
+        format!("WHERE {}", cond.join(" AND "))
+    };
+    format!("{SESSION_FROM} {filter} ORDER BY s.updated DESC, s.rollout_id DESC LIMIT ?5")
+}
+
+/// One page of online sessions, newest activity first (`SessionPage`).
+pub fn session_page(c: &Connection, p: &SessionPage) -> rusqlite::Result<Vec<SessionRow>> {
+    let after = match &p.after {
+        None => None,
+        Some(id) => {
+            let key = c
+                .prepare_cached(
+                    "SELECT updated, rollout_id FROM online_sessions WHERE rollout_id = ?1",
+                )?
+                .query_row(params![id], |r| {
+                    Ok((r.get::<_, f64>(0)?, r.get::<_, String>(1)?))
+                })
+                .optional()?;
+            match key {
+                Some(k) => Some(k),
+                None => return Ok(Vec::new()),
+            }
+        }
+    };
+    let mut stmt = c.prepare_cached(&session_page_sql(p, after.is_some()))?;
+    let (after_updated, after_id) = after.unzip();
+    let rows = stmt.query_map(
+        params![p.key, p.tag, after_updated, after_id, p.limit],
+        session_from_row,
+    )?;
     rows.collect()
 }
 
@@ -480,6 +677,21 @@ impl Reader {
         self.with(|c| list_sessions(c, filter))
     }
 
+    /// One page of online sessions, newest activity first.
+    pub fn session_page(&self, page: &SessionPage) -> Result<Vec<SessionRow>, GatewayError> {
+        self.with(|c| session_page(c, page))
+    }
+
+    /// Rollouts per `(mode, status)`.
+    pub fn rollout_counts(&self) -> Result<Vec<(String, String, i64)>, GatewayError> {
+        self.with(|c| rollout_counts(c))
+    }
+
+    /// Calls, upstream errors and aborts per bucket (see [`call_rate`]).
+    pub fn call_rate(&self, window_s: f64, bucket_s: f64) -> Result<CallRate, GatewayError> {
+        self.with(|c| call_rate(c, window_s, bucket_s))
+    }
+
     /// Every feedback signal of a session.
     pub fn feedback(&self, rollout_id: &str) -> Result<Vec<FeedbackRecord>, GatewayError> {
         self.with(|c| feedback(c, rollout_id))
@@ -625,6 +837,204 @@ mod tests {
         assert_eq!(reader.records("a").unwrap().len(), 3);
         store.close();
         assert!(Reader::open(&dir.join("none.db")).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn plan(conn: &Connection, sql: &str) -> String {
+        let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        // The plan does not depend on the values: bind NULL to every parameter.
+        let nulls = vec![rusqlite::types::Null; stmt.parameter_count()];
+        let rows = stmt
+            .query_map(rusqlite::params_from_iter(nulls), |r| r.get::<_, String>(3))
+            .unwrap();
+        rows.map(Result::unwrap).collect::<Vec<_>>().join("; ")
+    }
+
+    /// A page of a 20k-rollout store walks an index from the page's start and
+    /// stops after its rows: the plan names the index and sorts nothing, and
+    /// the statement's VM steps stay near the page size, not the table's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_page_reads_its_rows_not_the_table() {
+        const N: usize = 20_000;
+        let dir = std::env::temp_dir().join(format!("lightning-page-{}", std::process::id()));
+        let path = dir.join("t.db");
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = std::sync::Arc::new(
+            Store::open(&path, SyncMode::Normal, crate::store::SecretSource::None).unwrap(),
+        );
+        let mut tasks = Vec::with_capacity(N);
+        for i in 0..N {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                store
+                    .create_rollout(NewRollout {
+                        id: format!("r{i:05}"),
+                        group: Some(format!("g{}", i % 100)),
+                        task: "{}".into(),
+                        mode: if i.is_multiple_of(10) {
+                            "eval"
+                        } else {
+                            "train"
+                        }
+                        .into(),
+                        token_hash: format!("h{i}"),
+                    })
+                    .await
+                    .unwrap();
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        store.set_status("r00007", "succeeded").await.unwrap();
+        let reader = Reader::open(&path).unwrap();
+        let conn = reader.conn.lock().unwrap();
+        let filters = [
+            Selection::default(),
+            Selection {
+                status: Some("queued".into()),
+                ..Selection::default()
+            },
+            Selection {
+                mode: Some("eval".into()),
+                ..Selection::default()
+            },
+            Selection {
+                group: Some("g3".into()),
+                ..Selection::default()
+            },
+        ];
+        for sel in &filters {
+            for after in [false, true] {
+                let p = plan(&conn, &rollout_page_sql(sel, after));
+                assert!(p.contains("USING INDEX rollouts_"), "{sel:?}: {p}");
+                assert!(!p.contains("TEMP B-TREE"), "{sel:?} sorts: {p}");
+            }
+        }
+        // Pages follow each other with no gap or repeat, in creation order.
+        let all = rollouts(&conn, &Selection::default()).unwrap();
+        assert_eq!(all.len(), N);
+        let mut seen = Vec::new();
+        let mut sel = Selection {
+            limit: Some(7_000),
+            ..Selection::default()
+        };
+        loop {
+            let page = rollouts(&conn, &sel).unwrap();
+            let Some(last) = page.last() else { break };
+            sel.after = Some(last.rollout_id.clone());
+            seen.extend(page.into_iter().map(|r| r.rollout_id));
+        }
+        let ids: Vec<_> = all.iter().map(|r| r.rollout_id.clone()).collect();
+        assert_eq!(seen, ids);
+        // The VM steps of one 50-row page deep into the table, filtered by
+        // mode: a scan of 20k rows would take well over 20k steps.
+        let sel = Selection {
+            mode: Some("eval".into()),
+            ..Selection::default()
+        };
+        let eval: Vec<_> = all.iter().filter(|r| r.mode == "eval").collect();
+        let mid = &eval[eval.len() / 2];
+        let mut stmt = conn.prepare(&rollout_page_sql(&sel, true)).unwrap();
+        let n = stmt
+            .query_map(
+                params![
+                    None::<String>,
+                    "eval",
+                    None::<String>,
+                    mid.created,
+                    mid.rollout_id,
+                    50
+                ],
+                |r| r.get::<_, String>(0),
+            )
+            .unwrap()
+            .count();
+        assert_eq!(n, 50);
+        let steps = stmt.get_status(rusqlite::StatementStatus::VmStep);
+        assert!(steps < 2_000, "a 50-row page took {steps} VM steps");
+        assert_eq!(stmt.get_status(rusqlite::StatementStatus::FullscanStep), 0);
+        drop(stmt);
+        // An unknown `after` is an empty page, not the first page again.
+        let lost = Selection {
+            after: Some("gone".into()),
+            ..Selection::default()
+        };
+        assert!(rollouts(&conn, &lost).unwrap().is_empty());
+        let counts = rollout_counts(&conn).unwrap();
+        assert_eq!(
+            counts,
+            vec![
+                ("eval".into(), "queued".into(), 2_000),
+                ("train".into(), "queued".into(), 17_999),
+                ("train".into(), "succeeded".into(), 1),
+            ]
+        );
+        // The sessions page: the same shape, on its own index.
+        for page in [
+            SessionPage::default(),
+            SessionPage {
+                key: Some("k".into()),
+                tag: Some("t".into()),
+                with_feedback: Some(true),
+                trained: Some(false),
+                ..SessionPage::default()
+            },
+        ] {
+            let p = plan(&conn, &session_page_sql(&page, true));
+            assert!(p.contains("online_sessions_updated"), "{page:?}: {p}");
+            assert!(!p.contains("TEMP B-TREE"), "{page:?} sorts: {p}");
+        }
+        drop(conn);
+        store.close();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn call_rate_buckets_the_window_before_the_latest_call() {
+        let dir = std::env::temp_dir().join(format!("lightning-rate-{}", std::process::id()));
+        let path = dir.join("t.db");
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = Store::open(&path, SyncMode::Normal, crate::store::SecretSource::None).unwrap();
+        let reader = Reader::open(&path).unwrap();
+        assert_eq!(reader.call_rate(60.0, 10.0).unwrap().end, None);
+        let mut recs = Vec::new();
+        for (t, status) in [
+            (1000.0, CallStatus::Ok), // outside the 60 s window
+            (1041.0, CallStatus::Ok),
+            (1042.0, CallStatus::UpstreamError),
+            (1049.9, CallStatus::Aborted),
+            (1075.0, CallStatus::Ok),
+        ] {
+            let mut r = record("a", status, vec![1], 1);
+            r.created = t;
+            recs.push(r);
+        }
+        store.insert_calls(recs, false, None).await.unwrap();
+        let rate = reader.call_rate(60.0, 10.0).unwrap();
+        assert_eq!(rate.end, Some(1075.0));
+        let got: Vec<_> = rate
+            .buckets
+            .iter()
+            .map(|b| (b.start, b.calls, b.upstream_errors, b.aborted))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1010.0, 0, 0, 0),
+                (1020.0, 0, 0, 0),
+                (1030.0, 0, 0, 0),
+                (1040.0, 3, 1, 1),
+                (1050.0, 0, 0, 0),
+                (1060.0, 0, 0, 0),
+                (1070.0, 1, 0, 0),
+            ]
+        );
+        let conn = reader.conn.lock().unwrap();
+        let p = plan(&conn, CALL_RATE_SQL);
+        assert!(p.contains("COVERING INDEX calls_created"), "{p}");
+        drop(conn);
+        store.close();
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -121,13 +121,39 @@ pub struct StoredCall {
 }
 
 /// Which rollouts to read; every given filter must hold. `rollout_ids` also
-/// fixes the output order (else: creation order).
+/// fixes the output order (else: creation order, `created` then id).
 #[derive(Debug, Clone, Default)]
 pub struct Selection {
     pub rollout_ids: Option<Vec<String>>,
     pub group: Option<String>,
     pub status: Option<String>,
     pub mode: Option<String>,
+    /// Keyset paging (without `rollout_ids`): only rollouts after this one in
+    /// creation order. An id not in the store gives an empty page, so a client
+    /// following `next` never loops back to the start.
+    pub after: Option<String>,
+    /// At most this many (without `rollout_ids`; `None`: all).
+    pub limit: Option<i64>,
+}
+
+/// Calls per time bucket over a window that ends at the store's latest call
+/// (`Reader::call_rate`): the live chart of a gateway's load and errors.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CallRate {
+    /// `created` of the latest call (`None`: no calls yet).
+    pub end: Option<f64>,
+    pub bucket_s: f64,
+    /// Every bucket of the window in time order, empty ones included.
+    pub buckets: Vec<RateBucket>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RateBucket {
+    /// Start of the bucket (unix seconds, a multiple of `bucket_s`).
+    pub start: f64,
+    pub calls: i64,
+    pub upstream_errors: i64,
+    pub aborted: i64,
 }
 
 /// A rollout as read back, with its latest reward.

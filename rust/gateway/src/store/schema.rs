@@ -24,6 +24,12 @@ CREATE TABLE IF NOT EXISTS rollouts (
 CREATE INDEX IF NOT EXISTS rollouts_token ON rollouts(token_hash);
 CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts(grp);
 CREATE INDEX IF NOT EXISTS rollouts_status ON rollouts(status);
+-- Keyset paging in creation order (`reader::rollouts` with `after`/`limit`),
+-- alone or under one filter: a page reads its rows, never the table.
+CREATE INDEX IF NOT EXISTS rollouts_created ON rollouts(created, id);
+CREATE INDEX IF NOT EXISTS rollouts_status_created ON rollouts(status, created, id);
+CREATE INDEX IF NOT EXISTS rollouts_mode_created ON rollouts(mode, created, id);
+CREATE INDEX IF NOT EXISTS rollouts_group_created ON rollouts(grp, created, id);
 CREATE TABLE IF NOT EXISTS calls (
     id INTEGER PRIMARY KEY,
     rollout_id TEXT NOT NULL,
@@ -49,6 +55,9 @@ CREATE TABLE IF NOT EXISTS calls (
     created REAL NOT NULL
 );
 CREATE UNIQUE INDEX IF NOT EXISTS calls_rollout_seq ON calls(rollout_id, seq);
+-- Calls per time bucket (`reader::call_rate`): the window's rows from the
+-- index alone (status covered), not a scan of every call ever recorded.
+CREATE INDEX IF NOT EXISTS calls_created ON calls(created, status);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY,
     rollout_id TEXT NOT NULL,
@@ -130,6 +139,8 @@ CREATE TABLE IF NOT EXISTS online_sessions (
 );
 CREATE INDEX IF NOT EXISTS online_sessions_key ON online_sessions(key_id, session_key, started);
 CREATE INDEX IF NOT EXISTS online_sessions_open ON online_sessions(key_id, closed, updated);
+-- The view's session pages, newest activity first (`reader::session_page`).
+CREATE INDEX IF NOT EXISTS online_sessions_updated ON online_sessions(updated, rollout_id);
 CREATE TABLE IF NOT EXISTS feedback (
     id INTEGER PRIMARY KEY,
     key_id TEXT NOT NULL,
