@@ -120,7 +120,7 @@ def _case(cid: str, question: str, name: str, description: str) -> dict[str, obj
 
 
 def test_decontamination_drops_train_cases_near_held_out_ones() -> None:
-    weather = "Get the current weather forecast for a city given by its name."
+    weather = "Get the current weather forecast for a city given by its name, in degrees Celsius."
     held = [
         _case("h0", "What is the weather like in Paris today?", "get_weather", weather),
         _case(
@@ -146,7 +146,7 @@ def test_decontamination_drops_train_cases_near_held_out_ones() -> None:
     assert [c["id"] for c in kept] == ["t2"]
     assert (report["train_in"], report["train_out"], report["held_out"]) == (3, 1, 2)
     assert {r["id"]: r["held_out"] for r in report["removed"]} == {"t0": ["h0"], "t1": ["h1"]}
-    assert report["removed"][0]["shared"] in weather.lower()  # an 8-word run of it
+    assert report["removed"][0]["shared"] in weather.lower().replace(",", "")  # 8 words of it
     # n above the 14 words the questions share keeps the paraphrase (not the function)
     kept, _ = bfcl.decontaminate_cases(train, held, n=15)
     assert [c["id"] for c in kept] == ["t1", "t2"]
