@@ -96,6 +96,9 @@ def run_evaluate(command: Any, categories: list[str]) -> None:
 
 def evaluate_root(root: Path) -> int:
     os.environ["BFCL_PROJECT_ROOT"] = str(root.resolve())  # read when bfcl_eval is imported
+    # `bfcl evaluate` builds the handler (an OpenAI client, which wants a key) but
+    # never calls the model.
+    os.environ.setdefault("OPENAI_API_KEY", "unused-when-only-scoring")
     import typer
     from bfcl_eval.__main__ import cli
 
