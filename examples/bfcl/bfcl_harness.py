@@ -83,8 +83,14 @@ def register(base_url: str | None, key: str, max_tokens: Any) -> None:
 def run_evaluate(command: Any, categories: list[str]) -> None:
     try:
         command(
-            ["evaluate", "--model", MODEL_ID, "--test-category", ",".join(categories),
-             "--partial-eval"],
+            [
+                "evaluate",
+                "--model",
+                MODEL_ID,
+                "--test-category",
+                ",".join(categories),
+                "--partial-eval",
+            ],
             standalone_mode=False,
         )
     except statistics.StatisticsError:

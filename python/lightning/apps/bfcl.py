@@ -145,8 +145,11 @@ def case_text(case: dict[str, Any]) -> str:
     users = [m.get("content", "") for turn in turns for m in turn if m.get("role") == "user"]
     funcs = [
         " ".join(
-            [f.get("name", ""), f.get("description", "")]
-            + sorted((f.get("parameters") or {}).get("properties", {}))
+            [
+                f.get("name", ""),
+                f.get("description", ""),
+                *sorted((f.get("parameters") or {}).get("properties", {})),
+            ]
         )
         for f in case.get("function") or []
     ]
@@ -326,7 +329,7 @@ def report_md(summary: dict[str, Any], out: Path, seed: int, steps: int) -> str:
             f"{len(dec['removed'])} removed."
         )
         for r in dec["removed"][:10]:
-            lines.append(f"- `{r['id']}` ~ `{', '.join(r['held_out'][:3])}`: \"{r['shared']}\"")
+            lines.append(f'- `{r["id"]}` ~ `{", ".join(r["held_out"][:3])}`: "{r["shared"]}"')
     return "\n".join(lines) + "\n"
 
 
@@ -395,9 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--steps", type=int)
     r.add_argument("--output-dir")
-    r.add_argument(
-        "--max-tokens", type=int, help="cap each answer (ours, not the leaderboard's)"
-    )
+    r.add_argument("--max-tokens", type=int, help="cap each answer (ours, not the leaderboard's)")
     r.add_argument(
         "--decontaminate-ngram", type=int, default=8, help="word n-gram size; 0 skips it"
     )
