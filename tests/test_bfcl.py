@@ -38,7 +38,12 @@ def test_one_case_through_bfcl_and_the_gateway(
     try:
         with gateway_client(engine.url, tmp_path / "lightning.db") as client:
             runner = Runner(client, ["sh", str(HARNESS)], reward_source="stdout", timeout_s=120)
-            task = {"id": "simple_python_0", "category": "simple_python"}
+            task = {
+                "id": "simple_python_0",
+                "category": "simple_python",
+                "results_dir": str(tmp_path / "kept"),
+                "max_tokens": 64,
+            }
             (result,) = runner.run([(task, None)], mode="eval")
     finally:
         engine.stop()
@@ -59,6 +64,25 @@ def test_one_case_through_bfcl_and_the_gateway(
     assert rollout["reward"] == score
     assert call.prompt_ids is not None and call.completion_ids is not None
     assert bytes(int(t) - 10 for t in call.completion_ids).decode() == answer
+    # BFCL's own `bfcl evaluate` over the kept result line writes the same
+    # per-category score file a leaderboard run would, with the same verdict.
+    harness_py = HARNESS.parent / "bfcl_harness.py"
+    official = bfcl.official_scores(
+        tmp_path / "kept", [rollout["rollout_id"]], tmp_path / "official", harness_py
+    )
+    assert official["simple_python"]["accuracy"] == score
+    assert official["simple_python"]["total_count"] == 1
+    md = bfcl.report_md(
+        {
+            "before": {},
+            "official": {"before": official},
+            "decontamination": None,
+        },
+        tmp_path,
+        seed=0,
+        steps=0,
+    )
+    assert "official/score/" in md and "BFCL_v4_simple_python_score.json" in md
     # BFCL wrote the function docs into the system prompt (its prompt mode); the
     # fake engine's tokenizer is byte-level (id = byte + 10).
     prompt = bytes(int(t) - 10 for t in call.prompt_ids).decode()
@@ -69,10 +93,60 @@ def test_tasks_split_by_category(bfcl_env: Path, tmp_path: Path) -> None:
     counts = bfcl.write_tasks(
         tmp_path, train=["live_simple"], held_out=["simple_python"], per_category=3, seed=0
     )
-    assert counts == {"train": 3, "eval": 3}
+    assert counts["eval"] == 3
+    assert counts["train"] == 3 - counts["decontaminated"]
+    report = json.loads((tmp_path / "decontaminate.json").read_text())
+    assert report["train_in"] == 3 and report["train_out"] == counts["train"]
     rows = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert {r["category"] for r in rows} == {"simple_python"}
     with pytest.raises(ValueError, match="both trained and held out"):
         bfcl.write_tasks(
             tmp_path, train=["multiple"], held_out=["multiple"], per_category=1, seed=0
         )
+
+
+def _case(cid: str, question: str, name: str, description: str) -> dict[str, object]:
+    return {
+        "id": cid,
+        "question": [[{"role": "user", "content": question}]],
+        "function": [
+            {
+                "name": name,
+                "description": description,
+                "parameters": {"type": "dict", "properties": {"x": {"type": "integer"}}},
+            }
+        ],
+    }
+
+
+def test_decontamination_drops_train_cases_near_held_out_ones() -> None:
+    weather = "Get the current weather forecast for a city given by its name, in degrees Celsius."
+    held = [
+        _case("h0", "What is the weather like in Paris today?", "get_weather", weather),
+        _case(
+            "h1",
+            "Find the area of a triangle whose base is 10 units and height is 5 units.",
+            "triangle_area",
+            "Area of a triangle.",
+        ),
+    ]
+    train = [
+        # the held-out function, another question: its description's n-grams match
+        _case("t0", "Is it raining in Rome?", "get_weather", weather),
+        # a near-duplicate question (case and punctuation differ), another function
+        _case(
+            "t1",
+            "find the area of a triangle whose base is 10 units and height is 7 units!",
+            "geometry_area",
+            "Computes areas.",
+        ),
+        _case("t2", "Convert 3 miles to kilometers.", "convert_units", "Unit conversion."),
+    ]
+    kept, report = bfcl.decontaminate_cases(train, held, n=8)
+    assert [c["id"] for c in kept] == ["t2"]
+    assert (report["train_in"], report["train_out"], report["held_out"]) == (3, 1, 2)
+    assert {r["id"]: r["held_out"] for r in report["removed"]} == {"t0": ["h0"], "t1": ["h1"]}
+    assert report["removed"][0]["shared"] in weather.lower().replace(",", "")  # 8 words of it
+    # n above the 14 words the questions share keeps the paraphrase (not the function)
+    kept, _ = bfcl.decontaminate_cases(train, held, n=15)
+    assert [c["id"] for c in kept] == ["t1", "t2"]

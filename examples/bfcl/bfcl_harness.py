@@ -19,6 +19,10 @@ per rollout, launched by ``examples/bfcl/harness.sh``. Nothing of BFCL is patche
 
 The task is ``LIGHTNING_TASK = {"id": "simple_python_3", "category": "simple_python"}``
 (or ``--id ID`` on the command line for a manual run against ``OPENAI_BASE_URL``).
+An optional ``"max_tokens"`` in the task caps each answer: BFCL's chat handler sends
+none, so a model that answers in prose writes until the context ends (minutes on a
+CPU). The cap is ours, not the leaderboard's; it is set through a subclass of BFCL's
+handler (its ``generate_with_backoff`` takes the request's keyword arguments).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import sys
 import tempfile
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 MODEL_ID = "lightning-policy"
 
@@ -49,11 +54,80 @@ def category_of(test_id: str) -> str:
     return test_id.rsplit("_", 1)[0]
 
 
+def register(base_url: str | None, key: str, max_tokens: Any) -> None:
+    """Add ``lightning-policy`` to BFCL's model table (its handler, prompt mode)."""
+    from bfcl_eval.constants.model_config import MODEL_CONFIG_MAPPING, ModelConfig
+    from bfcl_eval.model_handler.api_inference.openai_completion import (
+        OpenAICompletionsHandler,
+    )
+
+    class CappedHandler(OpenAICompletionsHandler):
+        def generate_with_backoff(self, **kwargs):  # type: ignore[no-untyped-def]
+            if max_tokens is not None:
+                kwargs.setdefault("max_tokens", int(max_tokens))
+            return super().generate_with_backoff(**kwargs)
+
+    MODEL_CONFIG_MAPPING[MODEL_ID] = ModelConfig(
+        # Scoring alone never calls the model: any name does.
+        model_name=served_model(base_url, key) if base_url else MODEL_ID,
+        display_name="lightning policy (Prompt)",
+        url="https://github.com/",
+        org="lightning",
+        license="apache-2.0",
+        model_handler=CappedHandler,
+        is_fc_model=False,
+        underscore_to_dot=False,
+    )
+
+
+def run_evaluate(command: Any, categories: list[str]) -> None:
+    try:
+        command(
+            [
+                "evaluate",
+                "--model",
+                MODEL_ID,
+                "--test-category",
+                ",".join(categories),
+                "--partial-eval",
+            ],
+            standalone_mode=False,
+        )
+    except statistics.StatisticsError:
+        # After scoring, `bfcl evaluate` builds its leaderboard CSV, whose
+        # latency column takes a standard deviation: with one test case that
+        # raises. The category's score file is written before that step.
+        pass
+
+
+def evaluate_root(root: Path) -> int:
+    os.environ["BFCL_PROJECT_ROOT"] = str(root.resolve())  # read when bfcl_eval is imported
+    # `bfcl evaluate` builds the handler (an OpenAI client, which wants a key) but
+    # never calls the model.
+    os.environ.setdefault("OPENAI_API_KEY", "unused-when-only-scoring")
+    import typer
+    from bfcl_eval.__main__ import cli
+
+    register(None, "", None)
+    categories = sorted(json.loads((root / "test_case_ids_to_generate.json").read_text()))
+    with contextlib.redirect_stdout(sys.stderr):
+        run_evaluate(typer.main.get_command(cli), categories)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--id", help="a BFCL test id (default: LIGHTNING_TASK's id)")
     p.add_argument("--keep", help="keep BFCL's result and score files in this directory")
+    p.add_argument(
+        "--evaluate",
+        metavar="ROOT",
+        help="only run `bfcl evaluate` on the results already under ROOT/result (all "
+        "categories named in ROOT/test_case_ids_to_generate.json)",
+    )
     args = p.parse_args()
+    if args.evaluate:
+        return evaluate_root(Path(args.evaluate))
     task = json.loads(os.environ.get("LIGHTNING_TASK", "{}"))
     test_id = args.id or task["id"]
     category = task.get("category") or category_of(test_id)
@@ -70,21 +144,8 @@ def main() -> int:
 
     import typer
     from bfcl_eval.__main__ import cli
-    from bfcl_eval.constants.model_config import MODEL_CONFIG_MAPPING, ModelConfig
-    from bfcl_eval.model_handler.api_inference.openai_completion import (
-        OpenAICompletionsHandler,
-    )
 
-    MODEL_CONFIG_MAPPING[MODEL_ID] = ModelConfig(
-        model_name=served_model(base_url, key),
-        display_name="lightning policy (Prompt)",
-        url="https://github.com/",
-        org="lightning",
-        license="apache-2.0",
-        model_handler=OpenAICompletionsHandler,
-        is_fc_model=False,
-        underscore_to_dot=False,
-    )
+    register(base_url, key, task.get("max_tokens"))
     command = typer.main.get_command(cli)
     # BFCL prints its progress on stdout; keep stdout for the final reward line.
     with contextlib.redirect_stdout(sys.stderr):
@@ -93,21 +154,27 @@ def main() -> int:
             [*generate, "--temperature", temperature, "--num-threads", "1", "--allow-overwrite"],
             standalone_mode=False,
         )
-        try:
-            command(
-                ["evaluate", "--model", MODEL_ID, "--test-category", category, "--partial-eval"],
-                standalone_mode=False,
-            )
-        except statistics.StatisticsError:
-            # After scoring, `bfcl evaluate` builds its leaderboard CSV, whose
-            # latency column takes a standard deviation: with one test case that
-            # raises. The category's score file is written before that step.
-            pass
+        run_evaluate(command, [category])
     found = sorted((root / "score" / MODEL_ID).rglob(f"BFCL_v4_{category}_score.json"))
     if not found:
         raise SystemExit(f"BFCL wrote no score file for {test_id} under {root / 'score'}")
     score_file = found[0]
     header = json.loads(score_file.read_text().splitlines()[0])
+    if task.get("results_dir"):
+        # BFCL's raw result line for this case, by rollout id: the recipe gathers
+        # the held-out ones and runs `bfcl evaluate` on them as one category
+        # (python -m lightning.apps.bfcl official), for BFCL's own score file.
+        (result_file,) = (root / "result" / MODEL_ID).rglob(f"BFCL_v4_{category}_result.json")
+        keep = Path(task["results_dir"])
+        keep.mkdir(parents=True, exist_ok=True)
+        rollout = os.environ.get("LIGHTNING_ROLLOUT_ID", test_id)
+        saved = {
+            "id": test_id,
+            "category": category,
+            "relpath": str(result_file.relative_to(root)),
+            "result": result_file.read_text().splitlines()[0],
+        }
+        (keep / f"{rollout}.json").write_text(json.dumps(saved))
     print(
         json.dumps(
             {

@@ -125,30 +125,101 @@ def data_dir() -> Path:
     return Path(out.stdout.strip()) / "data"
 
 
-def category_ids(category: str) -> list[str]:
+def category_cases(category: str) -> list[dict[str, Any]]:
+    """The category's test cases as BFCL ships them (``id``, ``question``, ``function``)."""
     path = data_dir() / f"BFCL_v4_{category}.json"
     if not path.exists():
         raise FileNotFoundError(f"BFCL {BFCL_EVAL} has no category {category!r} ({path})")
-    return [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def category_ids(category: str) -> list[str]:
+    return [c["id"] for c in category_cases(category)]
+
+
+def case_text(case: dict[str, Any]) -> str:
+    """What decontamination compares: the user turns, then each function's name,
+    description and parameter names. A held-out function reused in a training case
+    shares its description's n-grams even when the question differs."""
+    turns = case.get("question") or []
+    users = [m.get("content", "") for turn in turns for m in turn if m.get("role") == "user"]
+    funcs = [
+        " ".join(
+            [
+                f.get("name", ""),
+                f.get("description", ""),
+                *sorted((f.get("parameters") or {}).get("properties", {})),
+            ]
+        )
+        for f in case.get("function") or []
+    ]
+    return "\n".join(str(x) for x in users + funcs)
+
+
+def decontaminate_cases(
+    train: Sequence[dict[str, Any]], held_out: Sequence[dict[str, Any]], *, n: int = 8
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Train cases that share no word ``n``-gram with any held-out case, by
+    ``lightning data``'s own stage (:func:`lightning.run.tasks.decontaminate`), and
+    what it removed: each dropped train id with the held-out ids it overlaps."""
+    from lightning.run.tasks import decontaminate, word_ngrams
+
+    as_task = [{"id": c["id"], "prompt": case_text(c)} for c in train]
+    held_tasks = [{"id": c["id"], "prompt": case_text(c)} for c in held_out]
+    kept_tasks, stage = decontaminate(as_task, held_tasks, n=n)
+    kept_ids = {t["id"] for t in kept_tasks}
+    held_grams = [(t["id"], word_ngrams(t["prompt"], n)) for t in held_tasks]
+    removed = []
+    for t in as_task:
+        if t["id"] in kept_ids:
+            continue
+        grams = word_ngrams(t["prompt"], n)
+        hits = [hid for hid, g in held_grams if not g.isdisjoint(grams)]
+        shared = min(grams & next(g for hid, g in held_grams if hid == hits[0]))
+        removed.append({"id": t["id"], "held_out": hits, "shared": " ".join(shared)})
+    report = {
+        "stage": "lightning.run.tasks.decontaminate",
+        "ngram": n,
+        "train_in": stage.n_in,
+        "train_out": stage.n_out,
+        "held_out": len(held_out),
+        "removed": removed,
+    }
+    return [c for c in train if c["id"] in kept_ids], report
 
 
 def write_tasks(
-    out: Path, *, train: Sequence[str], held_out: Sequence[str], per_category: int, seed: int
+    out: Path,
+    *,
+    train: Sequence[str],
+    held_out: Sequence[str],
+    per_category: int,
+    seed: int,
+    ngram: int = 8,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, int]:
-    """``train.jsonl`` and ``eval.jsonl`` of ``{"id", "category"}``: a seeded sample of
-    ``per_category`` test ids from each category (train and held-out categories are
-    disjoint, so no test case is in both)."""
+    """``train.jsonl`` and ``eval.jsonl`` of ``{"id", "category", **extra}``: a seeded
+    sample of ``per_category`` test ids from each category (train and held-out
+    categories are disjoint, so no test case is in both), then train decontaminated
+    against held-out (``decontaminate.json`` says what went; ``ngram=0`` skips it)."""
     if set(train) & set(held_out):
         raise ValueError(f"categories both trained and held out: {set(train) & set(held_out)}")
     rng = random.Random(seed)
-    counts = {}
     out.mkdir(parents=True, exist_ok=True)
+    picked: dict[str, list[dict[str, Any]]] = {}
     for name, cats in (("train", train), ("eval", held_out)):
-        rows = []
+        picked[name] = []
         for cat in cats:
-            ids = category_ids(cat)
-            picked = sorted(rng.sample(ids, min(per_category, len(ids))), key=ids.index)
-            rows += [{"id": i, "category": cat} for i in picked]
+            cases = category_cases(cat)
+            chosen = sorted(rng.sample(range(len(cases)), min(per_category, len(cases))))
+            picked[name] += [{**cases[i], "category": cat} for i in chosen]
+    counts = {"sampled_train": len(picked["train"])}
+    if ngram > 0:
+        picked["train"], report = decontaminate_cases(picked["train"], picked["eval"], n=ngram)
+        (out / "decontaminate.json").write_text(json.dumps(report, indent=2) + "\n")
+        counts["decontaminated"] = len(report["removed"])
+    for name, cases in picked.items():
+        rows = [{"id": c["id"], "category": c["category"], **(extra or {})} for c in cases]
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         counts[name] = len(rows)
     return counts
@@ -165,8 +236,9 @@ def summarize(run_dir: Path, eval_tasks: int, samples: int = 1) -> dict[str, Any
     n = eval_tasks * samples
     if len(evals) < 2 * n:
         raise ValueError(f"{run_dir} holds {len(evals)} eval rollouts, expected 2 x {n}")
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"rollout_ids": {}}
     for label, batch in (("before", evals[:n]), ("after", evals[-n:])):
+        out["rollout_ids"][label] = [r["rollout_id"] for r in batch]
         by_cat: dict[str, dict[str, list[float]]] = {}
         for r in batch:
             task = r["task"]
@@ -177,6 +249,43 @@ def summarize(run_dir: Path, eval_tasks: int, samples: int = 1) -> dict[str, Any
             cat: _interval_dict(reward_interval(d), len(d)) for cat, d in sorted(by_cat.items())
         }
     return out
+
+
+def official_scores(
+    results_dir: Path, rollout_ids: Sequence[str], dest: Path, harness: Path
+) -> dict[str, Any]:
+    """BFCL's own ``bfcl evaluate`` over the result lines the harness kept for
+    ``rollout_ids`` (one per held-out case): its per-category score files land under
+    ``dest/score`` exactly as for a leaderboard run, and their headers come back."""
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    ids: dict[str, list[str]] = {}
+    for rid in rollout_ids:
+        path = results_dir / f"{rid}.json"
+        if not path.exists():  # a rollout that failed before BFCL wrote its result
+            continue
+        saved = json.loads(path.read_text())
+        by_file.setdefault(saved["relpath"], []).append((saved["id"], saved["result"]))
+        ids.setdefault(saved["category"], []).append(saved["id"])
+    if not ids:
+        raise ValueError(f"no kept BFCL results for {len(rollout_ids)} rollouts in {results_dir}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for rel, lines in by_file.items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_text("".join(line + "\n" for _, line in sorted(lines)))
+    (dest / "test_case_ids_to_generate.json").write_text(json.dumps(ids))
+    done = subprocess.run(
+        [str(bfcl_python(quiet=True)), str(harness), "--evaluate", str(dest)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"bfcl evaluate failed in {dest}:\n{done.stderr[-3000:]}")
+    scores: dict[str, Any] = {}
+    for cat in sorted(ids):
+        (score_file,) = (dest / "score").rglob(f"BFCL_v4_{cat}_score.json")
+        header = json.loads(score_file.read_text().splitlines()[0])
+        scores[cat] = {**header, "file": str(score_file)}
+    return scores
 
 
 def _interval_dict(iv: Any, cases: int) -> dict[str, float]:
@@ -192,6 +301,38 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def report_md(summary: dict[str, Any], out: Path, seed: int, steps: int) -> str:
+    """The run's page: our scores with intervals, BFCL's own score files beside them
+    (linked, relative to ``out``), and what decontamination removed."""
+    lines = [f"# BFCL v4 held-out, seed {seed}, {steps} steps", "", table(summary), ""]
+    lines += ["## BFCL's own `bfcl evaluate` score files", ""]
+    lines += ["| moment | category | accuracy | correct / total | file |", "|---|---|---|---|---|"]
+    for label, cats in summary.get("official", {}).items():
+        for cat, h in cats.items():
+            rel = os.path.relpath(h["file"], out)
+            lines.append(
+                f"| {label} | {cat} | {h['accuracy']:.3f} | "
+                f"{h['correct_count']} / {h['total_count']} | [{rel}]({rel}) |"
+            )
+    dec = summary.get("decontamination")
+    lines += ["", "## Decontamination (train against held-out)", ""]
+    if dec is None:
+        lines.append("off (`--decontaminate-ngram 0`)")
+    else:
+        lines.append(
+            f"{dec['ngram']}-word n-grams of question + function docs: "
+            f"{dec['train_in']} train cases in, {dec['train_out']} kept, "
+            f"{len(dec['removed'])} removed."
+        )
+        for r in dec["removed"][:10]:
+            lines.append(f'- `{r["id"]}` ~ `{", ".join(r["held_out"][:3])}`: "{r["shared"]}"')
+    return "\n".join(lines) + "\n"
+
+
 def recipe(args: argparse.Namespace) -> int:
     from lightning.config import RunConfig
     from lightning.run.loop import train
@@ -200,12 +341,18 @@ def recipe(args: argparse.Namespace) -> int:
     print(f"BFCL environment: {bfcl_python()}", flush=True)
     out = Path(args.output_dir or f"runs/bfcl-seed{args.seed}")
     tasks_dir = out / "tasks"
+    results_dir = (out / "bfcl-results").resolve()
+    extra: dict[str, Any] = {"results_dir": str(results_dir)}
+    if args.max_tokens is not None:
+        extra["max_tokens"] = args.max_tokens
     counts = write_tasks(
         tasks_dir,
         train=args.train.split(","),
         held_out=args.held_out.split(","),
         per_category=args.per_category,
         seed=args.seed,
+        ngram=args.decontaminate_ngram,
+        extra=extra,
     )
     print(f"tasks: {counts} in {tasks_dir}", flush=True)
     overrides: dict[str, Any] = {
@@ -221,15 +368,19 @@ def recipe(args: argparse.Namespace) -> int:
     config = RunConfig.load(args.config, overrides)
     result = train(config)
     summary = summarize(out / "run", counts["eval"], config.algorithm.eval_samples)
+    harness = Path(args.config).resolve().parent / "bfcl_harness.py"
+    summary["official"] = {
+        label: official_scores(results_dir, ids, out / "official" / label, harness)
+        for label, ids in summary["rollout_ids"].items()
+    }
+    summary["decontamination"] = _read_json(tasks_dir / "decontaminate.json")
     summary["config"] = str(args.config)
     summary["seed"] = args.seed
     summary["steps"] = config.steps
     summary["wall_clock_s"] = round(time.monotonic() - t0, 1)
     summary["run"] = result
     (out / "bfcl.json").write_text(json.dumps(summary, indent=2, default=str))
-    (out / "bfcl.md").write_text(
-        f"# BFCL v4 held-out, seed {args.seed}, {config.steps} steps\n\n{table(summary)}\n"
-    )
+    (out / "bfcl.md").write_text(report_md(summary, out, args.seed, config.steps))
     print(table(summary))
     print(f"wrote {out / 'bfcl.json'} and {out / 'bfcl.md'} ({summary['wall_clock_s']} s)")
     return 0
@@ -247,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--steps", type=int)
     r.add_argument("--output-dir")
+    r.add_argument("--max-tokens", type=int, help="cap each answer (ours, not the leaderboard's)")
+    r.add_argument(
+        "--decontaminate-ngram", type=int, default=8, help="word n-gram size; 0 skips it"
+    )
     args = p.parse_args(argv)
     if args.cmd == "setup":
         print(bfcl_python())
