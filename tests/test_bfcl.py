@@ -30,9 +30,19 @@ def bfcl_env() -> Path:
         pytest.skip(f"BFCL's environment cannot be created here: {str(e)[:300]}")
 
 
-@pytest.mark.parametrize(("answer", "score"), [(RIGHT, 1.0), ("The area is 25.", 0.0)])
+# (answer, BFCL's score, its checker's error type (a prefix), the shaped reward):
+# a right call, prose, the right function with a wrong value, the wrong function.
+CASES = [
+    (RIGHT, 1.0, None, 1.0),
+    ("The area is 25.", 0.0, "ast_decoder:", 0.0),
+    ("[calculate_triangle_area(base=10, height=7)]", 0.0, "value_error:", 0.5),
+    ("[triangle_area(base=10, height=5)]", 0.0, "simple_function_checker:wrong_func_name", 0.25),
+]
+
+
+@pytest.mark.parametrize(("answer", "score", "error_type", "shaped"), CASES)
 def test_one_case_through_bfcl_and_the_gateway(
-    bfcl_env: Path, tmp_path: Path, answer: str, score: float
+    bfcl_env: Path, tmp_path: Path, answer: str, score: float, error_type: str, shaped: float
 ) -> None:
     engine = FakeEngine(script=[{"content": answer}])
     try:
@@ -43,13 +53,16 @@ def test_one_case_through_bfcl_and_the_gateway(
                 "category": "simple_python",
                 "results_dir": str(tmp_path / "kept"),
                 "max_tokens": 64,
+                "shaped": True,
             }
             (result,) = runner.run([(task, None)], mode="eval")
     finally:
         engine.stop()
     assert result.status == "succeeded", result.stderr_tail
-    assert result.reward == score
+    # Trained on the shaped reward; BFCL's own verdict rides beside it unchanged.
+    assert result.reward == shaped
     final = json.loads(result.stdout_tail.strip().splitlines()[-1])
+    got_error = final["bfcl"].pop("error_type")
     assert final["bfcl"] == {
         "id": "simple_python_0",
         "category": "simple_python",
@@ -57,11 +70,12 @@ def test_one_case_through_bfcl_and_the_gateway(
         "correct_count": int(score),
         "total_count": 1,
     }
+    assert got_error == error_type if error_type is None else got_error.startswith(error_type)
     # BFCL's one call is in the store with exact ids, the reward beside it.
     with Store(tmp_path / "lightning.db") as store:
         (rollout,) = store.rollouts()
         (call,) = store.records(rollout["rollout_id"])
-    assert rollout["reward"] == score
+    assert rollout["reward"] == shaped
     assert call.prompt_ids is not None and call.completion_ids is not None
     assert bytes(int(t) - 10 for t in call.completion_ids).decode() == answer
     # BFCL's own `bfcl evaluate` over the kept result line writes the same
@@ -99,6 +113,20 @@ def test_tasks_split_by_category(bfcl_env: Path, tmp_path: Path) -> None:
     assert report["train_in"] == 3 and report["train_out"] == counts["train"]
     rows = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert {r["category"] for r in rows} == {"simple_python"}
+    assert not any("shaped" in r for r in rows)
+    bfcl.write_tasks(
+        tmp_path,
+        train=["live_simple"],
+        held_out=["simple_python"],
+        per_category=3,
+        seed=0,
+        train_extra={"shaped": True},
+    )
+    train_rows = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    eval_rows = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    # Only training is shaped: what is measured stays BFCL's 0/1.
+    assert train_rows and all(r["shaped"] is True for r in train_rows)
+    assert not any("shaped" in r for r in eval_rows)
     with pytest.raises(ValueError, match="both trained and held out"):
         bfcl.write_tasks(
             tmp_path, train=["multiple"], held_out=["multiple"], per_category=1, seed=0

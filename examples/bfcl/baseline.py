@@ -6,15 +6,21 @@ the recipe trains with (one rollout per case, BFCL's checker scores it).
         --categories irrelevance,live_simple --per-category 8 --max-tokens 256
 
 The engine is any OpenAI-compatible server already running (``lightning serve``).
-Prints one table row per category: mean score and its 95% bootstrap interval.
+Prints one table row per category: mean score and its 95% bootstrap interval, and
+how BFCL's checker judged the answers (its ``error_type`` counts; ``ast_decoder:*``
+means no call was found). ``--temperature 0.7 --samples 8`` asks whether sampling
+ever writes a call: what GRPO needs to find a gradient (the shaped reward's mean is
+printed too).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from lightning import Gateway, GatewayConfig
@@ -22,7 +28,22 @@ from lightning.apps import bfcl
 from lightning.run.runner import Runner
 from lightning.run.stats import reward_interval
 
-HARNESS = Path(__file__).resolve().parent / "harness.sh"
+HERE = Path(__file__).resolve().parent
+HARNESS = HERE / "harness.sh"
+sys.path.insert(0, str(HERE))
+from bfcl_harness import shaped_reward  # noqa: E402  (pure Python, no BFCL import)
+
+
+def last_json(text: str) -> dict:
+    """The harness's final ``{"reward", "bfcl"}`` line ({} if it printed none)."""
+    for line in reversed(text.splitlines()):
+        try:
+            out = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(out, dict):
+            return out
+    return {}
 
 
 def main() -> int:
@@ -32,6 +53,8 @@ def main() -> int:
     p.add_argument("--per-category", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--samples", type=int, default=1, help="rollouts per test case")
     p.add_argument("--out", default="runs/bfcl-baseline")
     args = p.parse_args()
     out = Path(args.out)
@@ -53,23 +76,29 @@ def main() -> int:
         )
         for cat in args.categories.split(","):
             ids = bfcl.category_ids(cat)[: args.per_category]
-            tasks = [
-                {"id": i, "category": cat, "temperature": 0.0, "max_tokens": args.max_tokens}
-                for i in ids
-            ]
+            task = {"category": cat, "temperature": args.temperature, "max_tokens": args.max_tokens}
+            tasks = [{"id": i, **task} for i in ids for _ in range(args.samples)]
             t0 = time.monotonic()
             results = runner.run([(t, None) for t in tasks], mode="eval")
-            rewards = {
-                t["id"]: [r.reward if r.reward is not None else 0.0]
-                for t, r in zip(tasks, results, strict=True)
-            }
+            rewards: dict[str, list[float]] = {}
+            verdicts: Counter[str] = Counter()
+            shaped = []
+            for t, r in zip(tasks, results, strict=True):
+                rewards.setdefault(t["id"], []).append(r.reward if r.reward is not None else 0.0)
+                error_type = last_json(r.stdout_tail).get("bfcl", {}).get("error_type")
+                verdicts[error_type or ("correct" if r.reward else "harness failed")] += 1
+                shaped.append(shaped_reward(r.reward or 0.0, error_type))
             iv = reward_interval(rewards)
             row = {
                 "category": cat,
                 "cases": len(ids),
+                "samples": args.samples,
+                "temperature": args.temperature,
                 "score": iv.mean,
                 "ci_low": iv.low,
                 "ci_high": iv.high,
+                "shaped_mean": sum(shaped) / len(shaped),
+                "verdicts": dict(verdicts),
                 "failed": sum(r.status != "succeeded" for r in results),
                 "wall_s": round(time.monotonic() - t0, 1),
                 "rewards": rewards,
@@ -83,7 +112,8 @@ def main() -> int:
     for r in rows:
         print(
             f"| {r['category']} | {r['cases']} | {r['score']:.3f} "
-            f"({r['ci_low']:.3f}-{r['ci_high']:.3f}) | {r['failed']} | {r['wall_s']} |"
+            f"({r['ci_low']:.3f}-{r['ci_high']:.3f}) | {r['shaped_mean']:.3f} | "
+            f"{r['verdicts']} | {r['failed']} | {r['wall_s']} |"
         )
     return 0
 

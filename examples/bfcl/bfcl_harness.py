@@ -15,7 +15,10 @@ per rollout, launched by ``examples/bfcl/harness.sh``. Nothing of BFCL is patche
    the one test id (``test_case_ids_to_generate.json`` in a private
    ``BFCL_PROJECT_ROOT``), then ``bfcl evaluate --partial-eval`` on its category:
    the score is exactly what BFCL's checker gives that case (1 or 0).
-3. The last stdout line is ``{"reward": score, ...}`` (``[reward] source = "stdout"``).
+3. The last stdout line is ``{"reward": score, ...}`` (``[reward] source = "stdout"``),
+   with BFCL's score and its checker's ``error_type`` for the case under ``"bfcl"``.
+   A task with ``"shaped": true`` (training tasks of ``recipe --shaped-train-reward``)
+   is rewarded by :func:`shaped_reward` instead; ``"bfcl"`` still holds BFCL's score.
 
 The task is ``LIGHTNING_TASK = {"id": "simple_python_3", "category": "simple_python"}``
 (or ``--id ID`` on the command line for a manual run against ``OPENAI_BASE_URL``).
@@ -48,6 +51,35 @@ def served_model(base_url: str, key: str) -> str:
     )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.load(r)["data"][0]["id"]
+
+
+# Partial credit read from BFCL's own verdict (its checker's ``error_type``), for
+# training only: a model that never writes ``[func(arg=...)]`` gets no gradient
+# from a 0/1 score, and one that writes the right function with a wrong argument
+# is closer than one that writes prose. What a user reads stays BFCL's score.
+SHAPED_WRONG_ARGS = 0.5  # decoded, the right function, an argument wrong or missing
+SHAPED_WRONG_CALL = 0.25  # decoded to calls, but the wrong function or count
+
+
+def shaped_reward(score: float, error_type: str | None) -> float:
+    """1 when BFCL scores the case right; else by BFCL's ``error_type``: 0 when its
+    AST decoder found no call, :data:`SHAPED_WRONG_CALL` for the wrong function or
+    number of calls, :data:`SHAPED_WRONG_ARGS` for any other mistake (types, values,
+    missing or unexpected parameters of the right function)."""
+    if score >= 1.0:
+        return 1.0
+    if not error_type or error_type.startswith("ast_decoder:"):
+        return 0.0
+    if error_type.endswith((":wrong_func_name", ":wrong_count")):
+        return SHAPED_WRONG_CALL
+    return SHAPED_WRONG_ARGS
+
+
+def case_error_type(score_file: Path) -> str | None:
+    """BFCL's ``error_type`` for the one case in a score file (its lines after the
+    header are the failed cases), or None when it passed."""
+    lines = score_file.read_text().splitlines()[1:]
+    return json.loads(lines[0]).get("error_type") if lines else None
 
 
 def category_of(test_id: str) -> str:
@@ -160,6 +192,8 @@ def main() -> int:
         raise SystemExit(f"BFCL wrote no score file for {test_id} under {root / 'score'}")
     score_file = found[0]
     header = json.loads(score_file.read_text().splitlines()[0])
+    score = float(header["accuracy"])
+    error_type = case_error_type(score_file)
     if task.get("results_dir"):
         # BFCL's raw result line for this case, by rollout id: the recipe gathers
         # the held-out ones and runs `bfcl evaluate` on them as one category
@@ -175,14 +209,9 @@ def main() -> int:
             "result": result_file.read_text().splitlines()[0],
         }
         (keep / f"{rollout}.json").write_text(json.dumps(saved))
-    print(
-        json.dumps(
-            {
-                "reward": float(header["accuracy"]),
-                "bfcl": {"id": test_id, "category": category, **header},
-            }
-        )
-    )
+    reward = shaped_reward(score, error_type) if task.get("shaped") else score
+    bfcl = {"id": test_id, "category": category, **header, "error_type": error_type}
+    print(json.dumps({"reward": reward, "bfcl": bfcl}))
     return 0
 
 

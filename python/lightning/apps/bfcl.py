@@ -197,8 +197,10 @@ def write_tasks(
     seed: int,
     ngram: int = 8,
     extra: dict[str, Any] | None = None,
+    train_extra: dict[str, Any] | None = None,
 ) -> dict[str, int]:
-    """``train.jsonl`` and ``eval.jsonl`` of ``{"id", "category", **extra}``: a seeded
+    """``train.jsonl`` and ``eval.jsonl`` of ``{"id", "category", **extra}`` (train rows
+    also get ``train_extra``, e.g. the shaped-reward flag evals never carry): a seeded
     sample of ``per_category`` test ids from each category (train and held-out
     categories are disjoint, so no test case is in both), then train decontaminated
     against held-out (``decontaminate.json`` says what went; ``ngram=0`` skips it)."""
@@ -219,7 +221,8 @@ def write_tasks(
         (out / "decontaminate.json").write_text(json.dumps(report, indent=2) + "\n")
         counts["decontaminated"] = len(report["removed"])
     for name, cases in picked.items():
-        rows = [{"id": c["id"], "category": c["category"], **(extra or {})} for c in cases]
+        more = {**(extra or {}), **((train_extra or {}) if name == "train" else {})}
+        rows = [{"id": c["id"], "category": c["category"], **more} for c in cases]
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         counts[name] = len(rows)
     return counts
@@ -309,6 +312,12 @@ def report_md(summary: dict[str, Any], out: Path, seed: int, steps: int) -> str:
     """The run's page: our scores with intervals, BFCL's own score files beside them
     (linked, relative to ``out``), and what decontamination removed."""
     lines = [f"# BFCL v4 held-out, seed {seed}, {steps} steps", "", table(summary), ""]
+    if summary.get("shaped_train_reward"):
+        lines += [
+            "Trained on a shaped reward (partial credit by BFCL's error type, "
+            "`bfcl_harness.shaped_reward`); every score on this page is BFCL's own 0/1.",
+            "",
+        ]
     lines += ["## BFCL's own `bfcl evaluate` score files", ""]
     lines += ["| moment | category | accuracy | correct / total | file |", "|---|---|---|---|---|"]
     for label, cats in summary.get("official", {}).items():
@@ -353,6 +362,7 @@ def recipe(args: argparse.Namespace) -> int:
         seed=args.seed,
         ngram=args.decontaminate_ngram,
         extra=extra,
+        train_extra={"shaped": True} if args.shaped_train_reward else None,
     )
     print(f"tasks: {counts} in {tasks_dir}", flush=True)
     overrides: dict[str, Any] = {
@@ -376,6 +386,7 @@ def recipe(args: argparse.Namespace) -> int:
     summary["decontamination"] = _read_json(tasks_dir / "decontaminate.json")
     summary["config"] = str(args.config)
     summary["seed"] = args.seed
+    summary["shaped_train_reward"] = bool(args.shaped_train_reward)
     summary["steps"] = config.steps
     summary["wall_clock_s"] = round(time.monotonic() - t0, 1)
     summary["run"] = result
@@ -401,6 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-tokens", type=int, help="cap each answer (ours, not the leaderboard's)")
     r.add_argument(
         "--decontaminate-ngram", type=int, default=8, help="word n-gram size; 0 skips it"
+    )
+    r.add_argument(
+        "--shaped-train-reward",
+        action="store_true",
+        help="train on partial credit from BFCL's error type (examples/bfcl/bfcl_harness.py "
+        "shaped_reward); held-out scores stay BFCL's 0/1",
     )
     args = p.parse_args(argv)
     if args.cmd == "setup":
