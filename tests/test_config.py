@@ -16,12 +16,12 @@ from lightning.online.train import OnlineConfig
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.parametrize("name", ["demo.toml", "gpu_qwen.toml"])
+@pytest.mark.parametrize("name", ["demo.toml", "gpu_qwen.toml", "bfcl/gpu_qwen.toml"])
 def test_bundled_configs_validate(name: str) -> None:
     config = RunConfig.load(EXAMPLES / name)
     # Relative paths resolve against the config file, not the working directory.
     assert Path(config.tasks.train).is_absolute()
-    assert config.harness.cwd == str(EXAMPLES.resolve())
+    assert config.harness.cwd == str((EXAMPLES / name).parent.resolve())
     trainer = config.trainer_config("unused")
     assert trainer.batching == "tree" and trainer.model == "unused"
     assert trainer.estimator == config.algorithm.estimator and trainer.seed == config.seed
