@@ -8,13 +8,14 @@ the bytes and can be tested on a CPU.
 
 What a push carries, :class:`WeightUpdate`, is a directory or a stream. The disk
 paths (``embedded``, ``sglang-disk``) get an exported safetensors directory. The
-process-group paths (``sglang-distributed``, ``vllm-nccl``; ``WeightSync.streams``)
-get :class:`LiveWeights` (``lightning.rl.live_weights``): the trainer's live parameters, each FSDP2 shard gathered
+streaming paths (``sglang-distributed``, ``sglang-tensor``, ``vllm-nccl``;
+``WeightSync.streams``) get :class:`LiveWeights` (``lightning.rl.live_weights``): the trainer's live parameters, each FSDP2 shard gathered
 (``full_tensor()``) only when its turn comes, grouped into buckets of
 ``bucket_bytes`` (:func:`plan_buckets`, from shapes alone) that map to the engine's
 own unit of transfer: one SGLang ``update_weights_from_distributed`` call with
-``load_format = "flattened_bucket"`` (one broadcast per bucket), one vLLM packed
-buffer. Nothing is written to disk and the sender holds at most a bucket plus the
+``load_format = "flattened_bucket"`` (one broadcast per bucket), one SGLang
+``update_weights_from_tensor`` call (one flattened tensor per bucket), one vLLM
+packed buffer. Nothing is written to disk and the sender holds at most a bucket plus the
 tensor being gathered (``LiveWeights.stats``; tests/test_weight_sync.py checks it on
 2 FSDP2 ranks; benches/weight_sync.py measures it against the disk path).
 
@@ -45,8 +46,16 @@ Engine APIs, with the sources every endpoint and payload was checked against:
       outside such a session, so every push of those two opens one.
     - ``POST /update_weights_from_tensor`` ``UpdateWeightsFromTensorReqInput
       {serialized_named_tensors: [base64, one per TP rank], load_format, flush_cache,
-      weight_version}`` (colocated engines: the bytes are SGLang's
-      ``MultiprocessingSerializer`` output, CUDA IPC handles).
+      abort_all_requests, weight_version, selector, torch_empty_cache}`` (colocated
+      engines: each rank deserializes its own entry with ``MultiprocessingSerializer``
+      — a ``ForkingPickler`` dump, CUDA IPC handles on a GPU; with ``load_format =
+      "flattened_bucket"`` the entry is ``{"flattened_tensor", "metadata"}``, read by
+      the model runner's ``_update_weights_from_flattened_bucket``).
+    - ``POST /release_memory_occupation`` / ``/resume_memory_occupation``
+      ``{"tags": [...]}`` of ``kv_cache``, ``weights``, ``cuda_graph``
+      (``srt/constants.py``; the scheduler's weight updater asserts the engine is
+      idle to release, and fails to resume a tag it had not released); the answer
+      is ``null`` (HTTP 200) or ``{"error": {"message"}}`` (400): ``colocate``.
     - ``POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`` and
       ``POST /continue_generation``.
 
@@ -74,8 +83,11 @@ Engine APIs, with the sources every endpoint and payload was checked against:
 Verified: SGLang's group join (the trainer side joins a group built by SGLang
 0.5.23's own ``init_custom_process_group`` in tests/test_weight_sync.py), and its
 flattened-bucket receive (SGLang's own ``FlattenedTensorBucket`` allocates and
-unpacks what the trainer sends, bitwise). Not
-verified on a CPU: vLLM's NCCL data plane (its receiver and
+unpacks what the trainer sends, bitwise); ``sglang-tensor`` payloads (SGLang's
+own ``MultiprocessingSerializer.deserialize`` and ``FlattenedTensorBucket`` open
+every TP rank's payload of every bucket, bitwise, on CPU tensors). Not verified
+on a CPU: CUDA IPC handles and SGLang's memory saver (``colocate`` is checked
+against a fake of its routes); vLLM's NCCL data plane (its receiver and
 ``NCCLTrainerWeightTransferEngine`` use PyNccl, GPU only); ``vllm-nccl`` logs
 :data:`VLLM_NCCL_UNVERIFIED` at setup.
 """
