@@ -11,7 +11,9 @@ name, as SGLang's ``update_weights_from_distributed`` receives.
 Commands: ``{"op": "join", "address", "port", "rank", "world", "name"}``;
 ``{"op": "recv", "names", "dtypes", "shapes", "flat", "out"}`` (the tensors are
 written to ``out`` with ``torch.save``, or dropped if it is null; ``flat``: one broadcast of the bucket's bytes,
-SGLang's ``load_format = "flattened_bucket"``); ``{"op": "quit"}``.
+SGLang's ``load_format = "flattened_bucket"``); ``{"op": "tensor", "payloads", "rank",
+"flat", "authkey", "out"}`` (one TP rank's ``update_weights_from_tensor`` payload,
+opened with SGLang's own code, written to ``out``); ``{"op": "quit"}``.
 """
 
 from __future__ import annotations
@@ -78,6 +80,54 @@ def _unpack_lightning(cmd: dict[str, Any], group: Any) -> Any:
         yield name, part.view(dtype).reshape(shape)
 
 
+def _open_tensors(cmd: dict[str, Any]) -> list[tuple[str, Any]]:
+    """One TP rank's ``update_weights_from_tensor`` payload, opened as sglang 0.5.23
+    opens it: the tokenizer manager's ``normalize_serialized_named_tensor_payloads``
+    (base64 to bytes), then ``TpModelWorker.deserialize_own_rank``
+    (``monkey_patch_torch_reductions`` and ``MultiprocessingSerializer.deserialize``,
+    whose ``SafeUnpickler`` refuses any global it does not list); for
+    ``flattened_bucket`` what ``WeightUpdater._update_weights_from_flattened_bucket``
+    does: rebuild ``FlattenedTensorMetadata`` by attribute and unpack with
+    ``FlattenedTensorBucket``. (That module itself does not import without the GPU
+    stack, so its few lines of glue are mirrored here; the classes are SGLang's.)
+
+    The sender is the test process, holding the tensors while its request is open.
+    torch pickles a CPU tensor as a shared-memory fd that the receiver fetches from
+    the sender's ``multiprocessing`` resource sharer, which authenticates with the
+    process authkey: a process not forked from the sender must take its key, or
+    the fetch fails ("digest sent was rejected"). Real colocated engines get CUDA
+    IPC handles, which need no such fetch (not run here: no GPU)."""
+    import multiprocessing
+
+    multiprocessing.current_process().authkey = bytes.fromhex(cmd["authkey"])
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import (
+        FlattenedTensorBucket,
+        FlattenedTensorMetadata,
+    )
+
+    raw = normalize_serialized_named_tensor_payloads(cmd["payloads"])
+    monkey_patch_torch_reductions()
+    obj = MultiprocessingSerializer.deserialize(raw[cmd["rank"]])
+    if not cmd["flat"]:
+        return list(obj)
+    metadata = [
+        FlattenedTensorMetadata(
+            name=m.name,
+            shape=m.shape,
+            dtype=m.dtype,
+            start_idx=m.start_idx,
+            end_idx=m.end_idx,
+            numel=m.numel,
+        )
+        for m in obj["metadata"]
+    ]
+    bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=metadata)
+    return bucket.reconstruct_tensors()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--join", choices=["sglang", "lightning"], required=True)
@@ -93,6 +143,10 @@ def main() -> None:
             if cmd["op"] == "join":
                 group = join(cmd)
                 answer: dict[str, Any] = {"ok": True, "module": join.__name__}
+            elif cmd["op"] == "tensor":
+                got = dict(_open_tensors(cmd))
+                torch.save({k: v.clone() for k, v in got.items()}, cmd["out"])
+                answer = {"ok": True}
             elif cmd["op"] == "recv" and cmd.get("flat"):
                 unpack = _unpack_sglang if join is _join_sglang else _unpack_lightning
                 got = dict(unpack(cmd, group))

@@ -16,7 +16,8 @@ Payload models mirror, field for field:
 - SGLang ``python/sglang/srt/managers/io_struct.py`` (``InitWeightsUpdateGroupReqInput``,
   ``UpdateWeightsFromDistributedReqInput``, ``UpdateWeightFromDiskReqInput``,
   ``UpdateWeightsFromTensorReqInput``, ``PauseGenerationReqInput``,
-  ``BeginWeightUpdateReqInput``, ``EndWeightUpdateReqInput``) of sglang 0.5.23, whose
+  ``BeginWeightUpdateReqInput``, ``EndWeightUpdateReqInput``,
+  ``Release/ResumeMemoryOccupationReqInput``) of sglang 0.5.23, whose
   scheduler (``managers/scheduler_components/weight_updater.py``) refuses an update
   from distributed or from tensor outside a begin/end weight-update session, and
   receives ``load_format = "flattened_bucket"`` as one broadcast per call.
@@ -33,6 +34,7 @@ per tensor (or one per flattened bucket: for SGLang, unpacked by SGLang's own
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -128,13 +130,20 @@ class SglFromDisk(_Strict):
 
 
 class SglFromTensor(_Strict):
-    serialized_named_tensors: list[str]
+    serialized_named_tensors: list[str]  # base64 over HTTP, one per TP rank
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
-    disable_draft_model: bool | None = None
+    selector: Literal["target", "draft", "all"] = "all"
     torch_empty_cache: bool = False
+
+
+class SglMemory(_Strict):
+    """``ReleaseMemoryOccupationReqInput`` / ``ResumeMemoryOccupationReqInput``: the
+    tags are ``srt/constants.py``'s GPU_MEMORY_TYPE_* (None: all of them)."""
+
+    tags: list[Literal["kv_cache", "weights", "cuda_graph"]] | None = None
 
 
 class SglPause(_Strict):
@@ -143,6 +152,11 @@ class SglPause(_Strict):
 
 class SglContinue(_Strict):
     torch_empty_cache: bool = True
+
+
+# sglang 0.5.23 srt/constants.py GPU_MEMORY_ALL_TYPES
+WEIGHTS = "weights"
+ALL_TAGS = ["kv_cache", WEIGHTS, "cuda_graph"]
 
 
 class _Refused(Exception):
@@ -220,6 +234,22 @@ class FakeEngine:
     def _join(self, address: str, port: int, rank: int, world: int, name: str) -> None:
         """Join in a process of its own (engine_side.py): with SGLang's own
         ``init_custom_process_group`` when ``data_plane == "sglang"``."""
+        self._start_side()
+        self._ask(
+            {
+                "op": "join",
+                "address": address,
+                "port": port,
+                "rank": rank,
+                "world": world,
+                "name": name,
+            }
+        )
+        self.group = name
+
+    def _start_side(self) -> None:
+        if self.side is not None:
+            return
         if self.data_plane == "sglang":
             from engine_envs import engines_python
 
@@ -237,17 +267,6 @@ class FakeEngine:
             text=True,
             env=env,
         )
-        self._ask(
-            {
-                "op": "join",
-                "address": address,
-                "port": port,
-                "rank": rank,
-                "world": world,
-                "name": name,
-            }
-        )
-        self.group = name
 
     def _ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.side is not None and self.side.stdin and self.side.stdout
@@ -383,6 +402,9 @@ class FakeSglang(FakeEngine):
         self.group_name: str | None = None
         self.session = False
         self.versions: list[str | None] = []  # weight_version of every update call
+        self.released: list[str] = []  # memory tags released and not yet resumed
+        self.refuse_memory: str | None = None  # answer memory calls with this error
+        self.ranks: dict[int, dict[str, Any]] = {}  # what each TP rank opened
 
     @staticmethod
     def _ok(message: str) -> dict[str, Any]:
@@ -447,8 +469,48 @@ class FakeSglang(FakeEngine):
         return self._ok("Succeeded to update model weights.")
 
     def r_update_weights_from_tensor(self, body: Any, query: dict[str, str]) -> Any:
+        """With ``data_plane="sglang"``, every TP rank's payload is opened by SGLang's
+        own code in the engine process (engine_side.py ``tensor``), as each rank of
+        the real scheduler opens its own; otherwise the payloads are only kept."""
+        import tempfile
+
+        import torch
+
         req = _parse(SglFromTensor, body, 400, "sglang")
         self._in_session("update_weights_from_tensor")
+        if WEIGHTS in self.released:  # stricter than SGLang, whose load would fault
+            raise _Refused(400, {"success": False, "message": "weights are released"})
         self.tensor_payloads = req.serialized_named_tensors
-        self.version = req.weight_version
-        return self._ok("Succeeded to update model weights.")
+        if self.data_plane == "sglang":
+            self._start_side()
+            flat = req.load_format == "flattened_bucket"
+            for rank in range(len(req.serialized_named_tensors)):
+                with tempfile.TemporaryDirectory(dir=self.scratch) as d:
+                    out = str(Path(d) / "got.pt")
+                    cmd = {"op": "tensor", "payloads": req.serialized_named_tensors}
+                    # The sender's authkey: see engine_side.py _open_tensors.
+                    key = multiprocessing.current_process().authkey.hex()
+                    self._ask({**cmd, "rank": rank, "flat": flat, "out": out, "authkey": key})
+                    got = torch.load(out)
+                    self.ranks.setdefault(rank, {}).update(got)
+            self.calls.append(len(got))
+            self.weights.update(got)
+        self.versions.append(req.weight_version)
+        if req.weight_version is not None:
+            self.version = req.weight_version
+        return self._ok("Success")
+
+    def r_release_memory_occupation(self, body: Any, query: dict[str, str]) -> Any:
+        req = _parse(SglMemory, body, 400, "sglang")
+        if self.refuse_memory:
+            raise _Refused(400, {"error": {"message": self.refuse_memory}})
+        self.released.extend(t for t in req.tags or ALL_TAGS if t not in self.released)
+        return None  # FastAPI's answer for a handler that returns nothing: null
+
+    def r_resume_memory_occupation(self, body: Any, query: dict[str, str]) -> Any:
+        req = _parse(SglMemory, body, 400, "sglang")
+        for tag in req.tags or ALL_TAGS:
+            if tag not in self.released:  # SGLang: offload_tags.remove(tag) raises
+                raise _Refused(400, {"error": {"message": f"KeyError: {tag!r}"}})
+            self.released.remove(tag)
+        return None

@@ -4,6 +4,7 @@ loopback, real gloo transfers; see tests/fake_rl_engines.py for the sources)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import socket
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,8 @@ def test_sglang_disk_waits_without_pause_by_default(update: WeightUpdate) -> Non
 
 
 def test_sglang_tensor_payload_one_per_tp_rank(update: WeightUpdate) -> None:
+    """Named tensors (no flattening) through a pluggable serializer: one payload per
+    TP rank, each serialized on its own."""
     import io
 
     def serialize(named: list[tuple[str, torch.Tensor]]) -> bytes:
@@ -197,8 +200,8 @@ def test_sglang_tensor_payload_one_per_tp_rank(update: WeightUpdate) -> None:
         torch.save(dict(named), buf)
         return buf.getvalue()
 
-    engine = FakeSglang()
-    sync = SglangTensorSync([engine.root], serializer=serialize, tp_size=2)
+    engine = FakeSglang(data_plane="lightning")  # keeps the payloads, opens nothing
+    sync = SglangTensorSync([engine.root], serializer=serialize, tp_sizes=[2], flatten=False)
     try:
         sync.push(update)
     finally:
@@ -209,6 +212,7 @@ def test_sglang_tensor_payload_one_per_tp_rank(update: WeightUpdate) -> None:
         "update_weights_from_tensor",
         "end_weight_update",
     ]
+    assert engine.log[1][1]["load_format"] is None and engine.version == "3"
     assert len(engine.tensor_payloads) == 2
     got = torch.load(io.BytesIO(base64.b64decode(engine.tensor_payloads[1])))
     _same(got, update)
@@ -493,3 +497,211 @@ def test_run_streams_without_export_and_drains_a_failed_push(tmp_path: Path, fai
     run._sync_weights(6)
     assert disk.calls == ["pause", "export_weights", "push", "set_upstreams", "resume"]
     assert disk.update.path == tmp_path / "weights" / "v6" and disk.update.source is None
+
+
+# -- sglang-tensor: buckets opened by SGLang's own code; colocated memory handoff ----
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_sglang_tensor_buckets_opened_by_sglangs_own_deserializer(flatten: bool) -> None:
+    """Each bucket is one ``update_weights_from_tensor`` call in one session; every
+    TP rank's payload is opened by SGLang 0.5.23's own ``MultiprocessingSerializer``
+    (its ``SafeUnpickler``) in the engine's process and, flattened, unpacked by its
+    own ``FlattenedTensorBucket``: what arrives is bitwise what was sent, and the
+    version and the cache flush come with the last bucket only."""
+    tensors = _mixed()
+    engine = FakeSglang(data_plane="sglang")
+    sync = SglangTensorSync(
+        [engine.root], tp_sizes=[2], bucket_bytes=300, flatten=flatten, device="cpu"
+    )
+    plan = plan_buckets(LiveWeights(tensors.items()).metas(), 300, aligned=flatten)
+    assert len(plan) > 3
+    source = LiveWeights(tensors.items())
+    try:
+        sync.push(WeightUpdate(version=7, source=source))
+    finally:
+        sync.close()
+        engine.stop()
+    n = len(plan)
+    assert engine.routes() == [
+        "begin_weight_update",
+        *["update_weights_from_tensor"] * n,
+        "end_weight_update",
+    ]
+    assert engine.calls == [len(b) for b in plan]
+    assert engine.versions == [None] * (n - 1) + ["7"] and engine.version == "7"
+    bodies = [body for r, body in engine.log if r == "update_weights_from_tensor"]
+    assert [b["flush_cache"] for b in bodies] == [False] * (n - 1) + [True]
+    assert {b["load_format"] for b in bodies} == {"flattened_bucket" if flatten else None}
+    assert all(len(b["serialized_named_tensors"]) == 2 for b in bodies)
+    for rank in (0, 1):
+        got = engine.ranks[rank]
+        assert set(got) == set(tensors)
+        for name, t in tensors.items():
+            assert got[name].dtype == t.dtype, name
+            assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert source.stats.sent_bytes == sum(m.nbytes for b in plan for m in b)
+
+
+class _Trainer:
+    """The trainer and gateway client around ``Run._before_train`` / ``_sync_weights``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], log: list[str]) -> None:
+        self.tensors, self.log = tensors, log
+
+    def pause(self, **kw: Any) -> None:
+        self.log.append("gateway pause")
+
+    def resume(self) -> None:
+        self.log.append("gateway resume")
+
+    def set_upstreams(self, ups: Any) -> None:
+        pass
+
+    def live_weights(self) -> contextlib.AbstractContextManager[LiveWeights]:
+        return contextlib.nullcontext(LiveWeights(self.tensors.items()))
+
+    def export_weights(self, path: str) -> None:
+        raise AssertionError(f"export_weights({path!r}): sglang-tensor must not touch disk")
+
+
+def _run(tmp_path: Path, trainer: _Trainer, sync: Any) -> Any:
+    from types import SimpleNamespace
+
+    from lightning.run.loop import Run
+
+    run = object.__new__(Run)
+    run.config = SimpleNamespace(  # type: ignore[assignment]
+        algorithm=SimpleNamespace(max_staleness=0), engine=SimpleNamespace(urls=["http://e"])
+    )
+    run.out, run.engine = tmp_path, None
+    run.client = run.trainer = trainer  # type: ignore[assignment]
+    run.weight_sync = sync
+    return run
+
+
+def test_run_streams_sglang_tensor_from_the_live_model_without_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop hands sglang-tensor the live model as it does sglang-distributed:
+    several buckets reach the engine (opened by SGLang's own code), no export runs,
+    no safetensors writer is called and nothing appears under the run directory."""
+    import safetensors.torch
+
+    def no_write(*args: Any, **kw: Any) -> None:
+        raise AssertionError("a safetensors file was written")
+
+    for name in ("save_file", "save_model", "save"):
+        monkeypatch.setattr(safetensors.torch, name, no_write)
+    tensors = _mixed()
+    engine = FakeSglang(data_plane="sglang")
+    sync = make_weight_sync("sglang-tensor", [engine.root + "/v1"], bucket_bytes=300)
+    assert isinstance(sync, SglangTensorSync) and sync.streams
+    run = _run(tmp_path, _Trainer(tensors, []), sync)
+    try:
+        run._sync_weights(4)
+    finally:
+        sync.close()
+        engine.stop()
+    assert len(engine.calls) > 3 and engine.version == "4"
+    for name, t in tensors.items():
+        assert torch.equal(engine.weights[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_colocated_engine_releases_memory_for_the_step_and_resumes_it_around_the_push(
+    tmp_path: Path,
+) -> None:
+    """``colocate``: the gateway drains, SGLang gives back every tag before the
+    optimizer step; the push resumes the weights first, loads every bucket, then
+    resumes the KV cache and CUDA graphs."""
+    tensors = _mixed()
+    engine = FakeSglang(data_plane="lightning")
+    sync = make_weight_sync("sglang-tensor", [engine.root], bucket_bytes=300, colocate=True)
+    log: list[str] = []
+    run = _run(tmp_path, _Trainer(tensors, log), sync)
+    try:
+        for version in (1, 2):
+            run._before_train()
+            log.append("train")
+            run._sync_weights(version)
+    finally:
+        sync.close()
+        engine.stop()
+    n = len(plan_buckets(LiveWeights(tensors.items()).metas(), 300))
+    one = [
+        "release_memory_occupation",
+        "resume_memory_occupation",
+        "begin_weight_update",
+        *["update_weights_from_tensor"] * n,
+        "end_weight_update",
+        "resume_memory_occupation",
+    ]
+    assert engine.routes() == one * 2
+    memory = [(r, body["tags"]) for r, body in engine.log if r.endswith("memory_occupation")]
+    assert memory[:3] == [
+        ("release_memory_occupation", ["kv_cache", "weights", "cuda_graph"]),
+        ("resume_memory_occupation", ["weights"]),
+        ("resume_memory_occupation", ["kv_cache", "cuda_graph"]),
+    ]
+    assert engine.released == [] and engine.version == "2"
+    step = ["gateway pause", "gateway resume", "train", "gateway pause", "gateway resume"]
+    assert log == step * 2
+
+
+def test_colocated_refusals_are_clear_errors_and_a_failed_push_resumes(tmp_path: Path) -> None:
+    engine = FakeSglang(data_plane="lightning")
+    engine.refuse_memory = "release_memory_occupation should be called only when server is idle."
+    sync = SglangTensorSync([engine.root], colocate=True)
+    log: list[str] = []
+    run = _run(tmp_path, _Trainer({"w": torch.ones(3)}, log), sync)
+    try:
+        with pytest.raises(WeightSyncError, match=r"colocated engine .*release_memory_occupation.*"
+                           r"answered 400.*only when server is idle"):  # fmt: skip
+            run._before_train()
+        assert log == ["gateway pause", "gateway resume"]  # the gateway is not left paused
+        engine.refuse_memory = None
+        sync.before_train()
+
+        def broken(obj: Any) -> bytes:
+            raise RuntimeError("serializer died")
+
+        sync.serializer = broken
+        with pytest.raises(RuntimeError, match="serializer died"):
+            sync.push(WeightUpdate(version=1, source=LiveWeights([("w", torch.ones(3))])))
+    finally:
+        sync.close()
+        engine.stop()
+    assert engine.released == []  # the engine got all its memory back
+    assert engine.routes()[-4:] == [
+        "resume_memory_occupation",
+        "begin_weight_update",
+        "end_weight_update",
+        "resume_memory_occupation",
+    ]
+
+
+def test_colocate_needs_sglang_tensor_and_a_synchronous_run() -> None:
+    from pydantic import ValidationError
+
+    from lightning.config import EngineSection, RunConfig
+
+    with pytest.raises(ValidationError, match=r"colocate = true.*set weight_sync = "
+                       r"'sglang-tensor' \(it is 'sglang-distributed'\)"):  # fmt: skip
+        EngineSection(
+            kind="external", urls=["http://x/v1"], weight_sync="sglang-distributed", colocate=True
+        )
+    with pytest.raises(ValidationError, match=r"\(it is 'embedded'\)"):
+        EngineSection(colocate=True)
+    with pytest.raises(ValueError, match="sglang-tensor"):
+        make_weight_sync("sglang-disk", ["http://x"], colocate=True)
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    colocated = {
+        "engine.kind": "external",
+        "engine.urls": ["http://x/v1"],
+        "engine.weight_sync": "sglang-tensor",
+        "engine.colocate": True,
+    }
+    assert RunConfig.load(examples / "demo.toml", colocated).engine.colocate
+    with pytest.raises(ValidationError, match=r"synchronous run.*max_staleness = 0 \(it is 1\)"):
+        RunConfig.load(examples / "demo.toml", {**colocated, "algorithm.max_staleness": 1})

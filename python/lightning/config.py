@@ -72,6 +72,14 @@ VLLM_DISK_GONE = (
 )
 
 
+COLOCATE_NEEDS_TENSOR = (
+    "[engine] colocate = true hands the engine's GPU memory to the trainer around each "
+    "step through SGLang's /release_memory_occupation and /resume_memory_occupation, "
+    "and needs weights sent as CUDA IPC handles: set weight_sync = 'sglang-tensor' "
+    "(it is {kind!r})"
+)
+
+
 class EngineSection(_Section):
     """Where generation happens.
 
@@ -103,6 +111,10 @@ class EngineSection(_Section):
     # sglang-distributed / vllm-nccl: MiB the trainer gathers per transfer (one
     # SGLang call, one vLLM packed buffer); bounds its memory beyond the shards.
     sync_bucket_mb: int = Field(default=256, ge=1)
+    # sglang-tensor only: the engine shares the trainer's GPUs and gives back its
+    # weights, KV cache and CUDA graphs for each optimizer step (SGLang started with
+    # --enable-memory-saver); synchronous runs only (max_staleness = 0).
+    colocate: bool = False
     host: str = "127.0.0.1"
     port: int = 0
     max_batch: int = 16
@@ -128,6 +140,9 @@ class EngineSection(_Section):
     def _urls(self) -> EngineSection:
         if self.kind == "external" and not self.urls:
             raise ValueError("[engine] kind = 'external' needs `urls` (OpenAI base URLs, …/v1)")
+        if self.colocate and (self.kind != "external" or self.weight_sync != "sglang-tensor"):
+            kind = "embedded" if self.kind == "embedded" else self.weight_sync
+            raise ValueError(COLOCATE_NEEDS_TENSOR.format(kind=kind))
         return self
 
 
@@ -531,6 +546,18 @@ class RunConfig(_Section):
                 f"{self.algorithm.tasks_per_step} groups of a step ([algorithm] "
                 f"tasks_per_step), leaving none for {[h.name for h in by_share]}; raise "
                 "tasks_per_step or give those harnesses per_step too"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _colocate_is_synchronous(self) -> RunConfig:
+        # A colocated engine has no memory while the trainer steps, and SGLang
+        # refuses to release it while requests run: rollouts cannot overlap training.
+        if self.engine.colocate and self.algorithm.max_staleness > 0:
+            raise ValueError(
+                "[engine] colocate = true needs a synchronous run: the engine gives its "
+                "memory to the trainer during each step, so no rollout can run then; set "
+                f"[algorithm] max_staleness = 0 (it is {self.algorithm.max_staleness})"
             )
         return self
 

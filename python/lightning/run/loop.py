@@ -195,6 +195,7 @@ def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
         world_sizes=e.sync_world_sizes or None,
         pause_mode=e.sync_pause,
         bucket_bytes=e.sync_bucket_mb << 20,
+        colocate=e.colocate,
     )
 
 
@@ -505,6 +506,19 @@ class Run:
                     )
         return jobs
 
+    def _before_train(self) -> None:
+        """A colocated engine gives its GPU memory to the trainer for the step (the
+        next push takes it back). SGLang releases memory only when idle, so the
+        gateway drains first: a call still in flight from a timed-out rollout would
+        otherwise make the release fail."""
+        if not self.weight_sync.colocated:
+            return
+        self.client.pause(drain=True, timeout_s=120.0)
+        try:
+            self.weight_sync.before_train()
+        finally:
+            self.client.resume()
+
     def _sync_weights(self, version: int) -> None:
         """Pause the gateway, drain in-flight calls, push weights, resume (DESIGN.md §7).
 
@@ -618,6 +632,7 @@ class Run:
                 f"({self.out / 'lightning.db'}) and {self.out / 'engine.log'}"
             )
         t_train = time.monotonic()
+        self._before_train()
         metrics: dict[str, Any] = dict(self.trainer.step(merged, rewards, groups))
         version = step + 1
         self._sync_weights(version)

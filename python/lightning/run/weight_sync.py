@@ -8,13 +8,14 @@ the bytes and can be tested on a CPU.
 
 What a push carries, :class:`WeightUpdate`, is a directory or a stream. The disk
 paths (``embedded``, ``sglang-disk``) get an exported safetensors directory. The
-process-group paths (``sglang-distributed``, ``vllm-nccl``; ``WeightSync.streams``)
-get :class:`LiveWeights` (``lightning.rl.live_weights``): the trainer's live parameters, each FSDP2 shard gathered
+streaming paths (``sglang-distributed``, ``sglang-tensor``, ``vllm-nccl``;
+``WeightSync.streams``) get :class:`LiveWeights` (``lightning.rl.live_weights``): the trainer's live parameters, each FSDP2 shard gathered
 (``full_tensor()``) only when its turn comes, grouped into buckets of
 ``bucket_bytes`` (:func:`plan_buckets`, from shapes alone) that map to the engine's
 own unit of transfer: one SGLang ``update_weights_from_distributed`` call with
-``load_format = "flattened_bucket"`` (one broadcast per bucket), one vLLM packed
-buffer. Nothing is written to disk and the sender holds at most a bucket plus the
+``load_format = "flattened_bucket"`` (one broadcast per bucket), one SGLang
+``update_weights_from_tensor`` call (one flattened tensor per bucket), one vLLM
+packed buffer. Nothing is written to disk and the sender holds at most a bucket plus the
 tensor being gathered (``LiveWeights.stats``; tests/test_weight_sync.py checks it on
 2 FSDP2 ranks; benches/weight_sync.py measures it against the disk path).
 
@@ -45,8 +46,16 @@ Engine APIs, with the sources every endpoint and payload was checked against:
       outside such a session, so every push of those two opens one.
     - ``POST /update_weights_from_tensor`` ``UpdateWeightsFromTensorReqInput
       {serialized_named_tensors: [base64, one per TP rank], load_format, flush_cache,
-      weight_version}`` (colocated engines: the bytes are SGLang's
-      ``MultiprocessingSerializer`` output, CUDA IPC handles).
+      abort_all_requests, weight_version, selector, torch_empty_cache}`` (colocated
+      engines: each rank deserializes its own entry with ``MultiprocessingSerializer``
+      — a ``ForkingPickler`` dump, CUDA IPC handles on a GPU; with ``load_format =
+      "flattened_bucket"`` the entry is ``{"flattened_tensor", "metadata"}``, read by
+      the model runner's ``_update_weights_from_flattened_bucket``).
+    - ``POST /release_memory_occupation`` / ``/resume_memory_occupation``
+      ``{"tags": [...]}`` of ``kv_cache``, ``weights``, ``cuda_graph``
+      (``srt/constants.py``; the scheduler's weight updater asserts the engine is
+      idle to release, and fails to resume a tag it had not released); the answer
+      is ``null`` (HTTP 200) or ``{"error": {"message"}}`` (400): ``colocate``.
     - ``POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`` and
       ``POST /continue_generation``.
 
@@ -74,8 +83,11 @@ Engine APIs, with the sources every endpoint and payload was checked against:
 Verified: SGLang's group join (the trainer side joins a group built by SGLang
 0.5.23's own ``init_custom_process_group`` in tests/test_weight_sync.py), and its
 flattened-bucket receive (SGLang's own ``FlattenedTensorBucket`` allocates and
-unpacks what the trainer sends, bitwise). Not
-verified on a CPU: vLLM's NCCL data plane (its receiver and
+unpacks what the trainer sends, bitwise); ``sglang-tensor`` payloads (SGLang's
+own ``MultiprocessingSerializer.deserialize`` and ``FlattenedTensorBucket`` open
+every TP rank's payload of every bucket, bitwise, on CPU tensors). Not verified
+on a CPU: CUDA IPC handles and SGLang's memory saver (``colocate`` is checked
+against a fake of its routes); vLLM's NCCL data plane (its receiver and
 ``NCCLTrainerWeightTransferEngine`` use PyNccl, GPU only); ``vllm-nccl`` logs
 :data:`VLLM_NCCL_UNVERIFIED` at setup.
 """
@@ -95,7 +107,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from lightning.config import VLLM_DISK_GONE
+from lightning.config import COLOCATE_NEEDS_TENSOR, VLLM_DISK_GONE
 from lightning.rl.live_weights import (
     DEFAULT_BUCKET_BYTES,
     GatherStats,
@@ -293,34 +305,13 @@ class TorchDistTransport(Transport):
         and one tensor, never the bucket twice. The layout is SGLang's
         ``FlattenedTensorBucket`` (``load_format = "flattened_bucket"``): row-major
         bytes of each tensor in ``metas`` order, no padding."""
-        import torch
         import torch.distributed as dist
 
         group = self._group()
-        total = sum(m.nbytes for m in metas)
-        if len(metas) == 1:  # its own bytes are the layout: send them without a copy
-            _, tensor = next(iter(tensors))
-            flat = tensor.to(self._device()).contiguous().reshape(-1).view(torch.uint8)
-            del tensor
-            dist.broadcast(flat, src=0, group=group)
-            if stats is not None:
-                stats.sent_bytes += total
-            return
-        flat = torch.empty(total, dtype=torch.uint8, device=self._device())
-        if stats is not None:
-            stats.track(flat)
-        offset = 0
-        it = iter(tensors)
-        for m in metas:
-            # Not zip(): it keeps the previous pair alive while the next is gathered.
-            _, tensor = next(it)
-            n = m.nbytes
-            flat[offset : offset + n].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-            offset += n
-            del tensor
+        flat = flatten_bucket(metas, tensors, self._device(), stats)
         dist.broadcast(flat, src=0, group=group)
         if stats is not None:
-            stats.sent_bytes += total
+            stats.sent_bytes += flat.numel()
 
     def _group(self) -> Any:
         if self.group is None:
@@ -331,6 +322,38 @@ class TorchDistTransport(Transport):
         if self.group is not None:
             leave_group(self.group)
         self.group = None
+
+
+def flatten_bucket(
+    metas: Sequence[TensorMeta],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    device: str,
+    stats: GatherStats | None = None,
+) -> torch.Tensor:
+    """The bucket's tensors laid end to end as bytes on ``device`` (uint8, 1-D), each
+    copied in as it is gathered and dropped: the sender holds the bucket buffer and
+    one tensor, never the bucket twice. The layout is SGLang's
+    ``FlattenedTensorBucket`` (``load_format = "flattened_bucket"``): row-major bytes
+    of each tensor in ``metas`` order, no padding."""
+    import torch
+
+    total = sum(m.nbytes for m in metas)
+    if len(metas) == 1:  # its own bytes are the layout: no copy
+        _, tensor = next(iter(tensors))
+        return tensor.to(device).contiguous().reshape(-1).view(torch.uint8)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    if stats is not None:
+        stats.track(flat)
+    offset = 0
+    it = iter(tensors)
+    for m in metas:
+        # Not zip(): it keeps the previous pair alive while the next is gathered.
+        _, tensor = next(it)
+        n = m.nbytes
+        flat[offset : offset + n].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+        offset += n
+        del tensor
+    return flat
 
 
 def join_group(
@@ -441,9 +464,15 @@ class WeightSync(ABC):
 
     ``streams``: the sync sends tensors over a process group, so the caller passes
     ``WeightUpdate(source=LiveWeights...)`` and writes nothing to disk; otherwise it
-    passes an exported directory (``path``)."""
+    passes an exported directory (``path``).
+
+    ``colocated``: the engines share the trainer's GPUs and give their memory back
+    for the optimizer step: the loop drains the gateway and calls
+    :meth:`before_train` before each step; the next :meth:`push` takes the memory
+    back."""
 
     streams = False
+    colocated = False
 
     def __init__(self, roots: Sequence[str], *, timeout_s: float = 600.0) -> None:
         self.roots = [_root(u) for u in roots]
@@ -452,6 +481,9 @@ class WeightSync(ABC):
 
     def setup(self) -> None:  # noqa: B027 (optional hook)
         """Once, before the first push (opens transfer groups)."""
+
+    def before_train(self) -> None:  # noqa: B027 (optional hook)
+        """Before each optimizer step, with the engines idle (colocated syncs)."""
 
     @abstractmethod
     def push(self, update: WeightUpdate) -> None: ...
@@ -691,50 +723,192 @@ def _sglang_session(sync: WeightSync) -> Iterator[None]:
     sync._all(call("/end_weight_update"))
 
 
-Serializer = Callable[[list[tuple[str, "torch.Tensor"]]], bytes]
+Serializer = Callable[[Any], bytes]
 
 
-def sglang_serializer(named: list[tuple[str, torch.Tensor]]) -> bytes:
-    """SGLang's own serializer (CUDA IPC handles: engine and trainer share GPUs)."""
-    from sglang.srt.utils import MultiprocessingSerializer
+def multiprocessing_serializer(obj: Any) -> bytes:
+    """What SGLang's ``MultiprocessingSerializer.serialize`` does (sglang 0.5.23
+    ``srt/utils/common.py``: one ``ForkingPickler`` dump), without importing SGLang
+    on the trainer. torch's reductions write a CUDA tensor as an IPC handle to its
+    memory (engine and trainer share the GPU) and a CPU tensor as a shared-memory
+    file descriptor that the receiver fetches from this process, so either way the
+    tensor must stay alive until the engine has loaded it: :class:`SglangTensorSync`
+    holds each bucket until its request returns. Device indices go as torch writes
+    them (we do not apply SGLang's ``monkey_patch_torch_reductions``, which rewrites
+    them to GPU UUIDs and breaks CPU tensors): the engine must see the GPU under the
+    same index as the trainer."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
 
-    return bytes(MultiprocessingSerializer.serialize(named))
+    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions)
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return buf.getvalue()
+
+
+def flattened_bucket_payload(metas: Sequence[TensorMeta], flat: torch.Tensor) -> dict[str, Any]:
+    """What each TP rank of SGLang 0.5.23 deserializes for ``load_format =
+    "flattened_bucket"`` (``WeightUpdater._update_weights_from_flattened_bucket``,
+    ``srt/model_executor/model_runner_components/weight_updater.py``): a dict with
+    ``flattened_tensor`` and ``metadata``, whose items it reads by attribute (name,
+    shape, dtype, start_idx, end_idx, numel; ``FlattenedTensorMetadata`` in
+    ``srt/weight_sync/tensor_bucket.py``, offsets and numel in bytes) to rebuild a
+    ``FlattenedTensorBucket``. The items are ``types.SimpleNamespace``: SGLang's
+    ``SafeUnpickler`` allows it, and the trainer needs no SGLang to build them."""
+    import types
+
+    import torch
+
+    out, offset = [], 0
+    for m in metas:
+        out.append(
+            types.SimpleNamespace(
+                name=m.name,
+                shape=torch.Size(m.shape),
+                dtype=getattr(torch, m.dtype),
+                start_idx=offset,
+                end_idx=offset + m.nbytes,
+                numel=m.nbytes,
+            )
+        )
+        offset += m.nbytes
+    return {"flattened_tensor": flat, "metadata": out}
+
+
+# sglang 0.5.23 ``srt/constants.py`` (GPU_MEMORY_TYPE_*): what
+# ``/release_memory_occupation`` and ``/resume_memory_occupation`` take as ``tags``.
+KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
+RELEASED_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
 
 
 class SglangTensorSync(_SglangBase):
-    """``tp_size``: the engine's tensor-parallel ranks (one payload each)."""
+    """``/update_weights_from_tensor``: the engine loads tensors the trainer holds,
+    from a serialized handle (CUDA IPC: engine and trainer on the same GPUs).
+
+    A push is one weight-update session holding one call per bucket of at most
+    ``bucket_bytes`` (:func:`plan_buckets`) streamed from the live model, nothing on
+    disk. With ``flatten`` (default) a bucket is one ``flattened_bucket`` tensor
+    (:func:`flatten_bucket` on ``device``, default CUDA when there is one, else CPU;
+    :func:`flattened_bucket_payload`); without it, the bucket's named tensors as
+    they come. Each engine gets one payload per TP rank (``tp_sizes``, default 1
+    each), serialized separately as SGLang's own ``Engine`` does: each rank opens
+    only its own, which keeps CUDA IPC reference counts right. Only the last call
+    carries ``weight_version`` and flushes the cache.
+
+    ``colocate``: SGLang's memory handoff around the optimizer step.
+    :meth:`before_train` posts ``/release_memory_occupation`` with every tag
+    (``kv_cache``, ``weights``, ``cuda_graph``; SGLang requires the engine idle);
+    :meth:`push` resumes ``weights`` first (the update loads into them), updates,
+    then resumes ``kv_cache`` and ``cuda_graph``, so the KV cache comes back only
+    once the trainer's bucket buffers are freed. SGLang's scheduler removes each
+    resumed tag from its released set and fails on one that was not released, so
+    only released tags are resumed; a failed push still resumes them. These two
+    routes answer ``null`` with HTTP 200 on success and ``{"error": {"message"}}``
+    with 400 on failure (``http_server.py``), so the status is the check."""
+
+    streams = True
 
     def __init__(
         self,
         roots: Sequence[str],
         *,
-        serializer: Serializer = sglang_serializer,
-        tp_size: int = 1,
-        load_format: str | None = None,
+        serializer: Serializer = multiprocessing_serializer,
+        tp_sizes: Sequence[int] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        flatten: bool = True,
+        device: str | None = None,
+        colocate: bool = False,
         pause_mode: PauseMode = "none",
         timeout_s: float = 600.0,
     ) -> None:
         super().__init__(roots, pause_mode=pause_mode, timeout_s=timeout_s)
+        sizes = list(tp_sizes or [1] * len(self.roots))
+        if len(sizes) != len(self.roots) or min(sizes) < 1:
+            raise ValueError(f"tp_sizes = {sizes}: one size of at least 1 per engine")
+        self.tp_sizes = dict(zip(self.roots, sizes, strict=True))
         self.serializer = serializer
-        self.tp_size = tp_size
-        self.load_format = load_format
+        self.bucket_bytes = bucket_bytes
+        self.flatten = flatten
+        self.device = device
+        self.colocated = colocate
+        self.released: list[str] = []  # tags given back, in release order
+
+    def before_train(self) -> None:
+        if not self.colocated:
+            return
+        self._memory("/release_memory_occupation", list(RELEASED_TAGS))
+        self.released = list(RELEASED_TAGS)
+
+    def push(self, update: WeightUpdate) -> None:
+        if WEIGHTS in self.released:
+            self._resume([WEIGHTS])
+        try:
+            super().push(update)
+        finally:
+            if self.released:
+                self._resume(list(self.released))
+
+    def _resume(self, tags: list[str]) -> None:
+        self._memory("/resume_memory_occupation", tags)
+        self.released = [t for t in self.released if t not in tags]
+
+    def _memory(self, route: str, tags: list[str]) -> None:
+        def one(root: str) -> None:
+            try:
+                self._post(root, route, {"tags": tags})
+            except WeightSyncError as e:
+                raise WeightSyncError(
+                    f"colocated engine {root}: {route} (tags {tags}) failed; SGLang needs "
+                    f"--enable-memory-saver and an idle engine for it: {e}"
+                ) from e
+
+        self._all(one)
+
+    def _device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def _update(self, update: WeightUpdate) -> None:
-        payload = base64.b64encode(self.serializer(list(update.tensors()))).decode("ascii")
-        body = {
-            "serialized_named_tensors": [payload] * self.tp_size,
-            "load_format": self.load_format,
-            "flush_cache": True,
-            "abort_all_requests": False,
-            "weight_version": str(update.version),
-        }
-
-        def one(root: str) -> None:
-            route = "/update_weights_from_tensor"
-            _check_sglang(root, route, self._post(root, route, body))
-
+        plan = plan_buckets(update.metas(), self.bucket_bytes, aligned=self.flatten)
+        tensors = update.tensors()
         with _sglang_session(self):
-            self._all(one)
+            for i, metas in enumerate(plan):
+                last = i == len(plan) - 1
+                bucket = _checked(metas, tensors)
+                if self.flatten:
+                    flat = flatten_bucket(metas, bucket, self._device(), update.stats)
+                    obj: Any = flattened_bucket_payload(metas, flat)
+                else:
+                    obj = list(bucket)
+                payloads = {
+                    root: [base64.b64encode(self.serializer(obj)).decode("ascii") for _ in range(n)]
+                    for root, n in self.tp_sizes.items()
+                }
+                body = {
+                    "load_format": "flattened_bucket" if self.flatten else None,
+                    "flush_cache": last,
+                    "abort_all_requests": False,
+                    "weight_version": str(update.version) if last else None,
+                }
+                self._all(functools.partial(self._call_update, body=body, payloads=payloads))
+                if update.stats is not None:
+                    update.stats.sent_bytes += sum(m.nbytes for m in metas)
+                # The engines have loaded it: the handles may die with the bucket.
+                del obj, payloads
+                if self.flatten:
+                    del flat
+            extra = next(tensors, None)  # also frees the source's last tensor
+            if extra is not None:
+                raise WeightSyncError(f"{extra[0]!r} was sent but not announced (metas())")
+
+    def _call_update(self, root: str, body: dict[str, Any], payloads: dict[str, list[str]]) -> None:
+        route = "/update_weights_from_tensor"
+        full = {"serialized_named_tensors": payloads[root], **body}
+        _check_sglang(root, route, self._post(root, route, full))
 
 
 class VllmSync(WeightSync):
@@ -940,15 +1114,25 @@ def make_weight_sync(
     pause_mode: PauseMode = "none",
     backend: Literal["nccl", "gloo"] = "nccl",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    colocate: bool = False,
 ) -> WeightSync:
-    """The sync for ``[engine] weight_sync = kind`` (see the module docstring)."""
+    """The sync for ``[engine] weight_sync = kind`` (see the module docstring);
+    ``colocate`` only with ``sglang-tensor``."""
     roots = list(urls)
+    if colocate and kind != "sglang-tensor":
+        raise ValueError(COLOCATE_NEEDS_TENSOR.format(kind=kind))
     if kind == "embedded":
         return EmbeddedSync(roots)
     if kind == "sglang-disk":
         return SglangDiskSync(roots, pause_mode=pause_mode)
     if kind == "sglang-tensor":
-        return SglangTensorSync(roots, pause_mode=pause_mode)
+        return SglangTensorSync(
+            roots,
+            tp_sizes=world_sizes,
+            bucket_bytes=bucket_bytes,
+            colocate=colocate,
+            pause_mode=pause_mode,
+        )
     if kind == "sglang-distributed":
         port = master_port or _free_port(master_address)
         transport = TorchDistTransport(master_address, port, backend=backend)
