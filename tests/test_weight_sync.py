@@ -705,3 +705,17 @@ def test_colocate_needs_sglang_tensor_and_a_synchronous_run() -> None:
     assert RunConfig.load(examples / "demo.toml", colocated).engine.colocate
     with pytest.raises(ValidationError, match=r"synchronous run.*max_staleness = 0 \(it is 1\)"):
         RunConfig.load(examples / "demo.toml", {**colocated, "algorithm.max_staleness": 1})
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_sglang_tensor_warns_at_setup_what_has_not_run(
+    colocate: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CUDA IPC handles (and, colocated, SGLang's memory saver) have not run in these
+    tests: a user starting a run is told so, as for vllm-nccl."""
+    sync = make_weight_sync("sglang-tensor", ["http://127.0.0.1:9"], colocate=colocate)
+    with caplog.at_level("WARNING", logger="lightning.run.weight_sync"):
+        sync.setup()
+    (record,) = caplog.records
+    assert "experimental" in record.message and "CUDA IPC" in record.message
+    assert ("memory saver" in record.message) == colocate

@@ -87,7 +87,8 @@ unpacks what the trainer sends, bitwise); ``sglang-tensor`` payloads (SGLang's
 own ``MultiprocessingSerializer.deserialize`` and ``FlattenedTensorBucket`` open
 every TP rank's payload of every bucket, bitwise, on CPU tensors). Not verified
 on a CPU: CUDA IPC handles and SGLang's memory saver (``colocate`` is checked
-against a fake of its routes); vLLM's NCCL data plane (its receiver and
+against a fake of its routes; ``sglang-tensor`` logs :data:`SGLANG_TENSOR_UNVERIFIED`
+at setup); vLLM's NCCL data plane (its receiver and
 ``NCCLTrainerWeightTransferEngine`` use PyNccl, GPU only); ``vllm-nccl`` logs
 :data:`VLLM_NCCL_UNVERIFIED` at setup.
 """
@@ -776,6 +777,13 @@ def flattened_bucket_payload(metas: Sequence[TensorMeta], flat: torch.Tensor) ->
     return {"flattened_tensor": flat, "metadata": out}
 
 
+SGLANG_TENSOR_UNVERIFIED = (
+    "weight_sync = 'sglang-tensor' is experimental on GPUs: its payloads were opened by "
+    "SGLang 0.5.23's own deserializer on CPU tensors in lightning's tests, but CUDA IPC "
+    "handles{colocate} have not run there"
+)
+
+
 # sglang 0.5.23 ``srt/constants.py`` (GPU_MEMORY_TYPE_*): what
 # ``/release_memory_occupation`` and ``/resume_memory_occupation`` take as ``tags``.
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
@@ -833,6 +841,10 @@ class SglangTensorSync(_SglangBase):
         self.device = device
         self.colocated = colocate
         self.released: list[str] = []  # tags given back, in release order
+
+    def setup(self) -> None:
+        memory_saver = " and SGLang's memory saver (colocate)" if self.colocated else ""
+        log.warning(SGLANG_TENSOR_UNVERIFIED.format(colocate=memory_saver))
 
     def before_train(self) -> None:
         if not self.colocated:
