@@ -980,18 +980,24 @@ VLLM_NCCL_UNVERIFIED = (
 
 class _VllmClients:
     """vLLM's ``VLLMWeightSyncClient`` protocol (four methods, structural) over every
-    engine at once: vLLM's trainer engine drives it; each engine gets its own
-    ``rank_offset`` in the one transfer group."""
+    engine at once: vLLM's trainer engine drives it. With ``offsets`` (NCCL) each
+    engine gets its own ``rank_offset`` in the one transfer group; without (IPC) the
+    init info goes as vLLM's trainer built it."""
 
-    def __init__(self, sync: VllmNcclSync) -> None:
+    def __init__(
+        self, sync: WeightSync, offsets: dict[str, int] | None = None, world: int = 0
+    ) -> None:
         self.sync = sync
+        self.offsets, self.world = offsets, world
         self.version: str | None = None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         s = self.sync
 
         def one(root: str) -> None:
-            info = {**init_info, "rank_offset": s.offsets[root], "world_size": s.world}
+            info = dict(init_info)
+            if self.offsets is not None:
+                info |= {"rank_offset": self.offsets[root], "world_size": self.world}
             s._post(root, "/init_weight_transfer_engine", {"init_info": info})
 
         s._all(one)
@@ -999,8 +1005,10 @@ class _VllmClients:
     def start_weight_update(self) -> None:
         self.sync._all(lambda r: self.sync._post(r, "/start_weight_update"))
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        body = {"update_info": update_info}
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        infos = update_info if isinstance(update_info, list) else [update_info]
+        safe = [vllm_ipc_json_safe(i) for i in infos]
+        body = {"update_info": safe if isinstance(update_info, list) else safe[0]}
         self.sync._all(lambda r: self.sync._post(r, "/update_weights", body))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -1008,8 +1016,28 @@ class _VllmClients:
         self.sync._all(lambda r: self.sync._post(r, "/finish_weight_update", body))
 
 
-def _update_source() -> Any:
-    """A vLLM ``WeightSource`` over the update being pushed (rank 0 sends all)."""
+def vllm_ipc_json_safe(update_info: dict[str, Any]) -> dict[str, Any]:
+    """``update_info`` as JSON: vLLM's IPC trainer engine hands the client raw
+    ``ipc_handles`` (torch's ``reduce_tensor`` arguments: a storage class, bytes, a
+    dtype), which JSON cannot carry. vllm 0.34.0's worker-side
+    ``IPCWeightTransferUpdateInfo.__post_init__`` (``weight_transfer/ipc_engine.py``)
+    takes them instead as ``ipc_handles_pickled``, base64 of a pickle, and unpickles
+    it only when the server runs with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; giving
+    both fields is refused. Other backends' infos carry no handles and pass as they
+    are (what vLLM's own ``HTTPVLLMWeightSyncClient`` does, ``clients.py``)."""
+    handles = update_info.get("ipc_handles")
+    if handles is None:
+        return update_info
+    import pickle
+
+    out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
+    out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("ascii")
+    return out
+
+
+def _update_source(device: str = "cuda") -> Any:
+    """A vLLM ``WeightSource`` over the update being pushed (rank 0 sends all), its
+    tensors moved to ``device`` (a no-op for a model already there)."""
     from functools import cached_property
 
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
@@ -1037,8 +1065,11 @@ def _update_source() -> Any:
 
         def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
             assert self.update is not None
+            stats = self.update.stats
             for name, tensor in self.update.tensors():
-                yield name, tensor.cuda()  # a no-op for a model already on the GPU
+                if stats is not None:  # handed to vLLM's producer, which sends it all
+                    stats.sent_bytes += tensor.numel() * tensor.element_size()
+                yield name, tensor.to(device)
 
     return UpdateSource()
 
@@ -1069,7 +1100,7 @@ class VllmNcclSync(WeightSync):
         self.master_address, self.master_port, self.packed = master_address, master_port, packed
         self.bucket_bytes = bucket_bytes
         self.world, self.offsets = self._group_ranks(world_sizes)
-        self.client = _VllmClients(self)
+        self.client = _VllmClients(self, self.offsets, self.world)
         self.engine: Any = None
 
     def setup(self) -> None:
