@@ -108,13 +108,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from lightning.config import COLOCATE_NEEDS_TENSOR, VLLM_DISK_GONE
+from lightning.config import COLOCATE_NEEDS_IPC, COLOCATE_SYNCS, VLLM_DISK_GONE
 from lightning.rl.live_weights import (
     DEFAULT_BUCKET_BYTES,
     GatherStats,
     LiveWeights,
     TensorMeta,
     WeightSyncError,
+    _itemsize,
     meta_of,
     plan_buckets,
 )
@@ -1140,6 +1141,188 @@ class VllmNcclSync(WeightSync):
         super().close()
 
 
+VLLM_IPC_UNVERIFIED = (
+    "weight_sync = 'vllm-ipc' is experimental: it drives vLLM's own trainer side "
+    "(vllm 0.34.0 IPCTrainerWeightTransferEngine, packed) through our HTTP client, and "
+    "lightning's tests ran that engine and vLLM's own update-info parser and unpacker on "
+    "CPU tensors, but CUDA IPC handles opened by a vLLM worker on the trainer's GPU"
+    "{sleep} have not run there"
+)
+
+# vllm 0.34.0 ``device_allocator/__init__.py`` DEFERRABLE_TAGS: what ``/wake_up?tags=``
+# can bring back one at a time (every other allocation comes back with the first).
+VLLM_WEIGHTS, VLLM_KV_CACHE = "weights", "kv_cache"
+# ``/sleep?level=2``: vllm 0.34.0 ``v1/worker/gpu_worker.py`` ``Worker.sleep`` discards
+# the parameters a weight update rewrites and keeps the rest (buffers, say) on the GPU;
+# level 1 would first copy every weight to pinned host memory, for nothing, since the
+# push that follows sends them all.
+VLLM_SLEEP_LEVEL = 2
+
+
+def vllm_packed_misaligned(metas: Sequence[TensorMeta], buffer_bytes: int) -> TensorMeta | None:
+    """The first tensor vllm 0.34.0's IPC worker could not unpack, or None.
+
+    ``packed_ipc_producer`` (``weight_transfer/packed_tensor.py``) copies tensors end
+    to end into its buffer, starting a new chunk when the next would overflow it
+    (:func:`plan_buckets` without alignment), and the worker's ``unpack_tensor``
+    views each slice of the uint8 buffer as its dtype, which torch allows only at a
+    byte offset that is a multiple of the item size (tests/test_weight_sync.py runs
+    vLLM's own unpacker on a misaligned chunk). Bf16-only models always pass; a
+    float32 tensor behind an odd number of bf16 elements does not."""
+    for bucket in plan_buckets(metas, buffer_bytes, aligned=False):
+        offset = 0
+        for m in bucket:
+            if offset % _itemsize(m.dtype):
+                return m
+            offset += m.nbytes
+    return None
+
+
+class VllmIpcSync(WeightSync):
+    """vLLM's IPC backend: the engine runs on the trainer's GPU and loads the
+    trainer's tensors through CUDA IPC handles, sent by vLLM's own
+    ``IPCTrainerWeightTransferEngine`` (needs ``vllm`` importable on the trainer);
+    experimental, see :data:`VLLM_IPC_UNVERIFIED`.
+
+    Packed (default): vLLM's producer copies the tensors ``iter_full`` yields into one
+    IPC-shared buffer of ``bucket_bytes`` (grown to the largest tensor, which it would
+    refuse otherwise) and sends one ``/update_weights`` per fill, waiting for each to
+    return before refilling, so the trainer holds that buffer and the tensor being
+    gathered. Unpacked: one ``/update_weights`` with a handle per tensor, every one kept
+    alive until the push ends. The server needs ``VLLM_SERVER_DEV_MODE=1``,
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the handles travel pickled, see
+    :func:`vllm_ipc_json_safe`) and ``--weight-transfer-config '{"backend": "ipc"}'``,
+    one worker per engine on the trainer's GPU, and one trainer process (vLLM's engine
+    all-gathers handles over the default process group, which the loop's other ranks
+    never join).
+
+    ``colocate``: vLLM's sleep mode around the optimizer step (``--enable-sleep-mode``).
+    :meth:`before_train` posts ``/sleep?level=2&mode=wait`` (:data:`VLLM_SLEEP_LEVEL`;
+    vLLM pauses its scheduler first, and the loop has drained the gateway); :meth:`push`
+    wakes ``weights``, runs the transfer, then wakes ``kv_cache``, whose answer must
+    be ``{"status": "awake"}``: vLLM resumes scheduling only once everything is back.
+    No ``/pause`` or ``/resume`` then: the sleep paused the scheduler, and ``/resume``
+    would restart it with the KV cache still asleep. A failed push still wakes
+    ``kv_cache``. Every route answers HTTP 200 on success; failures are vLLM's error
+    JSON with 4xx/5xx, so the status is the check."""
+
+    streams = True
+
+    def __init__(
+        self,
+        roots: Sequence[str],
+        *,
+        packed: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        colocate: bool = False,
+        device: str = "cuda",
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(roots, timeout_s=timeout_s)
+        self.packed, self.bucket_bytes, self.device = packed, bucket_bytes, device
+        self.colocated = colocate
+        self.client = _VllmClients(self)
+        self.engine: Any = None
+        self.source: Any = None
+        self.asleep = False
+
+    def setup(self) -> None:
+        log.warning(VLLM_IPC_UNVERIFIED.format(sleep=" and vLLM's sleep mode" * self.colocated))
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise WeightSyncError(
+                f"weight_sync = 'vllm-ipc' runs with one trainer process (this run has "
+                f"{dist.get_world_size()}): vLLM's IPC trainer engine all-gathers handles "
+                "from every rank, which lightning's other ranks do not join; use 'vllm-nccl'"
+            )
+        try:
+            from vllm.distributed.weight_transfer.ipc_engine import (
+                IPCTrainerInitInfo,
+                IPCTrainerWeightTransferEngine,
+            )
+        except ImportError as e:
+            raise WeightSyncError(
+                "weight_sync = 'vllm-ipc' sends through vLLM's own IPC trainer engine: "
+                f"install vllm==0.34.0 in the trainer's environment ({e})"
+            ) from e
+        self.source = _update_source(self.device)
+        info = IPCTrainerInitInfo(
+            packed=self.packed, packed_buffer_size_bytes=self.bucket_bytes, rank=0
+        )
+        # Posts /init_weight_transfer_engine {"init_info": {"packed"}} to every engine.
+        self.engine = IPCTrainerWeightTransferEngine.trainer_init(
+            info, client=self.client, source=self.source
+        )
+
+    def before_train(self) -> None:
+        if not self.colocated:
+            return
+        params = {"level": VLLM_SLEEP_LEVEL, "mode": "wait"}
+        self._all(lambda r: self._colocated(r, "/sleep", params))
+        self.asleep = True
+
+    def push(self, update: WeightUpdate) -> None:
+        if self.engine is None:
+            raise WeightSyncError("VllmIpcSync.push before setup()")
+        if not self.asleep:
+            # mode=wait: as VllmNcclSync; with no sleep, the scheduler runs.
+            self._all(lambda r: self._post(r, "/pause", params={"mode": "wait"}))
+            try:
+                self._send(update)
+            finally:
+                self._all(lambda r: self._post(r, "/resume"))
+            return
+        self._all(lambda r: self._colocated(r, "/wake_up", {"tags": [VLLM_WEIGHTS]}))
+        try:
+            self._send(update)
+        finally:
+            tags = {"tags": [VLLM_KV_CACHE]}
+            answers = self._all(lambda r: self._colocated(r, "/wake_up", tags))
+            self.asleep = False
+            for root, answer in zip(self.roots, answers, strict=True):
+                if not isinstance(answer, dict) or answer.get("status") != "awake":
+                    raise WeightSyncError(
+                        f"colocated engine {root}: still asleep after /wake_up?tags=kv_cache "
+                        f"({answer!r}), so vLLM keeps its scheduler paused; POST /wake_up "
+                        "with no tags wakes everything"
+                    )
+
+    def _send(self, update: WeightUpdate) -> None:
+        if self.packed:
+            # vLLM's producer refuses a tensor larger than its buffer; the buffer size
+            # is the trainer's alone (the worker reads sizes from each update info).
+            metas = update.metas()
+            size = max(self.bucket_bytes, max((m.nbytes for m in metas), default=0))
+            bad = vllm_packed_misaligned(metas, size)
+            if bad is not None:
+                raise WeightSyncError(
+                    f"{bad.name} ({bad.dtype}) would start at a byte offset that is not a "
+                    "multiple of its item size in vLLM's packed IPC buffer (vllm 0.34.0 packs "
+                    "tensors end to end, and its worker's unpack_tensor views the bytes as the "
+                    "dtype, which torch refuses there); nothing was sent. Build "
+                    "VllmIpcSync(urls, packed=False), or use 'vllm-nccl'"
+                )
+            self.engine.packed_buffer_size_bytes = size
+        self.source.use(update)
+        self.client.version = str(update.version)
+        self.engine.send_weights()
+
+    def _colocated(self, root: str, route: str, params: dict[str, Any]) -> Any:
+        try:
+            return self._post(root, route, params=params)
+        except WeightSyncError as e:
+            raise WeightSyncError(
+                f"colocated engine {root}: {route} {params} failed; vLLM needs "
+                f"--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 for it: {e}"
+            ) from e
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        super().close()
+
+
 class NoSync(WeightSync):
     """Engines that are not updated (evaluation-only runs, LoRA served elsewhere)."""
 
@@ -1160,10 +1343,10 @@ def make_weight_sync(
     colocate: bool = False,
 ) -> WeightSync:
     """The sync for ``[engine] weight_sync = kind`` (see the module docstring);
-    ``colocate`` only with ``sglang-tensor``."""
+    ``colocate`` only with ``sglang-tensor`` or ``vllm-ipc``."""
     roots = list(urls)
-    if colocate and kind != "sglang-tensor":
-        raise ValueError(COLOCATE_NEEDS_TENSOR.format(kind=kind))
+    if colocate and kind not in COLOCATE_SYNCS:
+        raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))
     if kind == "embedded":
         return EmbeddedSync(roots)
     if kind == "sglang-disk":
@@ -1194,10 +1377,13 @@ def make_weight_sync(
             roots, master_address, port, world_sizes=world_sizes, bucket_bytes=bucket_bytes
         )
     if kind == "vllm-ipc":
-        raise ValueError(
-            "weight_sync = 'vllm-ipc' needs a trainer colocated on the engine's GPU; build "
-            "VllmSync(urls, PlainTransport(update_info_fn)) in code with vLLM's IPC helpers"
-        )
+        if any(w != 1 for w in world_sizes or []):
+            raise ValueError(
+                f"weight_sync = 'vllm-ipc' with sync_world_sizes = {list(world_sizes or [])}: "
+                "the trainer exports CUDA IPC handles of its one GPU, so each engine must run "
+                "one worker on that GPU (tensor_parallel_size 1); use 'vllm-nccl' for more"
+            )
+        return VllmIpcSync(roots, bucket_bytes=bucket_bytes, colocate=colocate)
     if kind == "none":
         return NoSync(roots)
     raise ValueError(f"unknown weight_sync {kind!r}")
