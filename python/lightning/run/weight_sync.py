@@ -8,14 +8,14 @@ the bytes and can be tested on a CPU.
 
 What a push carries, :class:`WeightUpdate`, is a directory or a stream. The disk
 paths (``embedded``, ``sglang-disk``) get an exported safetensors directory. The
-streaming paths (``sglang-distributed``, ``sglang-tensor``, ``vllm-nccl``;
+streaming paths (``sglang-distributed``, ``sglang-tensor``, ``vllm-nccl``, ``vllm-ipc``;
 ``WeightSync.streams``) get :class:`LiveWeights` (``lightning.rl.live_weights``): the trainer's live parameters, each FSDP2 shard gathered
 (``full_tensor()``) only when its turn comes, grouped into buckets of
 ``bucket_bytes`` (:func:`plan_buckets`, from shapes alone) that map to the engine's
 own unit of transfer: one SGLang ``update_weights_from_distributed`` call with
 ``load_format = "flattened_bucket"`` (one broadcast per bucket), one SGLang
 ``update_weights_from_tensor`` call (one flattened tensor per bucket), one vLLM
-packed buffer. Nothing is written to disk and the sender holds at most a bucket plus the
+packed buffer (one ``/update_weights`` per fill for ``vllm-ipc``). Nothing is written to disk and the sender holds at most a bucket plus the
 tensor being gathered (``LiveWeights.stats``; tests/test_weight_sync.py checks it on
 2 FSDP2 ranks; benches/weight_sync.py measures it against the disk path).
 
@@ -80,6 +80,19 @@ Engine APIs, with the sources every endpoint and payload was checked against:
     init-time fields (``NCCLTrainerInitInfo`` → the workers' init info), sent once
     by ``trainer_init`` with ``/init_weight_transfer_engine``.
 
+    ``vllm-ipc`` (``--weight-transfer-config '{"backend": "ipc"}'``, and
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; ``weight_transfer/ipc_engine.py``):
+    vLLM's ``IPCTrainerWeightTransferEngine`` sends ``/init_weight_transfer_engine
+    {"init_info": IPCWeightTransferInitInfo{packed}}`` once, then per push the same
+    phases, packed: one ``/update_weights {"update_info": IPCWeightTransferUpdateInfo
+    {names, dtype_names, shapes, ipc_handles_pickled, tensor_sizes}}`` per fill of its
+    one IPC-shared buffer (``packed_tensor.py`` ``packed_ipc_producer``), the handle
+    keyed by GPU UUID and pickled by :func:`vllm_ipc_json_safe`. Colocated, sleep mode
+    (``--enable-sleep-mode``; ``entrypoints/serve/dev/sleep/api_router.py``):
+    ``POST /sleep?level=2&mode=wait`` before the step, ``POST /wake_up?tags=weights``
+    before the transfer and ``?tags=kv_cache`` after it (answers ``{"status":
+    "awake"|"sleeping", "tags"}``); see :class:`VllmIpcSync`.
+
 Verified: SGLang's group join (the trainer side joins a group built by SGLang
 0.5.23's own ``init_custom_process_group`` in tests/test_weight_sync.py), and its
 flattened-bucket receive (SGLang's own ``FlattenedTensorBucket`` allocates and
@@ -90,7 +103,12 @@ on a CPU: CUDA IPC handles and SGLang's memory saver (``colocate`` is checked
 against a fake of its routes; ``sglang-tensor`` logs :data:`SGLANG_TENSOR_UNVERIFIED`
 at setup); vLLM's NCCL data plane (its receiver and
 ``NCCLTrainerWeightTransferEngine`` use PyNccl, GPU only); ``vllm-nccl`` logs
-:data:`VLLM_NCCL_UNVERIFIED` at setup.
+:data:`VLLM_NCCL_UNVERIFIED` at setup. ``vllm-ipc``: vLLM 0.34.0's own
+``IPCTrainerWeightTransferEngine``, ``IPCWeightTransferUpdateInfo`` parser and
+``unpack_tensor`` ran on CPU tensors (tests/vllm_ipc_trainer.py answers the engine's
+few device queries), bitwise; CUDA IPC handles and vLLM's sleep mode (checked
+against a fake of its routes) have not run, and it logs :data:`VLLM_IPC_UNVERIFIED`
+at setup.
 """
 
 from __future__ import annotations
@@ -144,8 +162,8 @@ class WeightUpdate:
 
     ``path``: an exported HF directory (safetensors), what the disk-based syncs
     (``embedded``, ``sglang-disk``) hand to the engine. ``source``: the live model
-    (:class:`LiveWeights`), what the process-group syncs (``sglang-distributed``,
-    ``vllm-nccl``) broadcast from, bucket by bucket, with nothing written to disk.
+    (:class:`LiveWeights`), what the streaming syncs (``sglang-distributed``,
+    ``sglang-tensor``, ``vllm-nccl``, ``vllm-ipc``) send from, bucket by bucket, with nothing written to disk.
     :meth:`tensors` and :meth:`metas` read whichever is set (the source first)."""
 
     version: int
@@ -444,8 +462,8 @@ def vllm_nccl_update_info(metas: Sequence[TensorMeta]) -> dict[str, Any]:
 
 
 class PlainTransport(Transport):
-    """For engines whose update info is built by a user-supplied function (vLLM's
-    IPC backend: CUDA IPC handles of tensors that live on the engine's GPU)."""
+    """For engines whose update info is built by a user-supplied function, with no
+    data plane of ours (``weight_sync = "vllm-ipc"`` is :class:`VllmIpcSync`)."""
 
     def __init__(self, update_info: Callable[[WeightUpdate], dict[str, Any]]) -> None:
         self._update_info = update_info
