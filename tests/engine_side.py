@@ -13,7 +13,9 @@ Commands: ``{"op": "join", "address", "port", "rank", "world", "name"}``;
 written to ``out`` with ``torch.save``, or dropped if it is null; ``flat``: one broadcast of the bucket's bytes,
 SGLang's ``load_format = "flattened_bucket"``); ``{"op": "tensor", "payloads", "rank",
 "flat", "authkey", "out"}`` (one TP rank's ``update_weights_from_tensor`` payload,
-opened with SGLang's own code, written to ``out``); ``{"op": "quit"}``.
+opened with SGLang's own code, written to ``out``); ``{"op": "vllm_ipc", "info",
+"packed", "uuid", "out"}`` (one vLLM ``/update_weights`` of the IPC backend, parsed and
+unpacked with vLLM's own code, ``--join vllm``); ``{"op": "quit"}``.
 """
 
 from __future__ import annotations
@@ -128,9 +130,48 @@ def _open_tensors(cmd: dict[str, Any]) -> list[tuple[str, Any]]:
     return bucket.reconstruct_tensors()
 
 
+def _open_vllm_ipc(cmd: dict[str, Any]) -> list[tuple[str, Any]]:
+    """One ``/update_weights`` of vllm 0.34.0's IPC backend, received as its worker
+    receives it (``weight_transfer/ipc_engine.py``): ``parse_update_info`` (vLLM's,
+    on a bare ``IPCWeightTransferEngine``: it reads only the class) builds
+    ``IPCWeightTransferUpdateInfo``, whose ``__post_init__`` unpickles
+    ``ipc_handles_pickled`` (allowed by VLLM_ALLOW_INSECURE_SERIALIZATION=1, what the
+    server must run with) and checks the lengths; then ``receive_weights``: the
+    handle under this GPU's UUID, and for packed transfers ``packed_ipc_consumer``'s
+    steps (the buffer cut to ``sum(tensor_sizes)``, vLLM's ``unpack_tensor``, clones).
+    The one departure is the rebuild: vLLM calls ``rebuild_cuda_tensor`` (the handle
+    is a CUDA IPC handle); on a CPU the trainer's ``reduce_tensor`` gives
+    ``rebuild_tensor`` arguments, its storage pickled by value, which we rebuild."""
+    import os
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    import torch
+    from torch.multiprocessing.reductions import rebuild_tensor
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+    info = object.__new__(IPCWeightTransferEngine).parse_update_info(cmd["info"])
+    uuid = cmd["uuid"]
+    if cmd["packed"]:
+        if info.tensor_sizes is None:
+            raise ValueError("`tensor_sizes` is required when packed=True")
+        if uuid not in info.ipc_handles:
+            raise ValueError(f"IPC handle not found for GPU UUID {uuid}")
+        packed = rebuild_tensor(*info.ipc_handles[uuid])[: sum(info.tensor_sizes)]
+        dtypes = [getattr(torch, d) for d in info.dtype_names]
+        parts = unpack_tensor(packed, info.names, info.shapes, dtypes, info.tensor_sizes)
+        return [(name, t.clone()) for name, t in parts]
+    out = []
+    for name, handle in zip(info.names, info.ipc_handles, strict=True):
+        if uuid not in handle:
+            raise ValueError(f"IPC handle not found for GPU UUID {uuid}")
+        out.append((name, rebuild_tensor(*handle[uuid])))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--join", choices=["sglang", "lightning"], required=True)
+    parser.add_argument("--join", choices=["sglang", "vllm", "lightning"], required=True)
     join = _join_sglang if parser.parse_args().join == "sglang" else _join_lightning
 
     import torch
@@ -143,6 +184,10 @@ def main() -> None:
             if cmd["op"] == "join":
                 group = join(cmd)
                 answer: dict[str, Any] = {"ok": True, "module": join.__name__}
+            elif cmd["op"] == "vllm_ipc":
+                got = dict(_open_vllm_ipc(cmd))
+                torch.save(got, cmd["out"])
+                answer = {"ok": True}
             elif cmd["op"] == "tensor":
                 got = dict(_open_tensors(cmd))
                 torch.save({k: v.clone() for k, v in got.items()}, cmd["out"])

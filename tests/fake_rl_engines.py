@@ -12,7 +12,9 @@ Payload models mirror, field for field:
 - vLLM ``vllm/entrypoints/rl/online/api_router.py`` (routes, ``Body(embed=True)``
   wrappers, ``mode`` as a query parameter), ``NCCLWeightTransferInitInfo``,
   ``NCCLWeightTransferUpdateInfo`` (``weight_transfer/nccl_common.py`` and
-  ``nccl_engine.py`` of vllm 0.34.0);
+  ``nccl_engine.py`` of vllm 0.34.0), ``IPCWeightTransferInitInfo`` (``ipc_engine.py``;
+  its update info is parsed by vLLM's own class, see ``FakeVllm``) and the sleep
+  routes (``entrypoints/serve/dev/sleep/api_router.py``);
 - SGLang ``python/sglang/srt/managers/io_struct.py`` (``InitWeightsUpdateGroupReqInput``,
   ``UpdateWeightsFromDistributedReqInput``, ``UpdateWeightFromDiskReqInput``,
   ``UpdateWeightsFromTensorReqInput``, ``PauseGenerationReqInput``,
@@ -81,6 +83,12 @@ class VllmNcclUpdate(_Strict):
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError("`dtype_names` and `shapes` should be of the same size as `names`")
         return self
+
+
+class VllmIpcInit(_Strict):
+    """``IPCWeightTransferInitInfo`` (vllm 0.34.0 ``weight_transfer/ipc_engine.py``)."""
+
+    packed: bool = False
 
 
 # -- SGLang -------------------------------------------------------------------------
@@ -168,7 +176,9 @@ class FakeEngine:
     """Base: a threaded HTTP server whose routes are methods ``r_<name>``."""
 
     def __init__(
-        self, data_plane: Literal["sglang", "lightning"] = "lightning", scratch: Path | None = None
+        self,
+        data_plane: Literal["sglang", "vllm", "lightning"] = "lightning",
+        scratch: Path | None = None,
     ) -> None:
         self.data_plane = data_plane
         self.scratch = scratch  # where received tensors pass through (default: temp)
@@ -190,7 +200,7 @@ class FakeEngine:
                 url = urlparse(self.path)
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 body = json.loads(raw) if raw else None
-                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                query = {k: v[-1] if len(v) == 1 else v for k, v in parse_qs(url.query).items()}
                 route = url.path.strip("/").replace("/", "_")
                 with fake.lock:
                     fake.log.append((route, body if body is not None else query))
@@ -250,15 +260,15 @@ class FakeEngine:
     def _start_side(self) -> None:
         if self.side is not None:
             return
-        if self.data_plane == "sglang":
+        if self.data_plane in ("sglang", "vllm"):
             from engine_envs import engines_python
 
-            python = str(engines_python())
+            python = str(engines_python(self.data_plane))
         else:
             python = sys.executable
         script = Path(__file__).with_name("engine_side.py")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        if self.data_plane == "sglang":
+        if self.data_plane in ("sglang", "vllm"):
             env.pop("PYTHONPATH")  # the engine's environment, not ours
         self.side = subprocess.Popen(
             [python, str(script), "--join", self.data_plane],
@@ -315,34 +325,90 @@ def _parse(model: type[BaseModel], body: Any, status: int, shape: str = "fastapi
         raise _Refused(status, {"success": False, "message": str(e)}) from e
 
 
-class FakeVllm(FakeEngine):
-    """vLLM ``--weight-transfer-config '{"backend": ...}'`` with VLLM_SERVER_DEV_MODE=1."""
+# What the fake's "GPU" reports as its UUID (vLLM keys IPC handles by the GPU's UUID).
+FAKE_GPU_UUID = "GPU-lightning-fake"
+# vllm 0.34.0 ``v1/engine/__init__.py`` PauseMode; ``device_allocator`` DEFERRABLE_TAGS.
+VLLM_PAUSE_MODES = ("abort", "wait", "keep")
+VLLM_SLEEP_TAGS = ("weights", "kv_cache")
 
-    def __init__(self, backend: Literal["nccl"] = "nccl") -> None:
-        super().__init__()
+
+class FakeVllm(FakeEngine):
+    """vLLM ``--weight-transfer-config '{"backend": ...}'`` with VLLM_SERVER_DEV_MODE=1.
+
+    ``ipc``: ``/init_weight_transfer_engine`` takes ``IPCWeightTransferInitInfo
+    {packed}`` (strict, as ``init_info_cls(**init_dict)``); every ``/update_weights``
+    goes to the engine side (tests/engine_side.py ``vllm_ipc``, the pinned vLLM's
+    environment), where vLLM's own ``parse_update_info`` builds its
+    ``IPCWeightTransferUpdateInfo`` (unpickling ``ipc_handles_pickled``, as a server
+    with VLLM_ALLOW_INSECURE_SERIALIZATION=1 does) and vLLM's ``unpack_tensor`` splits a
+    packed buffer. Sleep mode (``--enable-sleep-mode``; ``entrypoints/serve/dev/sleep/
+    api_router.py``): ``/sleep?level&mode`` (levels 0-2; 1 and 2 put ``weights`` and
+    ``kv_cache`` to sleep and pause the scheduler), ``/wake_up?tags=`` (answers
+    ``{"status": "awake"|"sleeping", "tags"}``; scheduling resumes once nothing
+    sleeps). Stricter than vLLM, which logs a warning and goes on: waking a tag that
+    is not asleep, ``/update_weights`` with the weights asleep, ``/resume`` with the KV
+    cache asleep (400)."""
+
+    def __init__(self, backend: Literal["nccl", "ipc"] = "nccl") -> None:
+        super().__init__("vllm" if backend == "ipc" else "lightning")
         self.backend = backend
         self.paused = False
         self.pause_modes: list[str] = []
         self.session = False
         self.updates_in_session = 0
         self.initialized = False
+        self.packed = False
+        self.asleep: list[str] = []  # sleep tags not yet woken
+        self.refuse: dict[str, str] = {}  # route -> error message to answer with
+        self.sleep_levels: list[int] = []
 
     def _embedded(self, body: Any, key: str) -> Any:
         if not isinstance(body, dict) or set(body) != {key}:
             raise _Refused(422, {"detail": f"body must be {{{key!r}: ...}}"})
         return body[key]
 
+    def _refused(self, route: str) -> None:
+        """vLLM's exception handler: ``{"error": {"message", "type", "code"}}``."""
+        if route in self.refuse:
+            error = {"message": self.refuse[route], "type": "InternalServerError", "code": 500}
+            raise _Refused(500, {"error": error})
+
     def r_pause(self, body: Any, query: dict[str, str]) -> Any:
         mode = query.get("mode", "abort")
-        if mode not in ("abort", "wait", "keep"):
+        if mode not in VLLM_PAUSE_MODES:
             raise _Refused(422, {"detail": f"invalid mode {mode!r}"})
         self.paused = True
         self.pause_modes.append(mode)
         return {"status": "paused"}
 
     def r_resume(self, body: Any, query: dict[str, str]) -> Any:
+        if "kv_cache" in self.asleep:
+            raise _Refused(400, {"error": "resume with the KV cache asleep"})
         self.paused = False
         return {"status": "resumed"}
+
+    def r_sleep(self, body: Any, query: dict[str, str]) -> Any:
+        self._refused("sleep")
+        level, mode = query.get("level", "1"), query.get("mode", "abort")
+        if level not in ("0", "1", "2") or mode not in VLLM_PAUSE_MODES:
+            raise _Refused(422, {"detail": f"level {level!r} / mode {mode!r}"})
+        self.paused = True
+        self.sleep_levels.append(int(level))
+        if level != "0":
+            self.asleep = list(VLLM_SLEEP_TAGS)
+        return {"status": "sleeping", "level": int(level)}
+
+    def r_wake_up(self, body: Any, query: dict[str, Any]) -> Any:
+        self._refused("wake_up")
+        raw = query.get("tags")
+        tags = [raw] if isinstance(raw, str) else raw
+        for tag in tags or list(self.asleep):
+            if tag not in self.asleep:
+                raise _Refused(400, {"error": f"tag {tag!r} is not asleep ({self.asleep})"})
+            self.asleep.remove(tag)
+        if not self.asleep:
+            self.paused = False
+        return {"status": "sleeping" if self.asleep else "awake", "tags": tags}
 
     def r_init_weight_transfer_engine(self, body: Any, query: dict[str, str]) -> Any:
         info = self._embedded(body, "init_info")
@@ -357,6 +423,8 @@ class FakeVllm(FakeEngine):
                 init.world_size,
                 "vllm_fake",
             )
+        else:
+            self.packed = _parse(VllmIpcInit, info, 422).packed
         self.initialized = True
         return {"message": "Weight transfer initialized"}
 
@@ -374,11 +442,29 @@ class FakeVllm(FakeEngine):
         info = self._embedded(body, "update_info")
         if not self.session:
             raise _Refused(400, {"error": "start_weight_update must be called first"})
+        if "weights" in self.asleep:
+            raise _Refused(400, {"error": "update_weights with the weights asleep"})
         if self.backend == "nccl":
             upd = _parse(VllmNcclUpdate, info, 422)
             self._receive(upd.names, upd.dtype_names, upd.shapes)
+        else:
+            self._receive_ipc(info)
         self.updates_in_session += 1
         return {"message": "Weights updated"}
+
+    def _receive_ipc(self, info: Any) -> None:
+        import tempfile
+
+        import torch
+
+        self._start_side()
+        with tempfile.TemporaryDirectory(dir=self.scratch) as d:
+            out = str(Path(d) / "got.pt")
+            cmd = {"op": "vllm_ipc", "info": info, "packed": self.packed}
+            self._ask({**cmd, "uuid": FAKE_GPU_UUID, "out": out})
+            got = torch.load(out)
+        self.calls.append(len(got))
+        self.weights.update(got)
 
     def r_finish_weight_update(self, body: Any, query: dict[str, str]) -> Any:
         if not isinstance(body, dict) or not set(body) <= {"weight_version"}:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fake_rl_engines import FakeSglang, FakeVllm
+from fake_rl_engines import FAKE_GPU_UUID, FakeSglang, FakeVllm
 from lightning.run.weight_sync import (
     EmbeddedSync,
     LiveWeights,
@@ -21,14 +22,17 @@ from lightning.run.weight_sync import (
     SglangDistributedSync,
     SglangTensorSync,
     TorchDistTransport,
+    VllmIpcSync,
     VllmNcclSync,
     VllmSync,
     WeightSyncError,
     WeightUpdate,
     make_weight_sync,
     plan_buckets,
+    vllm_ipc_json_safe,
     vllm_nccl_init_info,
     vllm_nccl_update_info,
+    vllm_packed_misaligned,
 )
 
 
@@ -250,8 +254,10 @@ def test_embedded_load_weights(update: WeightUpdate) -> None:
 def test_factory() -> None:
     with pytest.raises(ValueError, match=r"no vLLM release has a disk.*use 'vllm-nccl'"):
         make_weight_sync("vllm-disk", ["http://x"])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="vllm-ipc"):
-        make_weight_sync("vllm-ipc", ["http://x"])
+    with pytest.raises(ValueError, match=r"vllm-ipc' with sync_world_sizes = \[1, 2\].*one worker"):
+        make_weight_sync("vllm-ipc", ["http://x", "http://y"], world_sizes=[1, 2])
+    ipc = make_weight_sync("vllm-ipc", ["http://x/v1"], bucket_bytes=1 << 20, colocate=True)
+    assert isinstance(ipc, VllmIpcSync) and ipc.streams and ipc.colocated and ipc.packed
     sync = make_weight_sync("vllm-nccl", ["http://x/v1"], world_sizes=[2])
     assert isinstance(sync, VllmNcclSync) and (sync.world, sync.offsets) == (3, {"http://x": 1})
     sync.close()
@@ -686,8 +692,8 @@ def test_colocate_needs_sglang_tensor_and_a_synchronous_run() -> None:
 
     from lightning.config import EngineSection, RunConfig
 
-    with pytest.raises(ValidationError, match=r"colocate = true.*set weight_sync = "
-                       r"'sglang-tensor' \(it is 'sglang-distributed'\)"):  # fmt: skip
+    with pytest.raises(ValidationError, match=r"colocate = true.*set weight_sync = 'sglang-tensor' "
+                       r"\(SGLang\) or 'vllm-ipc' \(vLLM\) \(it is 'sglang-distributed'\)"):  # fmt: skip
         EngineSection(
             kind="external", urls=["http://x/v1"], weight_sync="sglang-distributed", colocate=True
         )
@@ -719,3 +725,193 @@ def test_sglang_tensor_warns_at_setup_what_has_not_run(
     (record,) = caplog.records
     assert "experimental" in record.message and "CUDA IPC" in record.message
     assert ("memory saver" in record.message) == colocate
+
+
+# -- vllm-ipc: vLLM's own trainer engine, parser and unpacker; colocated sleep mode ----
+
+
+def _vllm_ipc_trainer(root: str, tmp_path: Path, *flags: str) -> dict[str, Any]:
+    """Run tests/vllm_ipc_trainer.py (VllmIpcSync with vLLM's own trainer engine) in
+    the pinned vLLM's environment, in an empty working directory."""
+    import subprocess
+
+    import lightning
+    from engine_envs import engines_python
+
+    work, out = tmp_path / "work", tmp_path / "result.pt"
+    work.mkdir()
+    script = Path(__file__).with_name("vllm_ipc_trainer.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(lightning.__file__).resolve().parents[1])}
+    cmd = [str(engines_python("vllm")), str(script), "--root", root, "--out", str(out), *flags]
+    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(torch.load(out))
+
+
+@pytest.mark.parametrize(
+    ("colocate", "packed", "odd"),
+    [(True, True, False), (False, True, False), (False, False, True)],
+    ids=["colocated-packed", "packed", "unpacked-mixed-alignment"],
+)
+def test_vllm_ipc_runs_vllms_own_trainer_engine_parser_and_unpacker(
+    tmp_path: Path, colocate: bool, packed: bool, odd: bool
+) -> None:
+    """Two steps through vLLM's ``IPCTrainerWeightTransferEngine``: every update info
+    is parsed by vLLM's ``IPCWeightTransferUpdateInfo`` and unpacked by vLLM's
+    ``unpack_tensor``, bitwise equal to what the trainer held. Packed: one
+    ``/update_weights`` per fill of a buffer of ``bucket_bytes``, grown to the largest
+    tensor. Colocated: sleep (level 2, mode wait) → wake weights → update → wake KV
+    cache, no pause/resume; otherwise pause(wait) → update → resume. Nothing on disk.
+    Unpacked, tensors need no alignment (each has a handle of its own)."""
+    from vllm_ipc_trainer import weights
+
+    engine = FakeVllm("ipc")
+    flags = ["--bucket", "300", *["--colocate"] * colocate, *["--unpacked"] * (not packed)]
+    try:
+        got = _vllm_ipc_trainer(engine.root, tmp_path, *flags, *["--odd"] * odd)
+    finally:
+        engine.stop()
+    assert got["error"] is None
+    tensors = weights(2, odd)
+    metas = LiveWeights(tensors.items()).metas()
+    largest = max(m.nbytes for m in metas)
+    assert largest > 300
+    n = len(plan_buckets(metas, max(300, largest), aligned=False)) if packed else 1
+    assert n > 3 or not packed
+    update = ["start_weight_update", *["update_weights"] * n, "finish_weight_update"]
+    step = ["sleep", "wake_up", *update, "wake_up"] if colocate else ["pause", *update, "resume"]
+    assert engine.routes() == ["init_weight_transfer_engine", *step * 2]
+    assert engine.log[0][1] == {"init_info": {"packed": packed}}
+    if colocate:
+        queries = [body for route, body in engine.log if route in ("sleep", "wake_up")]
+        sleep, weights_first, kv_last = (
+            {"level": "2", "mode": "wait"},
+            {"tags": "weights"},
+            {"tags": "kv_cache"},
+        )
+        assert queries == [sleep, weights_first, kv_last] * 2
+    else:
+        assert engine.pause_modes == ["wait", "wait"]
+    assert engine.asleep == [] and not engine.paused and engine.version == "2"
+    assert sum(engine.calls) == 2 * len(tensors)
+    for name, t in tensors.items():
+        assert engine.weights[name].dtype == t.dtype, name
+        assert torch.equal(engine.weights[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert got["sent"] == [sum(m.nbytes for m in metas)] * 2
+    assert got["json_safe"] and got["cwd"] == []
+    assert torch.equal(got["tensors"]["lm_head.weight"], tensors["lm_head.weight"])
+
+
+def test_vllm_packed_ipc_refuses_what_vllms_unpacker_cannot_view(tmp_path: Path) -> None:
+    """vllm 0.34.0 packs tensors end to end with no padding and its worker views each
+    slice as the dtype: a float32 after an odd number of bfloat16 elements fails in
+    vLLM's own ``unpack_tensor`` ("storage_offset() must be divisible by 4"). The
+    sync finds such a tensor from shapes alone and sends nothing."""
+    from vllm_ipc_trainer import weights
+
+    metas = LiveWeights(weights(1, odd=True).items()).metas()
+    bad = vllm_packed_misaligned(metas, 1 << 20)
+    assert bad is not None and bad.dtype == "float32"
+    assert vllm_packed_misaligned(LiveWeights(weights(1).items()).metas(), 300) is None
+    engine = FakeVllm("ipc")
+    try:
+        got = _vllm_ipc_trainer(engine.root, tmp_path, "--odd", "--bucket", str(1 << 20))
+        # The same chunk, sent anyway, is what vLLM's unpacker refuses.
+        engine.packed = True
+        update = {"names": ["a", "b"], "dtype_names": ["bfloat16", "float32"], "shapes": [[3], [2]]}
+        handle = _cpu_handle(torch.zeros(14, dtype=torch.uint8))
+        info = {**update, "ipc_handles": {FAKE_GPU_UUID: handle}, "tensor_sizes": [6, 8]}
+        engine.session = True
+        with pytest.raises(Exception, match="storage_offset"):
+            engine._receive_ipc(vllm_ipc_json_safe(info))
+    finally:
+        engine.stop()
+    assert got["error"] is not None and bad.name in got["error"] and "packed=False" in got["error"]
+    assert engine.routes() == ["init_weight_transfer_engine", "pause", "resume"]
+
+
+def _cpu_handle(t: torch.Tensor) -> tuple[Any, ...]:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return tuple(reduce_tensor(t)[1])
+
+
+class _IpcStub:
+    """Stands in for vLLM's trainer engine and source where the test is about the
+    sleep choreography around them (vLLM is not importable in this process)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.packed_buffer_size_bytes = fail, 0
+
+    def use(self, update: WeightUpdate) -> None:
+        pass
+
+    def send_weights(self) -> None:
+        if self.fail:
+            raise RuntimeError("send died")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_vllm_ipc_colocated_refusals_are_clear_errors_and_a_failed_push_wakes(
+    tmp_path: Path,
+) -> None:
+    engine = FakeVllm("ipc")
+    engine.refuse["sleep"] = "Sleep mode is not enabled"
+    sync = VllmIpcSync([engine.root], colocate=True)
+    sync.engine = sync.source = _IpcStub(fail=True)
+    log: list[str] = []
+    run = _run(tmp_path, _Trainer({"w": torch.ones(3)}, log), sync)
+    update = WeightUpdate(version=1, source=LiveWeights([("w", torch.ones(3))]))
+    try:
+        with pytest.raises(WeightSyncError, match=r"colocated engine .*/sleep .*--enable-sleep-mode"
+                           r".*answered 500.*Sleep mode is not enabled"):  # fmt: skip
+            run._before_train()
+        assert log == ["gateway pause", "gateway resume"] and not sync.asleep
+        del engine.refuse["sleep"]
+        sync.before_train()
+        with pytest.raises(RuntimeError, match="send died"):
+            sync.push(update)
+        assert engine.routes()[-3:] == ["sleep", "wake_up", "wake_up"]
+        assert engine.asleep == [] and not sync.asleep  # the engine was woken anyway
+        sync.before_train()
+        engine.refuse["wake_up"] = "CUDA out of memory"
+        with pytest.raises(WeightSyncError, match=r"/wake_up \{'tags': \['weights'\]\}.*out of"):
+            sync.push(update)
+    finally:
+        sync.close()
+        engine.stop()
+
+
+def test_vllm_ipc_warns_at_setup_and_names_what_to_install(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CUDA IPC on a GPU and vLLM's sleep mode have not run in these tests: a user
+    starting a run is told so; without vLLM on the trainer, what to install."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is importable here: setup would need a GPU")
+    sync = VllmIpcSync(["http://127.0.0.1:9"], colocate=True)
+    with caplog.at_level("WARNING", logger="lightning.run.weight_sync"):
+        with pytest.raises(WeightSyncError, match=r"install vllm==0\.34\.0"):
+            sync.setup()
+    (record,) = caplog.records
+    assert "experimental" in record.message and "CUDA IPC" in record.message
+    assert "sleep mode" in record.message
+    sync.close()
+
+
+def test_colocate_with_vllm_needs_vllm_ipc() -> None:
+    from pydantic import ValidationError
+
+    from lightning.config import EngineSection
+
+    ok = EngineSection(kind="external", urls=["http://x/v1"], weight_sync="vllm-ipc", colocate=True)
+    assert ok.colocate
+    with pytest.raises(ValidationError, match=r"or 'vllm-ipc' \(vLLM\) \(it is 'vllm-nccl'\)"):
+        EngineSection(kind="external", urls=["http://x/v1"], weight_sync="vllm-nccl", colocate=True)
+    with pytest.raises(ValueError, match="vllm-ipc"):
+        make_weight_sync("vllm-nccl", ["http://x"], colocate=True)
+    assert FAKE_GPU_UUID  # the trainer script reports this UUID

@@ -72,11 +72,13 @@ VLLM_DISK_GONE = (
 )
 
 
-COLOCATE_NEEDS_TENSOR = (
+# The syncs that send CUDA IPC handles and can hand the engine's memory to the trainer.
+COLOCATE_SYNCS = ("sglang-tensor", "vllm-ipc")
+COLOCATE_NEEDS_IPC = (
     "[engine] colocate = true hands the engine's GPU memory to the trainer around each "
-    "step through SGLang's /release_memory_occupation and /resume_memory_occupation, "
-    "and needs weights sent as CUDA IPC handles: set weight_sync = 'sglang-tensor' "
-    "(it is {kind!r})"
+    "step (SGLang's /release_memory_occupation and /resume_memory_occupation, vLLM's "
+    "/sleep and /wake_up) and needs weights sent as CUDA IPC handles: set weight_sync = "
+    "'sglang-tensor' (SGLang) or 'vllm-ipc' (vLLM) (it is {kind!r})"
 )
 
 
@@ -99,6 +101,7 @@ class EngineSection(_Section):
         "sglang-distributed",
         "sglang-tensor",
         "vllm-nccl",
+        "vllm-ipc",
         "none",
     ] = "embedded"
     # For the distributed syncs: where the trainer hosts the transfer group, each
@@ -108,12 +111,13 @@ class EngineSection(_Section):
     sync_master_port: int = 0
     sync_world_sizes: list[int] = Field(default_factory=list)
     sync_pause: Literal["none", "abort", "retract"] = "none"
-    # sglang-distributed / vllm-nccl: MiB the trainer gathers per transfer (one
-    # SGLang call, one vLLM packed buffer); bounds its memory beyond the shards.
+    # The streaming syncs: MiB the trainer gathers per transfer (one SGLang call, one
+    # vLLM packed buffer); bounds its memory beyond the shards.
     sync_bucket_mb: int = Field(default=256, ge=1)
-    # sglang-tensor only: the engine shares the trainer's GPUs and gives back its
-    # weights, KV cache and CUDA graphs for each optimizer step (SGLang started with
-    # --enable-memory-saver); synchronous runs only (max_staleness = 0).
+    # sglang-tensor / vllm-ipc only: the engine shares the trainer's GPUs and gives
+    # back its memory for each optimizer step (SGLang started with
+    # --enable-memory-saver: weights, KV cache, CUDA graphs; vLLM with
+    # --enable-sleep-mode: /sleep?level=2); synchronous runs only (max_staleness = 0).
     colocate: bool = False
     host: str = "127.0.0.1"
     port: int = 0
@@ -140,9 +144,9 @@ class EngineSection(_Section):
     def _urls(self) -> EngineSection:
         if self.kind == "external" and not self.urls:
             raise ValueError("[engine] kind = 'external' needs `urls` (OpenAI base URLs, …/v1)")
-        if self.colocate and (self.kind != "external" or self.weight_sync != "sglang-tensor"):
+        if self.colocate and (self.kind != "external" or self.weight_sync not in COLOCATE_SYNCS):
             kind = "embedded" if self.kind == "embedded" else self.weight_sync
-            raise ValueError(COLOCATE_NEEDS_TENSOR.format(kind=kind))
+            raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))
         return self
 
 

@@ -8,14 +8,14 @@ the bytes and can be tested on a CPU.
 
 What a push carries, :class:`WeightUpdate`, is a directory or a stream. The disk
 paths (``embedded``, ``sglang-disk``) get an exported safetensors directory. The
-streaming paths (``sglang-distributed``, ``sglang-tensor``, ``vllm-nccl``;
+streaming paths (``sglang-distributed``, ``sglang-tensor``, ``vllm-nccl``, ``vllm-ipc``;
 ``WeightSync.streams``) get :class:`LiveWeights` (``lightning.rl.live_weights``): the trainer's live parameters, each FSDP2 shard gathered
 (``full_tensor()``) only when its turn comes, grouped into buckets of
 ``bucket_bytes`` (:func:`plan_buckets`, from shapes alone) that map to the engine's
 own unit of transfer: one SGLang ``update_weights_from_distributed`` call with
 ``load_format = "flattened_bucket"`` (one broadcast per bucket), one SGLang
 ``update_weights_from_tensor`` call (one flattened tensor per bucket), one vLLM
-packed buffer. Nothing is written to disk and the sender holds at most a bucket plus the
+packed buffer (one ``/update_weights`` per fill for ``vllm-ipc``). Nothing is written to disk and the sender holds at most a bucket plus the
 tensor being gathered (``LiveWeights.stats``; tests/test_weight_sync.py checks it on
 2 FSDP2 ranks; benches/weight_sync.py measures it against the disk path).
 
@@ -80,6 +80,19 @@ Engine APIs, with the sources every endpoint and payload was checked against:
     init-time fields (``NCCLTrainerInitInfo`` → the workers' init info), sent once
     by ``trainer_init`` with ``/init_weight_transfer_engine``.
 
+    ``vllm-ipc`` (``--weight-transfer-config '{"backend": "ipc"}'``, and
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; ``weight_transfer/ipc_engine.py``):
+    vLLM's ``IPCTrainerWeightTransferEngine`` sends ``/init_weight_transfer_engine
+    {"init_info": IPCWeightTransferInitInfo{packed}}`` once, then per push the same
+    phases, packed: one ``/update_weights {"update_info": IPCWeightTransferUpdateInfo
+    {names, dtype_names, shapes, ipc_handles_pickled, tensor_sizes}}`` per fill of its
+    one IPC-shared buffer (``packed_tensor.py`` ``packed_ipc_producer``), the handle
+    keyed by GPU UUID and pickled by :func:`vllm_ipc_json_safe`. Colocated, sleep mode
+    (``--enable-sleep-mode``; ``entrypoints/serve/dev/sleep/api_router.py``):
+    ``POST /sleep?level=2&mode=wait`` before the step, ``POST /wake_up?tags=weights``
+    before the transfer and ``?tags=kv_cache`` after it (answers ``{"status":
+    "awake"|"sleeping", "tags"}``); see :class:`VllmIpcSync`.
+
 Verified: SGLang's group join (the trainer side joins a group built by SGLang
 0.5.23's own ``init_custom_process_group`` in tests/test_weight_sync.py), and its
 flattened-bucket receive (SGLang's own ``FlattenedTensorBucket`` allocates and
@@ -90,7 +103,12 @@ on a CPU: CUDA IPC handles and SGLang's memory saver (``colocate`` is checked
 against a fake of its routes; ``sglang-tensor`` logs :data:`SGLANG_TENSOR_UNVERIFIED`
 at setup); vLLM's NCCL data plane (its receiver and
 ``NCCLTrainerWeightTransferEngine`` use PyNccl, GPU only); ``vllm-nccl`` logs
-:data:`VLLM_NCCL_UNVERIFIED` at setup.
+:data:`VLLM_NCCL_UNVERIFIED` at setup. ``vllm-ipc``: vLLM 0.34.0's own
+``IPCTrainerWeightTransferEngine``, ``IPCWeightTransferUpdateInfo`` parser and
+``unpack_tensor`` ran on CPU tensors (tests/vllm_ipc_trainer.py answers the engine's
+few device queries), bitwise; CUDA IPC handles and vLLM's sleep mode (checked
+against a fake of its routes) have not run, and it logs :data:`VLLM_IPC_UNVERIFIED`
+at setup.
 """
 
 from __future__ import annotations
@@ -108,13 +126,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from lightning.config import COLOCATE_NEEDS_TENSOR, VLLM_DISK_GONE
+from lightning.config import COLOCATE_NEEDS_IPC, COLOCATE_SYNCS, VLLM_DISK_GONE
 from lightning.rl.live_weights import (
     DEFAULT_BUCKET_BYTES,
     GatherStats,
     LiveWeights,
     TensorMeta,
     WeightSyncError,
+    _itemsize,
     meta_of,
     plan_buckets,
 )
@@ -143,8 +162,8 @@ class WeightUpdate:
 
     ``path``: an exported HF directory (safetensors), what the disk-based syncs
     (``embedded``, ``sglang-disk``) hand to the engine. ``source``: the live model
-    (:class:`LiveWeights`), what the process-group syncs (``sglang-distributed``,
-    ``vllm-nccl``) broadcast from, bucket by bucket, with nothing written to disk.
+    (:class:`LiveWeights`), what the streaming syncs (``sglang-distributed``,
+    ``sglang-tensor``, ``vllm-nccl``, ``vllm-ipc``) send from, bucket by bucket, with nothing written to disk.
     :meth:`tensors` and :meth:`metas` read whichever is set (the source first)."""
 
     version: int
@@ -443,8 +462,8 @@ def vllm_nccl_update_info(metas: Sequence[TensorMeta]) -> dict[str, Any]:
 
 
 class PlainTransport(Transport):
-    """For engines whose update info is built by a user-supplied function (vLLM's
-    IPC backend: CUDA IPC handles of tensors that live on the engine's GPU)."""
+    """For engines whose update info is built by a user-supplied function, with no
+    data plane of ours (``weight_sync = "vllm-ipc"`` is :class:`VllmIpcSync`)."""
 
     def __init__(self, update_info: Callable[[WeightUpdate], dict[str, Any]]) -> None:
         self._update_info = update_info
@@ -980,18 +999,24 @@ VLLM_NCCL_UNVERIFIED = (
 
 class _VllmClients:
     """vLLM's ``VLLMWeightSyncClient`` protocol (four methods, structural) over every
-    engine at once: vLLM's trainer engine drives it; each engine gets its own
-    ``rank_offset`` in the one transfer group."""
+    engine at once: vLLM's trainer engine drives it. With ``offsets`` (NCCL) each
+    engine gets its own ``rank_offset`` in the one transfer group; without (IPC) the
+    init info goes as vLLM's trainer built it."""
 
-    def __init__(self, sync: VllmNcclSync) -> None:
+    def __init__(
+        self, sync: WeightSync, offsets: dict[str, int] | None = None, world: int = 0
+    ) -> None:
         self.sync = sync
+        self.offsets, self.world = offsets, world
         self.version: str | None = None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         s = self.sync
 
         def one(root: str) -> None:
-            info = {**init_info, "rank_offset": s.offsets[root], "world_size": s.world}
+            info = dict(init_info)
+            if self.offsets is not None:
+                info |= {"rank_offset": self.offsets[root], "world_size": self.world}
             s._post(root, "/init_weight_transfer_engine", {"init_info": info})
 
         s._all(one)
@@ -999,8 +1024,10 @@ class _VllmClients:
     def start_weight_update(self) -> None:
         self.sync._all(lambda r: self.sync._post(r, "/start_weight_update"))
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        body = {"update_info": update_info}
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        infos = update_info if isinstance(update_info, list) else [update_info]
+        safe = [vllm_ipc_json_safe(i) for i in infos]
+        body = {"update_info": safe if isinstance(update_info, list) else safe[0]}
         self.sync._all(lambda r: self.sync._post(r, "/update_weights", body))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -1008,8 +1035,28 @@ class _VllmClients:
         self.sync._all(lambda r: self.sync._post(r, "/finish_weight_update", body))
 
 
-def _update_source() -> Any:
-    """A vLLM ``WeightSource`` over the update being pushed (rank 0 sends all)."""
+def vllm_ipc_json_safe(update_info: dict[str, Any]) -> dict[str, Any]:
+    """``update_info`` as JSON: vLLM's IPC trainer engine hands the client raw
+    ``ipc_handles`` (torch's ``reduce_tensor`` arguments: a storage class, bytes, a
+    dtype), which JSON cannot carry. vllm 0.34.0's worker-side
+    ``IPCWeightTransferUpdateInfo.__post_init__`` (``weight_transfer/ipc_engine.py``)
+    takes them instead as ``ipc_handles_pickled``, base64 of a pickle, and unpickles
+    it only when the server runs with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; giving
+    both fields is refused. Other backends' infos carry no handles and pass as they
+    are (what vLLM's own ``HTTPVLLMWeightSyncClient`` does, ``clients.py``)."""
+    handles = update_info.get("ipc_handles")
+    if handles is None:
+        return update_info
+    import pickle
+
+    out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
+    out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("ascii")
+    return out
+
+
+def _update_source(device: str = "cuda") -> Any:
+    """A vLLM ``WeightSource`` over the update being pushed (rank 0 sends all), its
+    tensors moved to ``device`` (a no-op for a model already there)."""
     from functools import cached_property
 
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
@@ -1037,8 +1084,11 @@ def _update_source() -> Any:
 
         def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
             assert self.update is not None
+            stats = self.update.stats
             for name, tensor in self.update.tensors():
-                yield name, tensor.cuda()  # a no-op for a model already on the GPU
+                if stats is not None:  # handed to vLLM's producer, which sends it all
+                    stats.sent_bytes += tensor.numel() * tensor.element_size()
+                yield name, tensor.to(device)
 
     return UpdateSource()
 
@@ -1069,7 +1119,7 @@ class VllmNcclSync(WeightSync):
         self.master_address, self.master_port, self.packed = master_address, master_port, packed
         self.bucket_bytes = bucket_bytes
         self.world, self.offsets = self._group_ranks(world_sizes)
-        self.client = _VllmClients(self)
+        self.client = _VllmClients(self, self.offsets, self.world)
         self.engine: Any = None
 
     def setup(self) -> None:
@@ -1109,6 +1159,188 @@ class VllmNcclSync(WeightSync):
         super().close()
 
 
+VLLM_IPC_UNVERIFIED = (
+    "weight_sync = 'vllm-ipc' is experimental: it drives vLLM's own trainer side "
+    "(vllm 0.34.0 IPCTrainerWeightTransferEngine, packed) through our HTTP client, and "
+    "lightning's tests ran that engine and vLLM's own update-info parser and unpacker on "
+    "CPU tensors, but CUDA IPC handles opened by a vLLM worker on the trainer's GPU"
+    "{sleep} have not run there"
+)
+
+# vllm 0.34.0 ``device_allocator/__init__.py`` DEFERRABLE_TAGS: what ``/wake_up?tags=``
+# can bring back one at a time (every other allocation comes back with the first).
+VLLM_WEIGHTS, VLLM_KV_CACHE = "weights", "kv_cache"
+# ``/sleep?level=2``: vllm 0.34.0 ``v1/worker/gpu_worker.py`` ``Worker.sleep`` discards
+# the parameters a weight update rewrites and keeps the rest (buffers, say) on the GPU;
+# level 1 would first copy every weight to pinned host memory, for nothing, since the
+# push that follows sends them all.
+VLLM_SLEEP_LEVEL = 2
+
+
+def vllm_packed_misaligned(metas: Sequence[TensorMeta], buffer_bytes: int) -> TensorMeta | None:
+    """The first tensor vllm 0.34.0's IPC worker could not unpack, or None.
+
+    ``packed_ipc_producer`` (``weight_transfer/packed_tensor.py``) copies tensors end
+    to end into its buffer, starting a new chunk when the next would overflow it
+    (:func:`plan_buckets` without alignment), and the worker's ``unpack_tensor``
+    views each slice of the uint8 buffer as its dtype, which torch allows only at a
+    byte offset that is a multiple of the item size (tests/test_weight_sync.py runs
+    vLLM's own unpacker on a misaligned chunk). Bf16-only models always pass; a
+    float32 tensor behind an odd number of bf16 elements does not."""
+    for bucket in plan_buckets(metas, buffer_bytes, aligned=False):
+        offset = 0
+        for m in bucket:
+            if offset % _itemsize(m.dtype):
+                return m
+            offset += m.nbytes
+    return None
+
+
+class VllmIpcSync(WeightSync):
+    """vLLM's IPC backend: the engine runs on the trainer's GPU and loads the
+    trainer's tensors through CUDA IPC handles, sent by vLLM's own
+    ``IPCTrainerWeightTransferEngine`` (needs ``vllm`` importable on the trainer);
+    experimental, see :data:`VLLM_IPC_UNVERIFIED`.
+
+    Packed (default): vLLM's producer copies the tensors ``iter_full`` yields into one
+    IPC-shared buffer of ``bucket_bytes`` (grown to the largest tensor, which it would
+    refuse otherwise) and sends one ``/update_weights`` per fill, waiting for each to
+    return before refilling, so the trainer holds that buffer and the tensor being
+    gathered. Unpacked: one ``/update_weights`` with a handle per tensor, every one kept
+    alive until the push ends. The server needs ``VLLM_SERVER_DEV_MODE=1``,
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the handles travel pickled, see
+    :func:`vllm_ipc_json_safe`) and ``--weight-transfer-config '{"backend": "ipc"}'``,
+    one worker per engine on the trainer's GPU, and one trainer process (vLLM's engine
+    all-gathers handles over the default process group, which the loop's other ranks
+    never join).
+
+    ``colocate``: vLLM's sleep mode around the optimizer step (``--enable-sleep-mode``).
+    :meth:`before_train` posts ``/sleep?level=2&mode=wait`` (:data:`VLLM_SLEEP_LEVEL`;
+    vLLM pauses its scheduler first, and the loop has drained the gateway); :meth:`push`
+    wakes ``weights``, runs the transfer, then wakes ``kv_cache``, whose answer must
+    be ``{"status": "awake"}``: vLLM resumes scheduling only once everything is back.
+    No ``/pause`` or ``/resume`` then: the sleep paused the scheduler, and ``/resume``
+    would restart it with the KV cache still asleep. A failed push still wakes
+    ``kv_cache``. Every route answers HTTP 200 on success; failures are vLLM's error
+    JSON with 4xx/5xx, so the status is the check."""
+
+    streams = True
+
+    def __init__(
+        self,
+        roots: Sequence[str],
+        *,
+        packed: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        colocate: bool = False,
+        device: str = "cuda",
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(roots, timeout_s=timeout_s)
+        self.packed, self.bucket_bytes, self.device = packed, bucket_bytes, device
+        self.colocated = colocate
+        self.client = _VllmClients(self)
+        self.engine: Any = None
+        self.source: Any = None
+        self.asleep = False
+
+    def setup(self) -> None:
+        log.warning(VLLM_IPC_UNVERIFIED.format(sleep=" and vLLM's sleep mode" * self.colocated))
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise WeightSyncError(
+                f"weight_sync = 'vllm-ipc' runs with one trainer process (this run has "
+                f"{dist.get_world_size()}): vLLM's IPC trainer engine all-gathers handles "
+                "from every rank, which lightning's other ranks do not join; use 'vllm-nccl'"
+            )
+        try:
+            from vllm.distributed.weight_transfer.ipc_engine import (
+                IPCTrainerInitInfo,
+                IPCTrainerWeightTransferEngine,
+            )
+        except ImportError as e:
+            raise WeightSyncError(
+                "weight_sync = 'vllm-ipc' sends through vLLM's own IPC trainer engine: "
+                f"install vllm==0.34.0 in the trainer's environment ({e})"
+            ) from e
+        self.source = _update_source(self.device)
+        info = IPCTrainerInitInfo(
+            packed=self.packed, packed_buffer_size_bytes=self.bucket_bytes, rank=0
+        )
+        # Posts /init_weight_transfer_engine {"init_info": {"packed"}} to every engine.
+        self.engine = IPCTrainerWeightTransferEngine.trainer_init(
+            info, client=self.client, source=self.source
+        )
+
+    def before_train(self) -> None:
+        if not self.colocated:
+            return
+        params = {"level": VLLM_SLEEP_LEVEL, "mode": "wait"}
+        self._all(lambda r: self._colocated(r, "/sleep", params))
+        self.asleep = True
+
+    def push(self, update: WeightUpdate) -> None:
+        if self.engine is None:
+            raise WeightSyncError("VllmIpcSync.push before setup()")
+        if not self.asleep:
+            # mode=wait: as VllmNcclSync; with no sleep, the scheduler runs.
+            self._all(lambda r: self._post(r, "/pause", params={"mode": "wait"}))
+            try:
+                self._send(update)
+            finally:
+                self._all(lambda r: self._post(r, "/resume"))
+            return
+        self._all(lambda r: self._colocated(r, "/wake_up", {"tags": [VLLM_WEIGHTS]}))
+        try:
+            self._send(update)
+        finally:
+            tags = {"tags": [VLLM_KV_CACHE]}
+            answers = self._all(lambda r: self._colocated(r, "/wake_up", tags))
+            self.asleep = False
+            for root, answer in zip(self.roots, answers, strict=True):
+                if not isinstance(answer, dict) or answer.get("status") != "awake":
+                    raise WeightSyncError(
+                        f"colocated engine {root}: still asleep after /wake_up?tags=kv_cache "
+                        f"({answer!r}), so vLLM keeps its scheduler paused; POST /wake_up "
+                        "with no tags wakes everything"
+                    )
+
+    def _send(self, update: WeightUpdate) -> None:
+        if self.packed:
+            # vLLM's producer refuses a tensor larger than its buffer; the buffer size
+            # is the trainer's alone (the worker reads sizes from each update info).
+            metas = update.metas()
+            size = max(self.bucket_bytes, max((m.nbytes for m in metas), default=0))
+            bad = vllm_packed_misaligned(metas, size)
+            if bad is not None:
+                raise WeightSyncError(
+                    f"{bad.name} ({bad.dtype}) would start at a byte offset that is not a "
+                    "multiple of its item size in vLLM's packed IPC buffer (vllm 0.34.0 packs "
+                    "tensors end to end, and its worker's unpack_tensor views the bytes as the "
+                    "dtype, which torch refuses there); nothing was sent. Build "
+                    "VllmIpcSync(urls, packed=False), or use 'vllm-nccl'"
+                )
+            self.engine.packed_buffer_size_bytes = size
+        self.source.use(update)
+        self.client.version = str(update.version)
+        self.engine.send_weights()
+
+    def _colocated(self, root: str, route: str, params: dict[str, Any]) -> Any:
+        try:
+            return self._post(root, route, params=params)
+        except WeightSyncError as e:
+            raise WeightSyncError(
+                f"colocated engine {root}: {route} {params} failed; vLLM needs "
+                f"--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 for it: {e}"
+            ) from e
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        super().close()
+
+
 class NoSync(WeightSync):
     """Engines that are not updated (evaluation-only runs, LoRA served elsewhere)."""
 
@@ -1129,10 +1361,10 @@ def make_weight_sync(
     colocate: bool = False,
 ) -> WeightSync:
     """The sync for ``[engine] weight_sync = kind`` (see the module docstring);
-    ``colocate`` only with ``sglang-tensor``."""
+    ``colocate`` only with ``sglang-tensor`` or ``vllm-ipc``."""
     roots = list(urls)
-    if colocate and kind != "sglang-tensor":
-        raise ValueError(COLOCATE_NEEDS_TENSOR.format(kind=kind))
+    if colocate and kind not in COLOCATE_SYNCS:
+        raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))
     if kind == "embedded":
         return EmbeddedSync(roots)
     if kind == "sglang-disk":
@@ -1163,10 +1395,13 @@ def make_weight_sync(
             roots, master_address, port, world_sizes=world_sizes, bucket_bytes=bucket_bytes
         )
     if kind == "vllm-ipc":
-        raise ValueError(
-            "weight_sync = 'vllm-ipc' needs a trainer colocated on the engine's GPU; build "
-            "VllmSync(urls, PlainTransport(update_info_fn)) in code with vLLM's IPC helpers"
-        )
+        if any(w != 1 for w in world_sizes or []):
+            raise ValueError(
+                f"weight_sync = 'vllm-ipc' with sync_world_sizes = {list(world_sizes or [])}: "
+                "the trainer exports CUDA IPC handles of its one GPU, so each engine must run "
+                "one worker on that GPU (tensor_parallel_size 1); use 'vllm-nccl' for more"
+            )
+        return VllmIpcSync(roots, bucket_bytes=bucket_bytes, colocate=colocate)
     if kind == "none":
         return NoSync(roots)
     raise ValueError(f"unknown weight_sync {kind!r}")
