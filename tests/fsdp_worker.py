@@ -77,7 +77,12 @@ def main() -> None:
         # Really sharded: parameters are DTensor shards, no DDP wrapper.
         assert tr.fsdp and tr.ddp is None
         assert all(hasattr(p, "full_tensor") for p in tr.params)
+        # The fused head (no [tokens, vocabulary] logits) runs under FSDP2 too: the
+        # head module's own forward, the unfused path, is never called.
+        head_calls: list[int] = []
+        tr.model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))  # type: ignore[operator]
         result: dict[str, object] = grads_per_mode(tr)
+        result["head_forwards"] = len(head_calls)
     elif mode == "mp":
         result = mixed_precision()
     else:

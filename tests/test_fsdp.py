@@ -54,6 +54,7 @@ def test_fsdp2_gradient_matches_single_process(tmp_path: Path) -> None:
     out = tmp_path / "grads.pt"
     _torchrun("grads", str(out), "packed")
     got = torch.load(out, weights_only=True)
+    assert got["head_forwards"] == 0  # the fused head ran, gathered by the root's call
     for mode in AGGREGATION_MODES:
         torch.testing.assert_close(got[mode], whole[mode], atol=1e-5, rtol=1e-4, msg=mode)
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 import numpy as np
 import torch
@@ -39,6 +39,8 @@ from torch.distributed.fsdp import FSDPModule
 from lightning.modes import BatchMode
 from lightning.rl.attention import TreePlan, plan_tree, segments, to_device, use_tree_attention
 from lightning.rl.losses import entropy_from_logits
+
+_T = TypeVar("_T")
 
 BATCH_MODES: tuple[str, ...] = get_args(BatchMode)
 
@@ -583,15 +585,9 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
-    """(decoder, lm_head) when the head is a plain linear layer we can fuse.
-
-    Not under FSDP2: the fused path calls the decoder and reads the head's
-    weight outside the root module's forward, where ``fully_shard`` has not
-    gathered the embedding and head parameters (they are still DTensor shards).
-    """
+    """(decoder, lm_head) when the head is a plain linear layer we can fuse
+    (under FSDP2 too, through :func:`_as_root_forward`)."""
     lm = _causal_lm(model)
-    if isinstance(lm, FSDPModule):
-        return None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
     if type(head) is not torch.nn.Linear or decoder is None or decoder is lm:
@@ -599,6 +595,24 @@ def _fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linea
     if getattr(lm.config, "final_logit_softcapping", None):
         return None
     return decoder, head
+
+
+def _as_root_forward(lm: torch.nn.Module, fn: Callable[[], _T]) -> _T:
+    """``fn()`` run as ``lm``'s own forward, through ``lm.__call__``.
+
+    Why: under FSDP2 the root unit's parameters (embeddings, final norm, the LM
+    head, tied or not) are gathered by hooks on the root's call and are DTensor
+    shards outside it. The fused head calls the decoder and reads the head's weight
+    itself, so it runs inside that call: the pre-forward hook gathers them (cast to
+    the compute dtype), the post-forward hook registers the backward hooks on what
+    ``fn`` returns, and the backward reduce-scatters their gradients as after the
+    model's own forward. The decoder layers are units of their own and gather
+    inside ``fn`` as usual."""
+    lm.forward = fn  # an instance attribute shadows the class's forward for one call
+    try:
+        return lm()
+    finally:
+        del lm.forward
 
 
 def _logits_to_keep(mb: MicroBatch) -> torch.Tensor:
@@ -654,13 +668,20 @@ def forward_logprobs(
     fused = _fused_head(model) if fuse_head and not entropy_grad else None
     if fused is not None:
         decoder, head = fused
-        return target_logprobs(
-            kept_hidden(model, decoder, mb),
-            head,
-            mb.gather,
-            mb.target_tokens,
-            temperature=temperature,
-            entropy=entropy,
+
+        def fused_logprobs() -> tuple[torch.Tensor, torch.Tensor | None]:
+            return target_logprobs(
+                kept_hidden(model, decoder, mb),
+                head,
+                mb.gather,
+                mb.target_tokens,
+                temperature=temperature,
+                entropy=entropy,
+            )
+
+        lm = _causal_lm(model)
+        return (
+            _as_root_forward(lm, fused_logprobs) if isinstance(lm, FSDPModule) else fused_logprobs()
         )
     out = model(
         input_ids=mb.input_ids,
