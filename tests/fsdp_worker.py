@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from lightning.rl import fsdp
 from split_case import batch, grads_per_mode, trainer
@@ -73,7 +74,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "grads":
-        tr = trainer(batching=sys.argv[3], micro_batch_tokens=40, parallel="fsdp2")
+        offload = sys.argv[4:] == ["offload"]
+        tr = trainer(
+            batching=sys.argv[3], micro_batch_tokens=40, parallel="fsdp2", cpu_offload=offload
+        )
         # Really sharded: parameters are DTensor shards, no DDP wrapper.
         assert tr.fsdp and tr.ddp is None
         assert all(hasattr(p, "full_tensor") for p in tr.params)
@@ -83,6 +87,11 @@ def main() -> None:
         tr.model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))  # type: ignore[operator]
         result: dict[str, object] = grads_per_mode(tr)
         result["head_forwards"] = len(head_calls)
+        # Which placement FSDP2 was given, for every unit of the policy.
+        units = [m for m in tr.model.modules() if isinstance(m, FSDPModule)]
+        result["offloaded"] = sorted(
+            {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in units}  # type: ignore[union-attr]
+        )
     elif mode == "mp":
         result = mixed_precision()
     else:

@@ -47,6 +47,7 @@ def test_loading_a_config_does_not_import_torch() -> None:
         ('[trainer]\nlr_schedule = "cosine"\n', "lr_schedule 'cosine' needs total_steps"),
         ('[trainer]\nestimator = "rloo"\n', r"set it as \[algorithm\] estimator"),
         ("[trainer]\nseed = 3\n", "set it as the top-level seed"),
+        ("[trainer]\ncpu_offload = true\n", "offloads FSDP2's shards to host memory: set parallel"),
     ],
 )
 def test_trainer_typos_fail_at_load_naming_the_field(

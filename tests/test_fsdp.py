@@ -49,12 +49,16 @@ def _torchrun(*args: str) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp2_gradient_matches_single_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "cpu-offload"])
+def test_fsdp2_gradient_matches_single_process(tmp_path: Path, offload: bool) -> None:
     whole = grads_per_mode(trainer(batching="padded", micro_batch_tokens=100_000))
     out = tmp_path / "grads.pt"
-    _torchrun("grads", str(out), "packed")
+    _torchrun("grads", str(out), "packed", *(["offload"] if offload else []))
     got = torch.load(out, weights_only=True)
     assert got["head_forwards"] == 0  # the fused head ran, gathered by the root's call
+    # cpu_offload reached every FSDP2 unit (on CPU ranks it moves nothing, so the
+    # gradients below must not change).
+    assert got["offloaded"] == (["CPUOffloadPolicy"] if offload else ["OffloadPolicy"])
     for mode in AGGREGATION_MODES:
         torch.testing.assert_close(got[mode], whole[mode], atol=1e-5, rtol=1e-4, msg=mode)
 

@@ -318,6 +318,11 @@ class TrainerSection(BaseModel):
     lora: LoraSettings | None = None
     # Under torchrun: "ddp" replicates the model, "fsdp2" shards it (lightning.rl.fsdp).
     parallel: Literal["ddp", "fsdp2"] = "ddp"
+    # fsdp2 only: the float32 shards (master weights, gradients, optimizer state)
+    # live in host memory and the optimizer step runs on the CPU; each unit's
+    # parameters are copied to the GPU just for its forward and backward
+    # (FSDP2's CPUOffloadPolicy). Less GPU memory, a slower step.
+    cpu_offload: bool = False
 
     # optimizer
     lr: float = Field(1e-6, gt=0)
@@ -398,6 +403,11 @@ class TrainerSection(BaseModel):
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps")
         if self.parallel == "fsdp2" and self.lora is not None:
             raise ValueError("parallel 'fsdp2' does not support lora yet; use parallel = 'ddp'")
+        if self.cpu_offload and self.parallel != "fsdp2":
+            raise ValueError(
+                "cpu_offload = true offloads FSDP2's shards to host memory: set "
+                "parallel = 'fsdp2' (and start the run under torchrun)"
+            )
         return self
 
 

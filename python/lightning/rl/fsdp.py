@@ -34,8 +34,18 @@ What stays the same as DDP, and why it needs care here:
    files, resharding on load to any world size); :func:`full_state_dict` gathers
    the whole model on rank 0 (CPU) for ``export_weights`` — a plain safetensors
    directory that engines load.
+6. CPU offload (``[trainer] cpu_offload``): ``CPUOffloadPolicy`` keeps the float32
+   shards, their gradients and the optimizer state in host memory, so the
+   optimizer step and gradient clipping run on the CPU; FSDP2 copies each unit's
+   shards to the GPU for its all-gather. The shards are therefore allocated on
+   the CPU (:func:`build_sharded`) while buffers go to the GPU, and collectives on
+   CPU tensors (the gradient norm, ``full_tensor()`` for the weight push and
+   export) need a gloo backend beside NCCL: the process group is
+   ``cpu:gloo,cuda:nccl`` (``lightning.run.distributed.init_from_env``). On this
+   project's CPU machines offload changes no placement (tests check the step equals
+   the plain FSDP2 one); it has not run on a GPU, and says so at start.
 
-Not supported yet: LoRA with FSDP2 (a config error), CPU offload, HSDP.
+Not supported yet: LoRA with FSDP2 (a config error), HSDP.
 """
 
 from __future__ import annotations
@@ -49,16 +59,26 @@ import torch
 import torch.distributed as dist
 
 
-def shard(model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def shard(
+    model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32, *, offload: bool = False
+) -> torch.nn.Module:
     """Apply ``fully_shard`` to every decoder layer, then to the root (in place).
-    Parameters are all-gathered in ``compute_dtype``; gradients reduced in float32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    Parameters are all-gathered in ``compute_dtype``; gradients reduced in float32.
+    ``offload``: the shards live in host memory (point 6 of the module docstring)."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # Pinned host memory makes the per-unit copies to the GPU asynchronous.
+    where = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     layers = _decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, offload_policy=where)
+    fully_shard(model, mp_policy=policy, offload_policy=where)
     return model
 
 
@@ -106,11 +126,13 @@ def build_sharded(
     compute_dtype: torch.dtype,
     storage_dtype: torch.dtype = torch.float32,
     prepare: Any = None,
+    offload: bool = False,
 ) -> torch.nn.Module:
     """The Hugging Face causal LM at ``path``, sharded, each rank materialising only
-    its shards (point 4 of the module docstring). ``prepare(model)`` runs on the
-    unsharded meta model (activation checkpointing must wrap layers before
-    ``fully_shard``). Collective: every rank calls it."""
+    its shards (point 4 of the module docstring), in host memory with ``offload``
+    (point 6). ``prepare(model)`` runs on the unsharded meta model (activation
+    checkpointing must wrap layers before ``fully_shard``). Collective: every rank
+    calls it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
@@ -121,9 +143,11 @@ def build_sharded(
     model.config.use_cache = False
     if prepare is not None:
         prepare(model)
-    shard(model, compute_dtype)
+    shard(model, compute_dtype, offload=offload)
     buffers = dict(model.named_buffers())
-    model.to_empty(device=device)  # this rank's shards: allocated, not yet filled
+    # This rank's shards: allocated, not yet filled (FSDP2 refuses offloaded shards
+    # anywhere but on the CPU).
+    model.to_empty(device="cpu" if offload else device)
     for name, value in buffers.items():  # to_empty left the buffers uninitialised
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = value.to(device)

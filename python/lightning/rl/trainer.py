@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import math
 import os
 import shutil
@@ -77,6 +78,14 @@ if TYPE_CHECKING:
     from lightning.rl.live_weights import LiveWeights
 
 __all__ = ["LoraSettings", "Trainer", "TrainerConfig"]
+
+log = logging.getLogger(__name__)
+
+CPU_OFFLOAD_UNVERIFIED = (
+    "cpu_offload = true is experimental on GPUs: FSDP2's CPUOffloadPolicy, the shards "
+    "allocated on the CPU and the gloo backend for their collectives ran in lightning's "
+    "tests on CPU ranks only, where offloading moves nothing (lightning/rl/fsdp.py, point 6)"
+)
 
 METRIC_KEYS = (
     "step",
@@ -344,11 +353,23 @@ class Trainer:
                 # Non-reentrant checkpointing works with DDP, FSDP2, LoRA and no_sync.
                 model.activation_checkpointing_enable({"use_reentrant": False})
 
+        if cfg.cpu_offload and not self.fsdp:
+            log.warning(
+                "cpu_offload applies to FSDP2 under torchrun; this single process keeps "
+                "its weights and optimizer state on %s",
+                self.device,
+            )
         if self.fsdp:  # FSDP2 hook: meta init, shard, load per shard (lightning.rl.fsdp)
             from lightning.rl import fsdp
 
+            if cfg.cpu_offload and self.device.type == "cuda":
+                log.warning(CPU_OFFLOAD_UNVERIFIED)
             model = fsdp.build_sharded(
-                cfg.model, self.device, compute_dtype=self.compute_dtype, prepare=prepare
+                cfg.model,
+                self.device,
+                compute_dtype=self.compute_dtype,
+                prepare=prepare,
+                offload=cfg.cpu_offload,
             )
         else:
             model = AutoModelForCausalLM.from_pretrained(
@@ -400,6 +421,7 @@ class Trainer:
                     self.device,
                     compute_dtype=self.compute_dtype,
                     storage_dtype=self.compute_dtype,
+                    offload=cfg.cpu_offload,
                 )
             else:
                 ref = AutoModelForCausalLM.from_pretrained(

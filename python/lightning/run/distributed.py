@@ -58,7 +58,9 @@ def init_from_env() -> tuple[int, int]:
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+        # CPU tensors get gloo (offloaded FSDP2 shards: their gradient norm and
+        # full_tensor() gathers), CUDA tensors NCCL; torch's own default pairing.
+        dist.init_process_group("cpu:gloo,cuda:nccl")
     else:
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
