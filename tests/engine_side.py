@@ -15,7 +15,10 @@ SGLang's ``load_format = "flattened_bucket"``); ``{"op": "tensor", "payloads", "
 "flat", "authkey", "out"}`` (one TP rank's ``update_weights_from_tensor`` payload,
 opened with SGLang's own code, written to ``out``); ``{"op": "vllm_ipc", "info",
 "packed", "uuid", "out"}`` (one vLLM ``/update_weights`` of the IPC backend, parsed and
-unpacked with vLLM's own code, ``--join vllm``); ``{"op": "quit"}``.
+unpacked with vLLM's own code, ``--join vllm``); ``{"op": "vllm_nccl_init" |
+"vllm_nccl_update", "info"}`` and ``{"op": "vllm_nccl_replay", "broadcasts", "out"}``
+(a vLLM worker of the NCCL backend, ``--join vllm``: see ``_VllmNcclWorker``);
+``{"op": "quit"}``.
 """
 
 from __future__ import annotations
@@ -169,6 +172,131 @@ def _open_vllm_ipc(cmd: dict[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
+class _VllmNcclWorker:
+    """One vLLM worker of the NCCL backend (vllm 0.34.0 ``weight_transfer/
+    nccl_engine.py`` ``NCCLWeightTransferEngine``, built with its own ``__init__``;
+    ``--join vllm``), with only its data plane stood in.
+
+    ``init``: vLLM's ``parse_init_info`` and ``init_transfer_engine``, which records
+    the wire params and joins the group through ``worker_init_process_group``; that
+    one name (PyNccl on the worker's GPU) is replaced by a call that notes the rank
+    vLLM's ``_worker_group_rank`` gives this worker and returns a stand-in
+    communicator. ``update``: ``parse_update_info``; the info is kept, as the real
+    worker's ``receive_weights`` would run it now, concurrently with the trainer's
+    broadcast. ``replay``: once the trainer's broadcasts are recorded
+    (tests/vllm_nccl_trainer.py), vLLM's ``receive_weights`` runs on each kept info
+    in turn — its ``src`` check, its reuse of the last info for an empty one, and
+    (packed) ``packed_nccl_broadcast_consumer``, which sizes every receive buffer
+    from the info — and the stand-in's ``broadcast`` fills each buffer from the
+    next recorded one, refusing one of another dtype or shape. The model's
+    ``load_weights`` keeps clones of what it is handed.
+
+    vLLM's model-reload module (``model_executor/model_loader/reload``) does not
+    import here (it needs ``cbor2`` and the GPU stack) and there is no model to
+    reload: its names stand in, and raise if the NCCL engine calls them (it calls
+    ``check_plannable``/``plan_loads``/``load_planned`` only with ``use_load_plan``,
+    which lightning never sends; ``start_reload``/``finish_reload`` belong to
+    ``/start_weight_update``/``/finish_weight_update``, not run here)."""
+
+    def __init__(self) -> None:
+        import sys
+        import types
+
+        import torch
+
+        from vllm_nccl_trainer import cpu_streams
+
+        cpu_streams()
+        reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+
+        def not_here(*args: Any, **kw: Any) -> None:
+            raise AssertionError("vLLM's model reload was called (use_load_plan?)")
+
+        for name in ("check_plannable", "plan_loads", "load_planned"):
+            setattr(reload, name, not_here)
+        sys.modules[reload.__name__] = reload
+        from vllm.distributed.weight_transfer import nccl_engine
+
+        self.nccl_engine = nccl_engine
+        self.got: list[tuple[str, Any]] = []
+        self.queue: list[tuple[int, Any]] = []
+        self.infos: list[Any] = []
+        worker = self
+
+        class Model(torch.nn.Module):
+            def load_weights(self, weights: Any) -> None:
+                worker.got.extend((name, t.clone()) for name, t in weights)
+
+        class Group:
+            device = torch.device("cpu")
+
+            def __init__(self, rank: int) -> None:
+                self.rank = rank
+
+            def broadcast(self, tensor: Any, src: int, stream: Any = None) -> None:
+                if not worker.queue:
+                    raise ValueError("a receive with no broadcast left")
+                sent_src, sent = worker.queue.pop(0)
+                if sent_src != src or sent.dtype != tensor.dtype or sent.shape != tensor.shape:
+                    raise ValueError(
+                        f"received into {tensor.dtype} {list(tensor.shape)} from {src}, "
+                        f"but {sent.dtype} {list(sent.shape)} was broadcast from {sent_src}"
+                    )
+                tensor.copy_(sent)
+
+            def destroy(self) -> None:
+                pass
+
+        self.group_cls = Group
+        parallel = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+        config = types.SimpleNamespace(parallel_config=parallel, model_config=None)
+        engine_cls = nccl_engine.NCCLWeightTransferEngine
+        self.engine = engine_cls(None, config, torch.device("cpu"), Model())
+
+    def init(self, info: dict[str, Any]) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        from vllm.distributed.weight_transfer.nccl_common import _worker_group_rank
+
+        parsed = self.engine.parse_init_info(info)
+        joined: dict[str, Any] = {}
+
+        def join(init_info: Any, parallel_config: Any) -> Any:
+            rank = _worker_group_rank(init_info.rank_offset, parallel_config)
+            joined.update(
+                rank=rank,
+                world_size=init_info.world_size,
+                master_address=init_info.master_address,
+                master_port=init_info.master_port,
+            )
+            return self.group_cls(rank)
+
+        self.nccl_engine.worker_init_process_group = join
+        self.engine.init_transfer_engine(parsed)
+        e = self.engine
+        wire = [e.rank_offset, e.packed, e.packed_buffer_size_bytes, e.packed_num_buffers]
+        return {"init": asdict(parsed), "joined": joined, "engine": wire}
+
+    def update(self, info: dict[str, Any]) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        parsed = self.engine.parse_update_info(info)
+        self.infos.append(parsed)
+        return {"update": asdict(parsed)}
+
+    def replay(self, broadcasts: str, out: str) -> dict[str, Any]:
+        import torch
+
+        self.queue = list(torch.load(broadcasts))
+        received = []
+        for info in self.infos:
+            self.got = []
+            self.engine.receive_weights(info)
+            received.append(dict(self.got))
+        torch.save(received, out)
+        return {"left": len(self.queue)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--join", choices=["sglang", "vllm", "lightning"], required=True)
@@ -178,12 +306,22 @@ def main() -> None:
     import torch.distributed as dist
 
     group = None
+    worker: _VllmNcclWorker | None = None
     for line in sys.stdin:
         cmd = json.loads(line)
+        answer: dict[str, Any]
         try:
-            if cmd["op"] == "join":
+            if cmd["op"].startswith("vllm_nccl_"):
+                worker = worker or _VllmNcclWorker()
+                if cmd["op"] == "vllm_nccl_init":
+                    answer = {"ok": True, **worker.init(cmd["info"])}
+                elif cmd["op"] == "vllm_nccl_update":
+                    answer = {"ok": True, **worker.update(cmd["info"])}
+                else:
+                    answer = {"ok": True, **worker.replay(cmd["broadcasts"], cmd["out"])}
+            elif cmd["op"] == "join":
                 group = join(cmd)
-                answer: dict[str, Any] = {"ok": True, "module": join.__name__}
+                answer = {"ok": True, "module": join.__name__}
             elif cmd["op"] == "vllm_ipc":
                 got = dict(_open_vllm_ipc(cmd))
                 torch.save(got, cmd["out"])

@@ -347,11 +347,22 @@ class FakeVllm(FakeEngine):
     ``{"status": "awake"|"sleeping", "tags"}``; scheduling resumes once nothing
     sleeps). Stricter than vLLM, which logs a warning and goes on: waking a tag that
     is not asleep, ``/update_weights`` with the weights asleep, ``/resume`` with the KV
-    cache asleep (400)."""
+    cache asleep (400).
 
-    def __init__(self, backend: Literal["nccl", "ipc"] = "nccl") -> None:
-        super().__init__("vllm" if backend == "ipc" else "lightning")
+    ``nccl`` with ``vllm_worker``: both bodies go instead to a vLLM worker of the NCCL
+    backend in the pinned vLLM's environment (tests/engine_side.py
+    ``_VllmNcclWorker``): vLLM's own ``parse_init_info`` / ``init_transfer_engine``
+    and ``parse_update_info``, their answers kept in ``worker_inits`` /
+    ``worker_updates``. The fake joins no group (the trainer's communicator is a
+    stand-in too, tests/vllm_nccl_trainer.py); :meth:`replay` later feeds the
+    trainer's recorded broadcasts to vLLM's ``receive_weights``."""
+
+    def __init__(self, backend: Literal["nccl", "ipc"] = "nccl", vllm_worker: bool = False) -> None:
+        super().__init__("vllm" if backend == "ipc" or vllm_worker else "lightning")
         self.backend = backend
+        self.vllm_worker = vllm_worker
+        self.worker_inits: list[dict[str, Any]] = []
+        self.worker_updates: list[dict[str, Any]] = []
         self.paused = False
         self.pause_modes: list[str] = []
         self.session = False
@@ -412,7 +423,10 @@ class FakeVllm(FakeEngine):
 
     def r_init_weight_transfer_engine(self, body: Any, query: dict[str, str]) -> Any:
         info = self._embedded(body, "init_info")
-        if self.backend == "nccl":
+        if self.vllm_worker:
+            self._start_side()
+            self.worker_inits.append(self._ask({"op": "vllm_nccl_init", "info": info}))
+        elif self.backend == "nccl":
             init = _parse(VllmNcclInit, info, 422)
             if init.packed:
                 raise _Refused(400, {"error": "fake receives unpacked broadcasts only"})
@@ -444,13 +458,33 @@ class FakeVllm(FakeEngine):
             raise _Refused(400, {"error": "start_weight_update must be called first"})
         if "weights" in self.asleep:
             raise _Refused(400, {"error": "update_weights with the weights asleep"})
-        if self.backend == "nccl":
+        if self.vllm_worker:
+            self.worker_updates.append(self._ask({"op": "vllm_nccl_update", "info": info}))
+        elif self.backend == "nccl":
             upd = _parse(VllmNcclUpdate, info, 422)
             self._receive(upd.names, upd.dtype_names, upd.shapes)
         else:
             self._receive_ipc(info)
         self.updates_in_session += 1
         return {"message": "Weights updated"}
+
+    def replay(self, broadcasts: Path) -> list[dict[str, Any]]:
+        """vLLM's ``receive_weights`` on every update info this fake was sent, in
+        order, fed the trainer's recorded broadcasts (``torch.save``d at
+        ``broadcasts``); what the model was handed, per update. Refuses (400) if
+        a broadcast is left over."""
+        import tempfile
+
+        import torch
+
+        with tempfile.TemporaryDirectory(dir=self.scratch) as d:
+            out = str(Path(d) / "got.pt")
+            answer = self._ask(
+                {"op": "vllm_nccl_replay", "broadcasts": str(broadcasts), "out": out}
+            )
+            if answer["left"]:
+                raise _Refused(400, {"error": f"{answer['left']} broadcasts never received"})
+            return list(torch.load(out))
 
     def _receive_ipc(self, info: Any) -> None:
         import tempfile

@@ -733,6 +733,10 @@ def test_sglang_tensor_warns_at_setup_what_has_not_run(
 def _vllm_ipc_trainer(root: str, tmp_path: Path, *flags: str) -> dict[str, Any]:
     """Run tests/vllm_ipc_trainer.py (VllmIpcSync with vLLM's own trainer engine) in
     the pinned vLLM's environment, in an empty working directory."""
+    return _vllm_trainer("vllm_ipc_trainer.py", tmp_path, "--root", root, *flags)
+
+
+def _vllm_trainer(script_name: str, tmp_path: Path, *flags: str) -> dict[str, Any]:
     import subprocess
 
     import lightning
@@ -740,9 +744,9 @@ def _vllm_ipc_trainer(root: str, tmp_path: Path, *flags: str) -> dict[str, Any]:
 
     work, out = tmp_path / "work", tmp_path / "result.pt"
     work.mkdir()
-    script = Path(__file__).with_name("vllm_ipc_trainer.py")
+    script = Path(__file__).with_name(script_name)
     env = {**os.environ, "PYTHONPATH": str(Path(lightning.__file__).resolve().parents[1])}
-    cmd = [str(engines_python("vllm")), str(script), "--root", root, "--out", str(out), *flags]
+    cmd = [str(engines_python("vllm")), str(script), "--out", str(out), *flags]
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(torch.load(out))
@@ -800,6 +804,104 @@ def test_vllm_ipc_runs_vllms_own_trainer_engine_parser_and_unpacker(
     assert got["sent"] == [sum(m.nbytes for m in metas)] * 2
     assert got["json_safe"] and got["cwd"] == []
     assert torch.equal(got["tensors"]["lm_head.weight"], tensors["lm_head.weight"])
+
+
+# -- vllm-nccl: vLLM's own trainer engine and packer, worker parsers and receive -------
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_vllm_nccl_runs_vllms_own_trainer_engine_and_worker_parsers(
+    tmp_path: Path, packed: bool
+) -> None:
+    """Two pushes through vllm 0.34.0's ``NCCLTrainerWeightTransferEngine`` to two
+    engines (tests/vllm_nccl_trainer.py; only PyNccl is stood in, by a communicator
+    that records what vLLM broadcasts). Each engine's init info is accepted by vLLM's
+    worker-side ``parse_init_info``/``init_transfer_engine`` with its own rank offset
+    in a group of 3 and the trainer's wire params; every update info by
+    ``parse_update_info``; then vLLM's ``receive_weights`` (packed: its
+    ``packed_nccl_broadcast_consumer``) unpacks the recorded broadcasts, bitwise equal
+    to the weights pushed. The second push reuses the first's metadata: vLLM sends
+    empty lists and the worker falls back on what it kept."""
+    from vllm_ipc_trainer import weights
+
+    engines = [FakeVllm("nccl", vllm_worker=True) for _ in range(2)]
+    port = _port()
+    flags = ["--port", str(port), "--bucket", "300", *["--unpacked"] * (not packed)]
+    recorded = tmp_path / "broadcasts.pt"
+    try:
+        got = _vllm_trainer(
+            "vllm_nccl_trainer.py", tmp_path, "--roots", *[e.root for e in engines], *flags
+        )
+        assert got["error"] is None
+        torch.save(got["broadcasts"], recorded)
+        received = [e.replay(recorded) for e in engines]
+    finally:
+        for e in engines:
+            e.stop()
+    step = ["pause", "start_weight_update", "update_weights", "finish_weight_update", "resume"]
+    for e in engines:
+        assert e.routes() == ["init_weight_transfer_engine", *step * 2]
+        assert e.pause_modes == ["wait", "wait"] and not e.paused and e.version == "2"
+    # The trainer's endpoint: rank 0 of trainer + 2 workers, at our address.
+    address = {"master_address": "127.0.0.1", "master_port": port}
+    assert got["endpoint"] == {**address, "world_size": 3, "rank": 0}
+    assert got["destroyed"]
+    # Init: vLLM's parser took every field; each worker joins at its own rank.
+    offsets = []
+    for e in engines:
+        (init,) = e.worker_inits
+        offset = init["init"]["rank_offset"]
+        offsets.append(offset)
+        assert init["init"] == {
+            **address,
+            "rank_offset": offset,
+            "world_size": 3,
+            "nccl_unique_id_b64": None,
+            "packed": packed,
+            "packed_buffer_size_bytes": 300,
+            "packed_num_buffers": 2,
+            "use_load_plan": False,
+            "metadata": None,
+        }
+        assert init["joined"] == {**address, "rank": offset, "world_size": 3}
+        assert init["engine"] == [offset, packed, 300, 2]
+    assert sorted(offsets) == [1, 2]
+    # Updates: vLLM's parser took both; the second is vLLM's reuse (empty lists).
+    tensors = [weights(1), weights(2)]
+    metas = LiveWeights(tensors[0].items()).metas()
+    first = {
+        "names": [m.name for m in metas],
+        "dtype_names": [m.dtype for m in metas],
+        "shapes": [m.shape for m in metas],
+        "src": 0,
+    }
+    empty = {"names": [], "dtype_names": [], "shapes": [], "src": 0}
+    for e in engines:
+        assert [u["update"] for u in e.worker_updates] == [first, empty]
+    # The broadcasts: packed, vLLM's chunks (flushed once past the buffer size).
+    sizes = [m.nbytes for m in metas]
+    if packed:
+        chunks, fill = [], 0
+        for size in sizes:
+            fill += size
+            if fill > 300:
+                chunks, fill = [*chunks, fill], 0
+        chunks += [fill] * (fill > 0)
+        assert len(chunks) >= 3  # several chunks, and two buffers reused
+        want = [(0, torch.uint8, (c,)) for c in chunks]
+    else:
+        want = [(0, getattr(torch, m.dtype), tuple(m.shape)) for m in metas]
+    assert [(s, t.dtype, tuple(t.shape)) for s, t in got["broadcasts"]] == want * 2
+    # The bytes, through vLLM's own receive on each worker.
+    for per_update in received:
+        assert len(per_update) == 2
+        for step_got, pushed in zip(per_update, tensors, strict=True):
+            assert list(step_got) == list(pushed)
+            for name, t in pushed.items():
+                assert step_got[name].dtype == t.dtype and step_got[name].shape == t.shape
+                assert torch.equal(step_got[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert got["sent"] == [sum(sizes)] * 2
+    assert got["cwd"] == []
 
 
 def test_vllm_packed_ipc_refuses_what_vllms_unpacker_cannot_view(tmp_path: Path) -> None:

@@ -101,8 +101,15 @@ own ``MultiprocessingSerializer.deserialize`` and ``FlattenedTensorBucket`` open
 every TP rank's payload of every bucket, bitwise, on CPU tensors). Not verified
 on a CPU: CUDA IPC handles and SGLang's memory saver (``colocate`` is checked
 against a fake of its routes; ``sglang-tensor`` logs :data:`SGLANG_TENSOR_UNVERIFIED`
-at setup); vLLM's NCCL data plane (its receiver and
-``NCCLTrainerWeightTransferEngine`` use PyNccl, GPU only); ``vllm-nccl`` logs
+at setup). ``vllm-nccl``: vLLM 0.34.0's own ``NCCLTrainerWeightTransferEngine``
+(``trainer_init``'s checks and worker init payload, ``send_weights``, the update
+infos it builds, its packed producer) ran on CPU tensors to two fake engines whose
+bodies went to vLLM's own worker-side ``parse_init_info``/``init_transfer_engine``
+(each engine's rank offset, the wire params) and ``parse_update_info``, and vLLM's
+``receive_weights`` (packed: ``packed_nccl_broadcast_consumer``) unpacked what the
+trainer broadcast, bitwise (tests/vllm_nccl_trainer.py, engine_side.py); the data
+plane was a stand-in there: PyNccl (the group join over vLLM's
+``StatelessProcessGroup``, the broadcast, CUDA streams) has not run, and it logs
 :data:`VLLM_NCCL_UNVERIFIED` at setup. ``vllm-ipc``: vLLM 0.34.0's own
 ``IPCTrainerWeightTransferEngine``, ``IPCWeightTransferUpdateInfo`` parser and
 ``unpack_tensor`` ran on CPU tensors (tests/vllm_ipc_trainer.py answers the engine's
@@ -991,9 +998,10 @@ class VllmSync(WeightSync):
 
 VLLM_NCCL_UNVERIFIED = (
     "weight_sync = 'vllm-nccl' is experimental: it drives vLLM's own trainer side "
-    "(vllm 0.34.0 NCCLTrainerWeightTransferEngine) through our HTTP client, but its "
-    "PyNccl data plane needs CUDA and has not run in lightning's tests; only the "
-    "payload shapes were checked, against vLLM's source"
+    "(vllm 0.34.0 NCCLTrainerWeightTransferEngine, packed) through our HTTP client, and "
+    "lightning's tests ran that engine, vLLM's worker-side init/update parsers and its "
+    "receive on CPU tensors, but with a stand-in for the data plane: PyNccl (the group "
+    "join and the NCCL broadcast on CUDA) has not run there"
 )
 
 
@@ -1100,7 +1108,10 @@ class VllmNcclSync(WeightSync):
 
     Packed (default): vLLM's producer packs the tensors ``iter_full`` yields into
     ``packed_num_buffers`` (2) buffers of ``bucket_bytes`` each and broadcasts them
-    in turn, so the sender holds those buffers and the tensor being gathered."""
+    in turn, so the sender holds those buffers and the tensor being gathered.
+
+    ``device``: where the tensors go before vLLM's engine sees them (the
+    communicator's GPU; tests/vllm_nccl_trainer.py runs the engine on the CPU)."""
 
     streams = True
 
@@ -1113,11 +1124,12 @@ class VllmNcclSync(WeightSync):
         world_sizes: Sequence[int] | None = None,
         packed: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: str = "cuda",
         timeout_s: float = 600.0,
     ) -> None:
         super().__init__(roots, timeout_s=timeout_s)
         self.master_address, self.master_port, self.packed = master_address, master_port, packed
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.device = bucket_bytes, device
         self.world, self.offsets = self._group_ranks(world_sizes)
         self.client = _VllmClients(self, self.offsets, self.world)
         self.engine: Any = None
@@ -1129,7 +1141,7 @@ class VllmNcclSync(WeightSync):
             NCCLTrainerWeightTransferEngine,
         )
 
-        self.source = _update_source()
+        self.source = _update_source(self.device)
         info = NCCLTrainerInitInfo(
             master_address=self.master_address,
             master_port=self.master_port,
