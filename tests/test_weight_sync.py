@@ -272,6 +272,22 @@ def test_config_names_the_replacement_of_vllm_disk() -> None:
         EngineSection(kind="external", urls=["http://x/v1"], weight_sync="vllm-disk")
 
 
+def test_config_offers_exactly_the_syncs_make_weight_sync_builds() -> None:
+    """``[engine] weight_sync`` and ``SyncKind`` list the same kinds (the config adds
+    only "sglang", the older name of "sglang-disk"): a kind added to one and not the
+    other would load and then fail, or never be reachable from a config."""
+    from typing import get_args
+
+    from lightning.config import EngineSection
+    from lightning.run.weight_sync import SyncKind
+
+    offered = set(get_args(EngineSection.model_fields["weight_sync"].annotation))
+    assert offered - {"sglang"} == set(get_args(SyncKind))
+    for kind in get_args(SyncKind):
+        url = ["http://127.0.0.1:9/v1"]
+        make_weight_sync(kind, url, world_sizes=[1]).close()
+
+
 # -- no disk: buckets from the live model ------------------------------------------
 
 
