@@ -471,7 +471,8 @@ class Run:
             row["eval_harnesses"] = cells
         return row
 
-    def _rollouts(self, step: int) -> list[RolloutResult]:
+    def generate(self, step: int) -> list[RolloutResult]:
+        """Run the rollouts of ``step`` to completion (the schedule decides when)."""
         return self.runner.run(self._jobs(step), mode="train")
 
     def _jobs(self, step: int) -> list[tuple[dict[str, Any], str]]:
@@ -527,7 +528,7 @@ class Run:
         gateway recorded when they started; the version is bumped only after the
         engines hold the new weights, so a recorded version is never newer than the
         weights that served the call."""
-        drain = self.config.algorithm.max_staleness == 0
+        drain = not self.config.algorithm.asynchronous
         if drain:
             self.client.pause(drain=True, timeout_s=120.0)
         try:
@@ -596,12 +597,6 @@ class Run:
                 )
                 f.write(json.dumps(rows[-1]) + "\n")
         self.tracking.traces(step, rows)
-
-    def step(self, step: int) -> dict[str, Any]:
-        t0 = time.monotonic()
-        results = self._rollouts(step)
-        self.phases.record("generate", t0, time.monotonic())
-        return self.train_on(step, results, t0=t0)
 
     def train_on(self, step: int, results: list[RolloutResult], *, t0: float) -> dict[str, Any]:
         """Merge, train and push the weights of one step from its finished rollouts."""
@@ -681,13 +676,23 @@ class Run:
             self._append_metrics({"step": -1, **before})
         else:
             self._say(f"resuming at step {start}")
-        from lightning.run.staleness import RolloutPipeline
+        from lightning.run.staleness import schedule
 
-        pipeline = RolloutPipeline.for_run(self, start)  # None when max_staleness = 0
+        batches = schedule(
+            cfg.algorithm,
+            self.generate,
+            self.phases,
+            start=start,
+            steps=cfg.steps,
+            version=int(self.state["weight_version"]),
+            timeout_s=max(h.timeout_s for h in cfg.all_harnesses()),
+        )
         self.phases.mark()
-        with _progress(cfg.steps, start, quiet=self.quiet) as tick, pipeline or _nothing():
-            for step in range(start, cfg.steps):
-                metrics = self.step(step) if pipeline is None else pipeline.step(step)
+        with _progress(cfg.steps, start, quiet=self.quiet) as tick, batches:
+            for batch in batches.batches():
+                step = batch.step
+                metrics = self.train_on(step, batch.results, t0=batch.t0)
+                batches.published(step + 1)
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                     metrics.update(self._eval_row(f"after step {step + 1}"))
                 self._append_metrics(metrics)
@@ -730,11 +735,6 @@ class Run:
         final = self.out / "checkpoints" / "latest"
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @contextlib.contextmanager
