@@ -556,21 +556,20 @@ class Run:
     def _write_traces(
         self, step: int, results: Sequence[RolloutResult], merged: Any, rewards: dict[str, float]
     ) -> None:
-        from lightning.run.report import decode_pieces
+        """The first sample of a few rollouts, decoded, to ``traces.jsonl`` (the
+        report's traces and ``lightning show --run``) and to the trackers."""
+        from lightning.traces import divergence_rows, sample_row, trace_record
 
         n = self.config.traces_per_step
         if n <= 0:
             return
-        by_rollout: dict[str, list[Any]] = {}
+        first: dict[str, Any] = {}
         for sample in merged.samples:
-            by_rollout.setdefault(sample.rollout_id, []).append(sample)
-        divs: dict[str, list[dict[str, Any]]] = {}
-        for d in merged.divergences:
-            divs.setdefault(d.rollout_id, []).append({"position": int(d.position), "kind": d.kind})
+            first.setdefault(sample.rollout_id, sample)
         tasks = {r.rollout_id: r.task for r in results}
         # Round-robin over harnesses, so each harness of the step shows.
         per_harness: dict[str, list[str]] = {}
-        for rid in by_rollout:
+        for rid in first:
             per_harness.setdefault(harness_of(tasks.get(rid)), []).append(rid)
         order = [
             rid
@@ -581,19 +580,16 @@ class Run:
         rows = []
         with open(self.out / "traces.jsonl", "a") as f:
             for rid in order[:n]:
-                sample = by_rollout[rid][0]
-                pieces = decode_pieces([int(t) for t in sample.tokens], self.tokenizer.decode)
                 rows.append(
-                    {
-                        "step": step,
-                        "rollout_id": rid,
-                        "reward": rewards.get(rid),
-                        "pieces": pieces,
-                        "weights": [float(w) for w in sample.weights],
-                        "divergences": divs.get(rid, []),
-                        "task": tasks.get(rid),
-                        "harness": harness_of(tasks.get(rid)),
-                    }
+                    trace_record(
+                        sample_row(first[rid], self.tokenizer),
+                        divergence_rows(merged, rid),
+                        step=step,
+                        rollout_id=rid,
+                        reward=rewards.get(rid),
+                        task=tasks.get(rid),
+                        harness=harness_of(tasks.get(rid)),
+                    )
                 )
                 f.write(json.dumps(rows[-1]) + "\n")
         self.tracking.traces(step, rows)
