@@ -22,7 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": ("lightning.engine.server:serve", "run the embedded OpenAI-compatible engine"),
     "data": (
-        "lightning.run.tasks:main",
+        "lightning.data.cli:main",
         "clean tasks: normalize, dedupe, filter, split, decontaminate",
     ),
     "report": (

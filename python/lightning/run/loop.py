@@ -65,8 +65,8 @@ SERVED_MODEL_NAME = "policy"
 
 
 def read_tasks(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Tasks from JSONL, Parquet or a saved HF dataset (see `lightning.run.tasks`)."""
-    from lightning.run.tasks import load_records
+    """Tasks from JSONL, Parquet or a saved HF dataset (see `lightning.data.files`)."""
+    from lightning.data.files import load_records
 
     tasks = load_records(path)
     if not tasks:
