@@ -459,7 +459,9 @@ class Run:
                 )
             # What each harness cost at this eval (the only costs an eval_only one has).
             try:
-                merged = self.client.step([r.rollout_id for r in results], tokenizer=self.tokenizer)
+                merged = self.client.read_step(
+                    [r.rollout_id for r in results], tokenizer=self.tokenizer
+                )
                 costs = harness_costs(results, merged, tokenizer=self.tokenizer)
                 for name, c in costs.items():
                     cells[name]["costs"] = c
@@ -626,7 +628,7 @@ class Run:
         ]
         # One read of the store: calls, rewards and groups as they are on disk
         # (what trains is what was recorded), merged with drift classified.
-        merged = self.client.step(usable, tokenizer=self.tokenizer)
+        merged = self.client.read_step(usable, tokenizer=self.tokenizer)
         # Asynchronous hook: the staleness bound, checked again at use.
         merged, stale = enforce_at_use(self, step, merged, results)
         unrewarded = sum(r.reward is None for r in merged.rollouts)

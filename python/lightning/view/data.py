@@ -264,7 +264,7 @@ class View:
             records = s.records(rollout_id)
             # Drift causes need the policy's own tokenizer (a plain decoder leaves them unclassified).
             tok = self.tokenizer if isinstance(self.tokenizer, Tokenizer) else None
-            merged = s.step([rollout_id], tokenizer=tok)
+            merged = s.read_step([rollout_id], tokenizer=tok)
             events = reader.events(rollout_id)
             return info[0], records, merged, events
 
