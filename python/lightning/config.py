@@ -27,6 +27,13 @@ from lightning.modes import (
     OldLogprobs,
     RatioLevel,
 )
+from lightning.sync.kinds import (
+    COLOCATE_NEEDS_IPC,
+    COLOCATE_SYNCS,
+    VLLM_DISK_GONE,
+    ConfigSyncKind,
+    PauseMode,
+)
 
 
 class _Section(BaseModel):
@@ -65,23 +72,6 @@ class ModelSection(_Section):
         return path
 
 
-VLLM_DISK_GONE = (
-    "weight_sync = 'vllm-disk' was removed: no vLLM release has a disk weight-transfer "
-    "backend (vLLM 0.34.0 has nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n); use "
-    "'vllm-nccl', or 'sglang-disk' with SGLang"
-)
-
-
-# The syncs that send CUDA IPC handles and can hand the engine's memory to the trainer.
-COLOCATE_SYNCS = ("sglang-tensor", "vllm-ipc")
-COLOCATE_NEEDS_IPC = (
-    "[engine] colocate = true hands the engine's GPU memory to the trainer around each "
-    "step (SGLang's /release_memory_occupation and /resume_memory_occupation, vLLM's "
-    "/sleep and /wake_up) and needs weights sent as CUDA IPC handles: set weight_sync = "
-    "'sglang-tensor' (SGLang) or 'vllm-ipc' (vLLM) (it is {kind!r})"
-)
-
-
 class EngineSection(_Section):
     """Where generation happens.
 
@@ -92,25 +82,16 @@ class EngineSection(_Section):
 
     kind: Literal["embedded", "external"] = "embedded"
     urls: list[str] = Field(default_factory=list)
-    # How new weights reach external engines (lightning.run.weight_sync; "sglang" is
-    # the older name of "sglang-disk").
-    weight_sync: Literal[
-        "embedded",
-        "sglang",
-        "sglang-disk",
-        "sglang-distributed",
-        "sglang-tensor",
-        "vllm-nccl",
-        "vllm-ipc",
-        "none",
-    ] = "embedded"
+    # How new weights reach external engines (lightning.sync; its kinds.py lists
+    # them, with "sglang" the older name of "sglang-disk").
+    weight_sync: ConfigSyncKind = "embedded"
     # For the distributed syncs: where the trainer hosts the transfer group, each
     # engine's number of workers (TP x PP x DP; default 1 each), and for SGLang an
     # optional pause around updates ("none": in-flight requests finish first).
     sync_master_address: str = "127.0.0.1"
     sync_master_port: int = 0
     sync_world_sizes: list[int] = Field(default_factory=list)
-    sync_pause: Literal["none", "abort", "retract"] = "none"
+    sync_pause: PauseMode = "none"
     # The streaming syncs: MiB the trainer gathers per transfer (one SGLang call, one
     # vLLM packed buffer); bounds its memory beyond the shards.
     sync_bucket_mb: int = Field(default=256, ge=1)
