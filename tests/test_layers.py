@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"modes", "model_cache"},
     {"gateway"},
     {"lightning"},
+    {"sync"},
     {"config"},
     {"engine"},
     {"rl"},

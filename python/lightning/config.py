@@ -27,6 +27,13 @@ from lightning.modes import (
     OldLogprobs,
     RatioLevel,
 )
+from lightning.sync.kinds import (
+    COLOCATE_NEEDS_IPC,
+    COLOCATE_SYNCS,
+    VLLM_DISK_GONE,
+    ConfigSyncKind,
+    PauseMode,
+)
 
 
 class _Section(BaseModel):
@@ -74,23 +81,6 @@ class ModelSection(_Section):
         return path
 
 
-VLLM_DISK_GONE = (
-    "weight_sync = 'vllm-disk' was removed: no vLLM release has a disk weight-transfer "
-    "backend (vLLM 0.34.0 has nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n); use "
-    "'vllm-nccl', or 'sglang-disk' with SGLang"
-)
-
-
-# The syncs that send CUDA IPC handles and can hand the engine's memory to the trainer.
-COLOCATE_SYNCS = ("sglang-tensor", "vllm-ipc")
-COLOCATE_NEEDS_IPC = (
-    "[engine] colocate = true hands the engine's GPU memory to the trainer around each "
-    "step (SGLang's /release_memory_occupation and /resume_memory_occupation, vLLM's "
-    "/sleep and /wake_up) and needs weights sent as CUDA IPC handles: set weight_sync = "
-    "'sglang-tensor' (SGLang) or 'vllm-ipc' (vLLM) (it is {kind!r})"
-)
-
-
 class EngineSection(_Section):
     """Where generation happens.
 
@@ -109,19 +99,10 @@ class EngineSection(_Section):
         description="OpenAI base URLs (ending in /v1) of the external engines; required when "
         "kind = 'external'.",
     )
-    weight_sync: Literal[
-        "embedded",
-        "sglang",
-        "sglang-disk",
-        "sglang-distributed",
-        "sglang-tensor",
-        "vllm-nccl",
-        "vllm-ipc",
-        "none",
-    ] = Field(
+    weight_sync: ConfigSyncKind = Field(
         "embedded",
         description="How new weights reach the engines after each step "
-        "(`lightning.run.weight_sync`): `embedded` for the embedded engine; `sglang-disk` "
+        "(`lightning.sync`, whose kinds.py lists them): `embedded` for the embedded engine; `sglang-disk` "
         "(older name `sglang`), `sglang-distributed`, `sglang-tensor`, `vllm-nccl` or "
         "`vllm-ipc` for external engines; `none` never updates them (eval-only runs).",
     )
@@ -138,7 +119,7 @@ class EngineSection(_Section):
         description="Distributed syncs: each engine's number of workers (TP x PP x DP), in "
         "`urls` order; empty means 1 each.",
     )
-    sync_pause: Literal["none", "abort", "retract"] = Field(
+    sync_pause: PauseMode = Field(
         "none",
         description="SGLang distributed syncs: what happens to in-flight requests during an "
         "update; `none` lets them finish first.",

@@ -54,7 +54,7 @@ from lightning.run.harnesses import (
 )
 from lightning.run.runner import RolloutResult, Runner, load_callable
 from lightning.run.stats import Interval
-from lightning.run.weight_sync import WeightSync, WeightUpdate, make_weight_sync
+from lightning.sync import WeightSync, WeightUpdate, make_weight_sync
 
 log = logging.getLogger("lightning.run.loop")
 
@@ -184,11 +184,10 @@ def _make_launcher(h: HarnessSection) -> Any:
 
 
 def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
-    """The engines' own weight-update API (lightning.run.weight_sync, DESIGN.md §7)."""
+    """The engines' own weight-update API (lightning.sync, DESIGN.md §7)."""
     e = cfg.engine
-    kind = "embedded" if e.kind == "embedded" else e.weight_sync
     return make_weight_sync(
-        "sglang-disk" if kind == "sglang" else kind,
+        "embedded" if e.kind == "embedded" else e.weight_sync,
         upstreams,
         master_address=e.sync_master_address,
         master_port=e.sync_master_port,
