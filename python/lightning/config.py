@@ -439,6 +439,12 @@ class AlgorithmSection(_Section):
         "run its task again on the current weights; either is counted in the step's metrics.",
     )
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether rollouts overlap training: the one place a run is decided
+        synchronous or asynchronous (everything else asks this)."""
+        return self.max_staleness > 0
+
 
 class TrackingSection(_Section):
     """Where else the per-step metrics and a few traces go (``lightning.run.tracking``)."""
@@ -901,7 +907,7 @@ class RunConfig(_Section):
     def _colocate_is_synchronous(self) -> RunConfig:
         # A colocated engine has no memory while the trainer steps, and SGLang
         # refuses to release it while requests run: rollouts cannot overlap training.
-        if self.engine.colocate and self.algorithm.max_staleness > 0:
+        if self.engine.colocate and self.algorithm.asynchronous:
             raise ValueError(
                 "[engine] colocate = true needs a synchronous run: the engine gives its "
                 "memory to the trainer during each step, so no rollout can run then; set "
@@ -953,7 +959,7 @@ class RunConfig(_Section):
             # rollouts are scored at T = 1.
             temperature=self.algorithm.train_temperature or 1.0,
             seed=self.seed,
-            defaults=trainer_defaults(off_policy=self.algorithm.max_staleness > 0),
+            defaults=trainer_defaults(off_policy=self.algorithm.asynchronous),
         )
 
     @classmethod
