@@ -184,7 +184,7 @@ def _make_launcher(h: HarnessSection) -> Any:
 
 
 def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
-    """The engines' own weight-update API (lightning.sync, DESIGN.md §7)."""
+    """The engines' own weight-update API (lightning.sync, docs/design.md#weight-sync)."""
     e = cfg.engine
     return make_weight_sync(
         "embedded" if e.kind == "embedded" else e.weight_sync,
@@ -520,7 +520,7 @@ class Run:
             self.client.resume()
 
     def _sync_weights(self, version: int) -> None:
-        """Pause the gateway, drain in-flight calls, push weights, resume (DESIGN.md §7).
+        """Pause the gateway, drain in-flight calls, push weights, resume (docs/design.md#weight-sync).
 
         Asynchronous runs skip the gateway drain: calls in flight finish on the old
         weights (each engine's own update waits for them) and keep the version the
