@@ -34,6 +34,7 @@ from lightning.sync.kinds import (
     ConfigSyncKind,
     PauseMode,
 )
+from lightning.sync.layout import EngineLayout, sglang_distributed_size
 
 
 class _Section(BaseModel):
@@ -72,6 +73,14 @@ class ModelSection(_Section):
         return path
 
 
+class ParallelSection(_Section):
+    """One engine's parallel sizes, as it was started (``--tp``/``--pp``/``--dp``)."""
+
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    dp: int = Field(default=1, ge=1)
+
+
 class EngineSection(_Section):
     """Where generation happens.
 
@@ -91,10 +100,19 @@ class EngineSection(_Section):
     sync_master_address: str = "127.0.0.1"
     sync_master_port: int = 0
     sync_world_sizes: list[int] = Field(default_factory=list)
+    # Instead of sync_world_sizes: each engine's TP/PP/DP sizes, from which the group
+    # ranks follow the engine's own arithmetic (lightning.sync.layout); SGLang's
+    # update_weights_from_distributed cannot serve DP or PP and is refused at load.
+    sync_parallel: list[ParallelSection] = Field(default_factory=list)
     sync_pause: PauseMode = "none"
     # The streaming syncs: MiB the trainer gathers per transfer (one SGLang call, one
     # vLLM packed buffer); bounds its memory beyond the shards.
     sync_bucket_mb: int = Field(default=256, ge=1)
+    # The streaming syncs: the dtype weights leave the trainer in (floating tensors
+    # are cast before they are gathered). "auto": the engines' own, read from them
+    # (SGLang's /server_info, vLLM's dev-mode /server_info), so a bf16 engine gets
+    # half the bytes of the float32 masters.
+    sync_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # sglang-tensor / vllm-ipc only: the engine shares the trainer's GPUs and gives
     # back its memory for each optimizer step (SGLang started with
     # --enable-memory-saver: weights, KV cache, CUDA graphs; vLLM with
@@ -125,6 +143,17 @@ class EngineSection(_Section):
     def _urls(self) -> EngineSection:
         if self.kind == "external" and not self.urls:
             raise ValueError("[engine] kind = 'external' needs `urls` (OpenAI base URLs, …/v1)")
+        if self.sync_parallel:
+            if self.sync_world_sizes:
+                raise ValueError("[engine] give sync_world_sizes or sync_parallel, not both")
+            if len(self.sync_parallel) != len(self.urls):
+                raise ValueError(
+                    f"[engine] sync_parallel has {len(self.sync_parallel)} entries for "
+                    f"{len(self.urls)} urls: one per engine"
+                )
+            if self.weight_sync == "sglang-distributed":
+                for p in self.sync_parallel:
+                    sglang_distributed_size(EngineLayout(p.tp, p.pp, p.dp))
         if self.colocate and (self.kind != "external" or self.weight_sync not in COLOCATE_SYNCS):
             kind = "embedded" if self.kind == "embedded" else self.weight_sync
             raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))
