@@ -14,6 +14,7 @@ of tests/engine_envs.py) and to a faithful model of it where it does not:
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -177,6 +178,34 @@ def test_the_group_is_bound_to_the_trainers_device_when_created() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(WeightSyncError, match="NCCL weight-update group needs a CUDA device"):
             group_device("nccl")
+
+
+def test_sglang_distributed_warns_at_start_that_nccl_has_not_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As vllm-nccl does: the NCCL data plane has not run on GPUs, so an NCCL setup
+    says so first (here it then fails: no CUDA, or the fake's gloo-only group)."""
+    from lightning.sync import SGLANG_DISTRIBUTED_UNVERIFIED
+
+    engine = FakeSglang(data_plane="lightning")
+    sync = make_weight_sync("sglang-distributed", [engine.root], backend="nccl")
+    try:
+        with caplog.at_level("WARNING", logger="lightning.sync"):
+            with pytest.raises(WeightSyncError):
+                sync.setup()
+    finally:
+        sync.close()
+        engine.stop()
+    assert SGLANG_DISTRIBUTED_UNVERIFIED in caplog.text
+    assert "NCCL group and its broadcasts on GPUs have not run" in caplog.text
+    gloo = make_weight_sync("sglang-distributed", [engine.root], backend="gloo")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lightning.sync"):
+        gloo.transport.open = lambda world: None  # type: ignore[attr-defined,method-assign]
+        with contextlib.suppress(WeightSyncError):
+            gloo.setup()
+    gloo.close()
+    assert SGLANG_DISTRIBUTED_UNVERIFIED not in caplog.text  # gloo ran in the tests
 
 
 def test_buckets_are_pipelined_and_no_gather_overlaps_a_broadcast() -> None:

@@ -95,8 +95,10 @@ class EngineSection(_Section):
     # them, with "sglang" the older name of "sglang-disk").
     weight_sync: ConfigSyncKind = "embedded"
     # For the distributed syncs: where the trainer hosts the transfer group, each
-    # engine's number of workers (TP x PP x DP; default 1 each), and for SGLang an
-    # optional pause around updates ("none": in-flight requests finish first).
+    # engine's number of ranks in it (default 1 each; the ranks its workers join
+    # with: vLLM TP x PP x DP, SGLang its TP size, see lightning.sync.layout), and
+    # for SGLang an optional pause around updates ("none": in-flight requests finish
+    # first).
     sync_master_address: str = "127.0.0.1"
     sync_master_port: int = 0
     sync_world_sizes: list[int] = Field(default_factory=list)

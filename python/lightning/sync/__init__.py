@@ -172,6 +172,7 @@ from lightning.sync.live_weights import (
     plan_buckets,
 )
 from lightning.sync.sglang import (
+    SGLANG_DISTRIBUTED_UNVERIFIED,
     SGLANG_TENSOR_UNVERIFIED,
     SglangDiskSync,
     SglangDistributedSync,
@@ -196,6 +197,7 @@ __all__ = [
     "COLOCATE_SYNCS",
     "DEFAULT_BUCKET_BYTES",
     "GROUP_NAME",
+    "SGLANG_DISTRIBUTED_UNVERIFIED",
     "SGLANG_TENSOR_UNVERIFIED",
     "SYNC_KINDS",
     "VLLM_IPC_UNVERIFIED",

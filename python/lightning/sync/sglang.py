@@ -115,6 +115,14 @@ class SglangDiskSync(_SglangBase):
         self._all(one)
 
 
+SGLANG_DISTRIBUTED_UNVERIFIED = (
+    "weight_sync = 'sglang-distributed' is experimental on GPUs: lightning's tests ran "
+    "SGLang 0.5.23's own group join (init_custom_process_group) and FlattenedTensorBucket "
+    "over gloo on CPU tensors, but the NCCL group and its broadcasts on GPUs have not run "
+    "there"
+)
+
+
 class SglangDistributedSync(_SglangBase):
     """``world_sizes``: each engine's number of workers (TP × PP × DP ranks).
 
@@ -153,6 +161,8 @@ class SglangDistributedSync(_SglangBase):
         self.flatten = flatten
 
     def setup(self) -> None:
+        if self.transport.backend == "nccl":
+            log.warning(SGLANG_DISTRIBUTED_UNVERIFIED)
         world, offsets = self.world, self.offsets
 
         def init(root: str) -> None:
