@@ -650,6 +650,10 @@ class FakeSglang(FakeEngine):
                     self.ranks.setdefault(rank, {}).update(got)
             self.calls.append(len(got))
             self.weights.update(got)
+        import time
+
+        time.sleep(self.load_s)  # the model loads the bucket; the trainer may gather on
+        self.events.append(("answered", time.monotonic()))
         self.versions.append(req.weight_version)
         if req.weight_version is not None:
             self.version = req.weight_version

@@ -252,6 +252,35 @@ def test_buckets_are_pipelined_and_no_gather_overlaps_a_broadcast() -> None:
     assert answered[-1] - starts[0] < 4 * 0.4 + 1.0
 
 
+def test_sglang_tensor_gathers_the_next_bucket_while_the_engine_loads() -> None:
+    """sglang-tensor (CUDA IPC, no broadcast): bucket i + 1 is gathered while the
+    engine still loads bucket i, whose memory stays alive until its request
+    returns; every bucket arrives (opened by SGLang's own code) bitwise."""
+    gathered: list[float] = []
+
+    class Logged(LiveWeights):
+        def _gather(self) -> Any:
+            for name, t in super()._gather():
+                gathered.append(time.monotonic())
+                yield name, t
+
+    tensors = {f"w{i}": torch.full((256,), float(i)) for i in range(4)}
+    engine = FakeSglang(data_plane="sglang")
+    engine.load_s = 0.4
+    sync = make_weight_sync("sglang-tensor", [engine.root], bucket_bytes=1024)
+    try:
+        sync.push(WeightUpdate(version=1, source=Logged(tensors.items())))
+    finally:
+        sync.close()
+        engine.stop()
+    for name, t in tensors.items():
+        assert torch.equal(engine.weights[name], t), name
+    answered = [t for what, t in engine.events if what == "answered"]
+    assert len(answered) == len(gathered) == 4
+    for i in range(1, 4):
+        assert gathered[i] < answered[i - 1], i
+
+
 # -- 3. rank layouts ------------------------------------------------------------------
 
 

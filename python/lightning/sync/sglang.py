@@ -481,34 +481,55 @@ class SglangTensorSync(_SglangBase):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def _update(self, update: WeightUpdate) -> None:
+        """Pipelined: bucket ``i + 1`` is gathered and serialized while the engines
+        load bucket ``i``; bucket ``i`` (whose memory their handles point at) is
+        kept until its request returns, so the sender holds at most two buckets."""
         plan = plan_buckets(update.metas(), self.bucket_bytes, aligned=self.flatten)
         tensors = update.tensors()
         with _sglang_session(self):
-            for i, metas in enumerate(plan):
-                last = i == len(plan) - 1
-                bucket = _checked(metas, tensors)
-                if self.flatten:
-                    flat = flatten_bucket(metas, bucket, self._device(), update.stats)
-                    obj: Any = flattened_bucket_payload(metas, flat)
-                else:
-                    obj = list(bucket)
-                payloads = {
-                    root: [base64.b64encode(self.serializer(obj)).decode("ascii") for _ in range(n)]
-                    for root, n in self.tp_sizes.items()
-                }
-                body = {
-                    "load_format": "flattened_bucket" if self.flatten else None,
-                    "flush_cache": last,
-                    "abort_all_requests": False,
-                    "weight_version": str(update.version) if last else None,
-                }
-                self._all(functools.partial(self._call_update, body=body, payloads=payloads))
-                if update.stats is not None:
-                    update.stats.sent_bytes += sum(m.nbytes for m in metas)
-                # The engines have loaded it: the handles may die with the bucket.
-                del obj, payloads
-                if self.flatten:
-                    del flat
+            loading: Future[Any] | None = None
+            held: Any = None  # the bucket the engines are loading
+            try:
+                for i, metas in enumerate(plan):
+                    last = i == len(plan) - 1
+                    bucket = _checked(metas, tensors)
+                    if self.flatten:
+                        flat = flatten_bucket(metas, bucket, self._device(), update.stats)
+                        obj: Any = flattened_bucket_payload(metas, flat)
+                        del flat
+                    else:
+                        obj = list(bucket)
+                    payloads = {
+                        root: [
+                            base64.b64encode(self.serializer(obj)).decode("ascii") for _ in range(n)
+                        ]
+                        for root, n in self.tp_sizes.items()
+                    }
+                    body = {
+                        "load_format": "flattened_bucket" if self.flatten else None,
+                        "flush_cache": last,
+                        "abort_all_requests": False,
+                        "weight_version": str(update.version) if last else None,
+                    }
+                    if loading is not None:
+                        loading.result()
+                    # The engines have loaded the last bucket: its handles may die.
+                    held = obj
+                    loading = self._pool.submit(
+                        self._all,
+                        functools.partial(self._call_update, body=body, payloads=payloads),
+                    )
+                    if update.stats is not None:
+                        update.stats.sent_bytes += sum(m.nbytes for m in metas)
+                    del obj, payloads, bucket
+                if loading is not None:
+                    loading.result()
+                    loading = None
+            finally:
+                if loading is not None:  # a failure while a bucket is out: let it land
+                    with contextlib.suppress(Exception):
+                        loading.result()
+                del held
             extra = next(tensors, None)  # also frees the source's last tensor
             if extra is not None:
                 raise WeightSyncError(f"{extra[0]!r} was sent but not announced (metas())")
