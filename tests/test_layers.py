@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / "python" / "lightning"
 # `__init__` (the public names), which sits on top of `gateway`.
 LAYERS: list[set[str]] = [
     {"_core"},
-    {"modes", "model_cache"},
+    {"modes", "model_cache", "traces"},
     {"gateway"},
     {"lightning"},
     {"sync"},

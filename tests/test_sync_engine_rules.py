@@ -509,7 +509,8 @@ def test_the_loop_asks_the_engine_and_streams_in_its_dtype(tmp_path: Path) -> No
     sync = make_weight_sync("sglang-tensor", [engine.root])
     run = object.__new__(Run)
     run.config = SimpleNamespace(  # type: ignore[assignment]
-        algorithm=SimpleNamespace(max_staleness=0), engine=SimpleNamespace(urls=[engine.root])
+        algorithm=SimpleNamespace(max_staleness=0, asynchronous=False),
+        engine=SimpleNamespace(urls=[engine.root]),
     )
     run.out, run.engine = tmp_path, None
     run.client = run.trainer = Trainer()  # type: ignore[assignment]

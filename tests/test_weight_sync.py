@@ -525,7 +525,8 @@ def test_run_streams_without_export_and_drains_a_failed_push(tmp_path: Path, fai
     r = _Recorder(streams=True, fail=fail)
     run = object.__new__(Run)
     run.config = SimpleNamespace(  # type: ignore[assignment]
-        algorithm=SimpleNamespace(max_staleness=0), engine=SimpleNamespace(urls=["http://e"])
+        algorithm=SimpleNamespace(max_staleness=0, asynchronous=False),
+        engine=SimpleNamespace(urls=["http://e"]),
     )
     run.out, run.engine, run.sync_dtype = tmp_path, None, None
     run.client = run.trainer = run.weight_sync = r  # type: ignore[assignment]
@@ -621,7 +622,8 @@ def _run(tmp_path: Path, trainer: _Trainer, sync: Any) -> Any:
 
     run = object.__new__(Run)
     run.config = SimpleNamespace(  # type: ignore[assignment]
-        algorithm=SimpleNamespace(max_staleness=0), engine=SimpleNamespace(urls=["http://e"])
+        algorithm=SimpleNamespace(max_staleness=0, asynchronous=False),
+        engine=SimpleNamespace(urls=["http://e"]),
     )
     run.out, run.engine = tmp_path, None
     run.client = run.trainer = trainer  # type: ignore[assignment]

@@ -567,9 +567,9 @@ def staleness(policy_version: int, calls: Sequence[Any]) -> dict[str, Any]:
     """Completion tokens by staleness ``policy_version - call.weight_version``
     (how many weight versions behind the policy being trained each token was
     sampled), with the token-weighted mean and the maximum."""
-    hist: Counter[int] = Counter()
-    for c in calls:
-        hist[policy_version - int(c.weight_version)] += len(c.completion_ids)
+    from lightning.run.staleness import staleness_histogram
+
+    hist = staleness_histogram(policy_version, calls)
     total = sum(hist.values())
     return {
         "staleness_tokens": {str(k): v for k, v in sorted(hist.items())},
