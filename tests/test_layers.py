@@ -25,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"modes", "model_cache", "traces", "data"},
     {"gateway"},
     {"lightning"},
+    {"sync"},
     {"config"},
     {"engine"},
     {"rl"},

@@ -42,7 +42,7 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -64,10 +64,11 @@ from lightning.online.select import (
     session_groups,
 )
 from lightning.online.sessions import Section, Session, dumps, mark_trained
+from lightning.sync.kinds import DiskSyncKind
 
 
 class WeightSyncSection(Section):
-    policy: Literal["none", "embedded", "sglang"] = "none"
+    policy: DiskSyncKind = "none"
     urls: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -440,16 +441,13 @@ def _step_line(k: int, m: dict[str, Any]) -> str:
 
 def _export(cfg: OnlineConfig, trainer: Any, out: Path, versions: Counter[int]) -> Path:
     """Writes the new weights; pushes them to the engines only when configured."""
-    from lightning.run.weight_sync import WeightUpdate, make_weight_sync
+    from lightning.sync import WeightUpdate, make_weight_sync
 
     weights = out / "weights" / "latest"
     trainer.export_weights(str(weights))
     if cfg.weight_sync.policy != "none":
         version = 1 + max(versions) if versions else 1
-        policy = cfg.weight_sync.policy
-        sync = make_weight_sync(
-            "sglang-disk" if policy == "sglang" else policy, cfg.weight_sync.urls
-        )
+        sync = make_weight_sync(cfg.weight_sync.policy, cfg.weight_sync.urls)
         try:
             sync.setup()
             sync.push(WeightUpdate(version=version, path=weights))

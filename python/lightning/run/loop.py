@@ -54,7 +54,7 @@ from lightning.run.harnesses import (
 )
 from lightning.run.runner import RolloutResult, Runner, load_callable
 from lightning.run.stats import Interval
-from lightning.run.weight_sync import WeightSync, WeightUpdate, make_weight_sync
+from lightning.sync import EngineLayout, WeightSync, WeightUpdate, make_weight_sync
 
 if TYPE_CHECKING:
     from lightning.run.staleness import Schedule
@@ -187,15 +187,15 @@ def _make_launcher(h: HarnessSection) -> Any:
 
 
 def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
-    """The engines' own weight-update API (lightning.run.weight_sync, DESIGN.md §7)."""
+    """The engines' own weight-update API (lightning.sync, docs/design.md#weight-sync)."""
     e = cfg.engine
-    kind = "embedded" if e.kind == "embedded" else e.weight_sync
     return make_weight_sync(
-        "sglang-disk" if kind == "sglang" else kind,
+        "embedded" if e.kind == "embedded" else e.weight_sync,
         upstreams,
         master_address=e.sync_master_address,
         master_port=e.sync_master_port,
         world_sizes=e.sync_world_sizes or None,
+        layouts=[EngineLayout(p.tp, p.pp, p.dp) for p in e.sync_parallel] or None,
         pause_mode=e.sync_pause,
         bucket_bytes=e.sync_bucket_mb << 20,
         colocate=e.colocate,
@@ -275,6 +275,11 @@ class Run:
         self.weight_sync = _make_weight_sync(cfg, upstreams)
         self._stack.callback(self.weight_sync.close)
         self.weight_sync.setup()
+        # The dtype streamed weights leave in: the engines' own unless configured.
+        self.sync_dtype: str | None = None
+        if self.weight_sync.streams:
+            model_config = json.loads((self.model_dir / "config.json").read_text())
+            self.sync_dtype = self.weight_sync.send_dtype(cfg.engine.sync_dtype, model_config)
         self._start_gateway(upstreams)
         self.runner = self._make_runner()
 
@@ -543,7 +548,7 @@ class Run:
             self.client.resume()
 
     def _sync_weights(self, version: int) -> None:
-        """Pause the gateway, drain in-flight calls, push weights, resume (DESIGN.md §7).
+        """Pause the gateway, drain in-flight calls, push weights, resume (docs/design.md#weight-sync).
 
         Asynchronous runs skip the gateway drain: calls in flight finish on the old
         weights (each engine's own update waits for them) and keep the version the
@@ -559,7 +564,7 @@ class Run:
                 # on disk, never the whole model on one host. Leaving the block
                 # runs any gathers a failed push skipped, so every rank's
                 # collectives still line up.
-                with self.trainer.live_weights() as source:
+                with self.trainer.live_weights(self.sync_dtype) as source:
                     self.weight_sync.push(WeightUpdate(version=version, source=source))
             else:
                 path = self.out / "weights" / f"v{version}"
