@@ -1,5 +1,5 @@
 """Shared pytest configuration. Heavy fixtures (real models, tokenizers) live in
-tests/tokenizer_fixtures.py and are built once into $LIGHTNING_CACHE (never committed)."""
+tests/support/tokenizer_fixtures.py and are built once into $LIGHTNING_CACHE (never committed)."""
 
 from __future__ import annotations
 
