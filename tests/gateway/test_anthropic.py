@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ import pytest
 
 import lightning
 from fake_vllm import ID_OFFSET, FakeEngine
-from gateways import start_gateway
 from lightning import GatewayClient
 
 TOOLS: list[Any] = [
@@ -42,27 +40,8 @@ TOOL_SCRIPT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("anthropic", script=[{"content": "Hello from the engine."}])
-    yield e
-    e.stop()
-
-
-@pytest.fixture
-def gw(engine: FakeEngine, tmp_path: Path) -> Iterator[lightning.GatewayHandle]:
-    engine.reset()
-    engine.script([{"content": "Hello from the engine."}])
-    h = start_gateway(engine.url, tmp_path / "gw.db", weight_version=2)
-    yield h
-    h.stop()
-
-
-@pytest.fixture
-def client(gw: lightning.GatewayHandle) -> Iterator[GatewayClient]:
-    c = gw.client()
-    yield c
-    c.close()
+ENGINE = {"name": "anthropic", "script": [{"content": "Hello from the engine."}]}
+GATEWAY = {"weight_version": 2}
 
 
 def sdk(rollout: lightning.Rollout) -> anthropic.Anthropic:

@@ -20,31 +20,13 @@ from fake_vllm import FakeEngine
 from gateways import start_gateway, wait_until
 from lightning import Gateway, GatewayClient, GatewayConfig, GatewayRequestError, Store
 
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("A")
-    yield e
-    e.stop()
+ENGINE = {"name": "A"}
+# retry_base_ms: retries in tests need not wait long.
+GATEWAY = {"weight_version": 3, "retry_base_ms": 5}
 
 
 def start(tmp_path: Path, upstreams: list[dict[str, Any]], **kw: Any) -> lightning.GatewayHandle:
     return start_gateway(upstreams, tmp_path / "gw.db", retry_base_ms=5, **kw)
-
-
-@pytest.fixture
-def gw(engine: FakeEngine, tmp_path: Path) -> Iterator[lightning.GatewayHandle]:
-    engine.reset()
-    h = start(tmp_path, [{"url": engine.url, "weight_version": 3}])
-    yield h
-    h.stop()
-
-
-@pytest.fixture
-def client(gw: lightning.GatewayHandle) -> Iterator[GatewayClient]:
-    c = gw.client()
-    yield c
-    c.close()
 
 
 _OPEN: list[openai.OpenAI] = []

@@ -102,8 +102,12 @@ def test_every_python_config_starts_in_rust(tmp_path: Path) -> None:
         sync="normal",
         drain_timeout_s=1.0,
     )
-    handle = _core.gateway_start(cfg.to_json(), 1)
-    handle.stop()
+    handle = _core.gateway_start(cfg.to_json(), 1)  # raises where Rust refuses the config
+    try:
+        assert handle.running and handle.url.startswith("http://127.0.0.1:")
+    finally:
+        handle.stop()
+    assert not handle.running
 
 
 def test_run_gateway_section_is_the_gateway_config() -> None:

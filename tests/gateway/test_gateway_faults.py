@@ -25,11 +25,7 @@ from lightning import GatewayClient
 MSGS = [{"role": "user", "content": "hi [[len:6]]"}]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("F")
-    yield e
-    e.stop()
+ENGINE = {"name": "F"}
 
 
 @pytest.fixture(scope="module")

@@ -40,11 +40,7 @@ class Gw:
     log: Path
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("I")
-    yield e
-    e.stop()
+ENGINE = {"name": "I"}
 
 
 def free_port() -> int:

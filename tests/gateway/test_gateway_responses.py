@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,30 +38,11 @@ SCRIPT = [
 TASK = "Write hi into a.txt."
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("R", script=SCRIPT)
-    yield e
-    e.stop()
+ENGINE = {"name": "R", "script": SCRIPT}
 
 
 def start(tmp_path: Path, engine: FakeEngine) -> lightning.GatewayHandle:
     return start_gateway(engine.url, tmp_path / "gw.db")
-
-
-@pytest.fixture
-def gw(engine: FakeEngine, tmp_path: Path) -> Iterator[lightning.GatewayHandle]:
-    engine.reset()
-    h = start(tmp_path, engine)
-    yield h
-    h.stop()
-
-
-@pytest.fixture
-def client(gw: lightning.GatewayHandle) -> Iterator[GatewayClient]:
-    c = gw.client()
-    yield c
-    c.close()
 
 
 def sdk(rollout: lightning.Rollout) -> openai.OpenAI:

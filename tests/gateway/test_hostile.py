@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,25 +33,8 @@ RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("hostile", unique_ids=True)
-    yield e
-    e.stop()
-
-
-@pytest.fixture
-def gw(engine: FakeEngine, tmp_path: Path) -> Iterator[lightning.GatewayHandle]:
-    h = start_gateway(engine.url, tmp_path / "gw.db", max_retries=2, body_timeout_s=1.0)
-    yield h
-    h.stop()
-
-
-@pytest.fixture
-def client(gw: lightning.GatewayHandle) -> Iterator[GatewayClient]:
-    c = gw.client()
-    yield c
-    c.close()
+ENGINE = {"name": "hostile", "unique_ids": True}
+GATEWAY = {"max_retries": 2, "body_timeout_s": 1.0}
 
 
 def post(url: str, path: str, token: str, body: Any, **headers: str) -> httpx.Response:

@@ -10,7 +10,6 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,7 @@ from gateways import start_gateway, wait_until
 from lightning import GatewayClient, GatewayRequestError, LightningError, StoreError, _core
 from online_gateway import Gw, db_rows, feedback, new_key
 
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("O", unique_ids=True)
-    yield e
-    e.stop()
+ENGINE = {"name": "O", "unique_ids": True}
 
 
 def test_application_keys_admin(engine: FakeEngine, tmp_path: Path) -> None:

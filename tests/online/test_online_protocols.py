@@ -33,12 +33,7 @@ from gateways import wait_until
 from lightning import GatewayClient, GatewayRequestError
 from online_gateway import Gw, db_rows, feedback, new_key
 
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("P", unique_ids=True)
-    yield e
-    e.stop()
+ENGINE = {"name": "P", "unique_ids": True}
 
 
 @pytest.fixture

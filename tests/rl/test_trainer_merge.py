@@ -24,9 +24,6 @@ from lightning.rl.batching import (
 )
 from lightning.rl.trainer import Trainer, TrainerConfig
 
-if not hasattr(lightning, "merge_calls"):  # the merge branch has not landed in this checkout
-    pytest.skip("lightning.merge_calls is not built in this checkout", allow_module_level=True)
-
 
 def _ids(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(5, 40000, size=n).astype(np.uint32)

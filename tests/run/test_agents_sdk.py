@@ -13,11 +13,9 @@ import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pytest
 from agents import (
     Agent,
     ItemHelpers,
@@ -32,7 +30,6 @@ from openai import AsyncOpenAI
 
 import lightning
 from fake_vllm import FakeEngine
-from gateways import gateway_client
 from lightning import GatewayClient
 
 ARGS = {"cmd": "echo hi > a.txt"}
@@ -43,18 +40,7 @@ SCRIPT = [
 TASK = "Write hi into a.txt."
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("A", script=SCRIPT)
-    yield e
-    e.stop()
-
-
-@pytest.fixture
-def client(engine: FakeEngine, tmp_path: Path) -> Iterator[GatewayClient]:
-    engine.reset()
-    with gateway_client(engine.url, tmp_path / "gw.db") as c:
-        yield c
+ENGINE = {"name": "A", "script": SCRIPT}
 
 
 def make_agent(oa: AsyncOpenAI, ran: list[str]) -> Agent:

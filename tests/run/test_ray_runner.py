@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from fake_vllm import FakeEngine
-from gateways import gateway_client
 from lightning import GatewayClient
 from lightning.run.ray import RayLauncher
 from lightning.run.runner import Runner, RunnerError
@@ -38,17 +36,7 @@ def cluster() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("R")
-    yield e
-    e.stop()
-
-
-@pytest.fixture
-def client(engine: FakeEngine, tmp_path: Path) -> Iterator[GatewayClient]:
-    with gateway_client(engine.url, tmp_path / "gw.db") as c:
-        yield c
+ENGINE = {"name": "R"}
 
 
 def script(tmp_path: Path, body: str) -> list[str]:

@@ -6,30 +6,16 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import lightning
-from fake_vllm import FakeEngine
-from gateways import gateway_client
 from lightning import GatewayClient
 from lightning.run.runner import RolloutTrace, Runner, RunnerError
 
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("R")
-    yield e
-    e.stop()
-
-
-@pytest.fixture
-def client(engine: FakeEngine, tmp_path: Path) -> Iterator[GatewayClient]:
-    with gateway_client(engine.url, tmp_path / "gw.db") as c:
-        yield c
+ENGINE = {"name": "R"}
 
 
 def script(tmp_path: Path, body: str) -> list[str]:
