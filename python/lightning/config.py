@@ -27,6 +27,14 @@ from lightning.modes import (
     OldLogprobs,
     RatioLevel,
 )
+from lightning.sync.kinds import (
+    COLOCATE_NEEDS_IPC,
+    COLOCATE_SYNCS,
+    VLLM_DISK_GONE,
+    ConfigSyncKind,
+    PauseMode,
+)
+from lightning.sync.layout import EngineLayout, sglang_distributed_size
 
 
 class _Section(BaseModel):
@@ -74,21 +82,12 @@ class ModelSection(_Section):
         return path
 
 
-VLLM_DISK_GONE = (
-    "weight_sync = 'vllm-disk' was removed: no vLLM release has a disk weight-transfer "
-    "backend (vLLM 0.34.0 has nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n); use "
-    "'vllm-nccl', or 'sglang-disk' with SGLang"
-)
+class ParallelSection(_Section):
+    """One engine's parallel sizes, as it was started (``--tp``/``--pp``/``--dp``)."""
 
-
-# The syncs that send CUDA IPC handles and can hand the engine's memory to the trainer.
-COLOCATE_SYNCS = ("sglang-tensor", "vllm-ipc")
-COLOCATE_NEEDS_IPC = (
-    "[engine] colocate = true hands the engine's GPU memory to the trainer around each "
-    "step (SGLang's /release_memory_occupation and /resume_memory_occupation, vLLM's "
-    "/sleep and /wake_up) and needs weights sent as CUDA IPC handles: set weight_sync = "
-    "'sglang-tensor' (SGLang) or 'vllm-ipc' (vLLM) (it is {kind!r})"
-)
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel size.")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel size.")
+    dp: int = Field(default=1, ge=1, description="Data-parallel size (replicas in one engine).")
 
 
 class EngineSection(_Section):
@@ -109,19 +108,10 @@ class EngineSection(_Section):
         description="OpenAI base URLs (ending in /v1) of the external engines; required when "
         "kind = 'external'.",
     )
-    weight_sync: Literal[
-        "embedded",
-        "sglang",
-        "sglang-disk",
-        "sglang-distributed",
-        "sglang-tensor",
-        "vllm-nccl",
-        "vllm-ipc",
-        "none",
-    ] = Field(
+    weight_sync: ConfigSyncKind = Field(
         "embedded",
         description="How new weights reach the engines after each step "
-        "(`lightning.run.weight_sync`): `embedded` for the embedded engine; `sglang-disk` "
+        "(`lightning.sync`, whose kinds.py lists them): `embedded` for the embedded engine; `sglang-disk` "
         "(older name `sglang`), `sglang-distributed`, `sglang-tensor`, `vllm-nccl` or "
         "`vllm-ipc` for external engines; `none` never updates them (eval-only runs).",
     )
@@ -135,10 +125,18 @@ class EngineSection(_Section):
     )
     sync_world_sizes: list[int] = Field(
         default_factory=list,
-        description="Distributed syncs: each engine's number of workers (TP x PP x DP), in "
-        "`urls` order; empty means 1 each.",
+        description="Distributed syncs: each engine's number of ranks in the transfer group, "
+        "in `urls` order; empty means 1 each. The ranks its workers join with: TP x PP x DP "
+        "for vLLM, the TP size for SGLang (`lightning.sync.layout`). Or give `sync_parallel`.",
     )
-    sync_pause: Literal["none", "abort", "retract"] = Field(
+    sync_parallel: list[ParallelSection] = Field(
+        default_factory=list,
+        description="Distributed syncs, instead of `sync_world_sizes`: each engine's TP/PP/DP "
+        "sizes (`[{tp = 2}, ...]`, in `urls` order), from which the group's ranks follow the "
+        "engine's own arithmetic; sglang-distributed cannot serve DP or PP and is refused "
+        "at load.",
+    )
+    sync_pause: PauseMode = Field(
         "none",
         description="SGLang distributed syncs: what happens to in-flight requests during an "
         "update; `none` lets them finish first.",
@@ -148,6 +146,13 @@ class EngineSection(_Section):
         ge=1,
         description="Streaming syncs: MiB the trainer gathers per transfer (one SGLang call, "
         "one vLLM packed buffer); bounds the trainer's memory beyond its shards.",
+    )
+    sync_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Streaming syncs: the dtype weights leave the trainer in (floating "
+        "tensors are cast before they are gathered); `auto` reads the engines' own (SGLang's "
+        "/server_info, vLLM's dev-mode /server_info), so a bf16 engine gets half the bytes "
+        "of the float32 masters.",
     )
     colocate: bool = Field(
         False,
@@ -201,6 +206,17 @@ class EngineSection(_Section):
     def _urls(self) -> EngineSection:
         if self.kind == "external" and not self.urls:
             raise ValueError("[engine] kind = 'external' needs `urls` (OpenAI base URLs, …/v1)")
+        if self.sync_parallel:
+            if self.sync_world_sizes:
+                raise ValueError("[engine] give sync_world_sizes or sync_parallel, not both")
+            if len(self.sync_parallel) != len(self.urls):
+                raise ValueError(
+                    f"[engine] sync_parallel has {len(self.sync_parallel)} entries for "
+                    f"{len(self.urls)} urls: one per engine"
+                )
+            if self.weight_sync == "sglang-distributed":
+                for p in self.sync_parallel:
+                    sglang_distributed_size(EngineLayout(p.tp, p.pp, p.dp))
         if self.colocate and (self.kind != "external" or self.weight_sync not in COLOCATE_SYNCS):
             kind = "embedded" if self.kind == "embedded" else self.weight_sync
             raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))
@@ -457,6 +473,12 @@ class AlgorithmSection(_Section):
         description="A rollout found beyond max_staleness when its step trains: drop it, or "
         "run its task again on the current weights; either is counted in the step's metrics.",
     )
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether rollouts overlap training: the one place a run is decided
+        synchronous or asynchronous (everything else asks this)."""
+        return self.max_staleness > 0
 
 
 class TrackingSection(_Section):
@@ -920,7 +942,7 @@ class RunConfig(_Section):
     def _colocate_is_synchronous(self) -> RunConfig:
         # A colocated engine has no memory while the trainer steps, and SGLang
         # refuses to release it while requests run: rollouts cannot overlap training.
-        if self.engine.colocate and self.algorithm.max_staleness > 0:
+        if self.engine.colocate and self.algorithm.asynchronous:
             raise ValueError(
                 "[engine] colocate = true needs a synchronous run: the engine gives its "
                 "memory to the trainer during each step, so no rollout can run then; set "
@@ -972,7 +994,7 @@ class RunConfig(_Section):
             # rollouts are scored at T = 1.
             temperature=self.algorithm.train_temperature or 1.0,
             seed=self.seed,
-            defaults=trainer_defaults(off_policy=self.algorithm.max_staleness > 0),
+            defaults=trainer_defaults(off_policy=self.algorithm.asynchronous),
         )
 
     @classmethod
