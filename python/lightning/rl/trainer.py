@@ -307,6 +307,23 @@ def _metrics(
     }
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Silence transformers' progress bars for one call: ``save_pretrained``
+    draws a "Writing model shards" bar, and a run exports weights after every
+    step, so a run's output would be one bar per step. The previous setting is
+    restored, so a caller's own choice stands."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 class Trainer:
     """A Hugging Face causal LM trained with the PPO family on merged samples."""
 
@@ -705,9 +722,10 @@ class Trainer:
                 model = copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
             target.parent.mkdir(parents=True, exist_ok=True)
             build = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-            model.save_pretrained(  # type: ignore[operator]
-                build, safe_serialization=True, state_dict=full
-            )
+            with _no_progress_bars():
+                model.save_pretrained(  # type: ignore[operator]
+                    build, safe_serialization=True, state_dict=full
+                )
             self.tokenizer.save_pretrained(build)
             if target.exists():
                 old = target.with_name(target.name + f".old-{os.getpid()}")
