@@ -132,6 +132,12 @@ class EngineSection(_Section):
     chat_template: str | None = None
     tool_call_parser: Literal["auto", "hermes", "none"] = "auto"
     max_model_len: int | None = None
+    # Embedded engine only: byte budget of its prefix KV cache (keys/values of
+    # prompts and completions reused by a group's samples and by later turns;
+    # `lightning serve --kv-cache-bytes`; 0 turns it off) and the prompt tokens
+    # prefilled per scheduler step (`--prefill-chunk`). See lightning.engine.prefix.
+    kv_cache_bytes: int = Field(default=1 << 30, ge=0)
+    prefill_chunk: int = Field(default=512, ge=1)
 
     @field_validator("weight_sync", mode="before")
     @classmethod
