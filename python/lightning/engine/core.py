@@ -676,9 +676,12 @@ class Engine:
         match = self.prefix.match(ids, self.weight_version, limit=len(ids) - 1)
         heads, dim = self._kv_shape
         layers: list[kv.SlabLayer] = []
+        # Room for the prompt and the first decode steps: a job that finds no batch
+        # running becomes the batch's slab as it is (no copy of a long context).
+        capacity = len(ids) + min(seq.params.max_tokens, kv.GROW)
         for _ in range(self.model.config.num_hidden_layers):
             # Columns past ``length`` are written by the prefill before anything reads them.
-            keys = torch.empty((1, heads, len(ids), dim), dtype=self.dtype, device=self.device)
+            keys = torch.empty((1, heads, capacity, dim), dtype=self.dtype, device=self.device)
             values = torch.empty_like(keys)
             layers.append(kv.SlabLayer(keys, values, 0))
         match.copy_into([(layer.buf_k[0], layer.buf_v[0]) for layer in layers])
@@ -696,6 +699,7 @@ class Engine:
         first; jobs that reach their prompt's end sample and join the batch."""
         budget = self.prefill_chunk
         joined: list[tuple[SequenceState, kv.RowKV]] = []
+        adoptable: _Prefill | None = None
         for job in list(self._prefilling):
             job.seqs = [s for s in job.seqs if not s.cancelled]
             if not job.seqs:
@@ -734,7 +738,11 @@ class Engine:
                 self._accept(seq, choice)
                 if seq.finish_reason is None:
                     joined.append((seq, row))
-        if joined:
+                    adoptable = job
+        if len(joined) == 1 and self._cache is None and adoptable is not None:
+            # The only running row: its one-row slab already has the batch's layout.
+            self._rows, self._cache = [joined[0][0]], adoptable.cache
+        elif joined:
             self._join(joined)
 
     def _join(self, joined: list[tuple[SequenceState, kv.RowKV]]) -> None:
