@@ -75,7 +75,7 @@ from lightning.rl.losses import (
 )
 
 if TYPE_CHECKING:
-    from lightning.rl.live_weights import LiveWeights
+    from lightning.sync.live_weights import LiveWeights
 
 __all__ = ["LoraSettings", "Trainer", "TrainerConfig"]
 
@@ -305,6 +305,23 @@ def _metrics(
         "samples_per_rollout": float(pieces.mean()) if len(pieces) else nan,
         "single_sample_rollout_frac": float((pieces == 1).mean()) if len(pieces) else nan,
     }
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Silence transformers' progress bars for one call: ``save_pretrained``
+    draws a "Writing model shards" bar, and a run exports weights after every
+    step, so a run's output would be one bar per step. The previous setting is
+    restored, so a caller's own choice stands."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 class Trainer:
@@ -705,9 +722,10 @@ class Trainer:
                 model = copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
             target.parent.mkdir(parents=True, exist_ok=True)
             build = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-            model.save_pretrained(  # type: ignore[operator]
-                build, safe_serialization=True, state_dict=full
-            )
+            with _no_progress_bars():
+                model.save_pretrained(  # type: ignore[operator]
+                    build, safe_serialization=True, state_dict=full
+                )
             self.tokenizer.save_pretrained(build)
             if target.exists():
                 old = target.with_name(target.name + f".old-{os.getpid()}")
@@ -723,9 +741,9 @@ class Trainer:
     def live_weights(self) -> LiveWeights:
         """The current policy as full tensors gathered one at a time from the live
         (sharded) model, for weight syncs that broadcast without disk
-        (``lightning.rl.live_weights``). Every rank must drain it: under
+        (``lightning.sync.live_weights``). Every rank must drain it: under
         FSDP2 each gather is a collective. LoRA adapters are merged into a copy."""
-        from lightning.rl.live_weights import LiveWeights
+        from lightning.sync.live_weights import LiveWeights
 
         model = self.model
         if self.config.lora is not None:
