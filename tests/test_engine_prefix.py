@@ -345,3 +345,38 @@ def test_smollm2_cached_turns_and_group_match_the_uncached_engine() -> None:
     lp = torch.log_softmax(logits.float(), dim=-1)
     want_lp = [float(lp[len(turn2) - 1 + i, t]) for i, t in enumerate(a.token_ids)]
     assert max_gap(want_lp, a.logprobs) < 1e-4
+
+
+def test_the_run_config_reaches_the_embedded_engine(model_dir: Path, tmp_path: Path) -> None:
+    """`[engine] kv_cache_bytes` / `prefill_chunk` become `lightning serve` flags."""
+    from lightning.config import EngineSection
+    from lightning.run.loop import EmbeddedEngine
+
+    section = EngineSection(kv_cache_bytes=3 << 20, prefill_chunk=32)
+    engine = EmbeddedEngine(
+        model_dir,
+        host="127.0.0.1",
+        port=0,
+        max_batch=2,
+        dtype="float32",
+        threads=1,
+        log_path=tmp_path / "engine.log",
+        kv_cache_bytes=section.kv_cache_bytes,
+        prefill_chunk=section.prefill_chunk,
+    )
+    try:
+        health = engine.wait_ready(120)
+    finally:
+        engine.stop()
+    assert health["kv_cache_capacity_bytes"] == 3 << 20 and health["prefill_chunk"] == 32
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        EngineSection(kv_cache_bytes=-1)
+
+
+def test_serve_refuses_a_bad_cache_size(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning.engine.server import serve
+
+    with pytest.raises(SystemExit) as exit_:
+        serve([str(tiny_model_dir()), "--kv-cache-bytes", "lots"])
+    assert exit_.value.code == 2
+    assert "'lots' is not a byte size" in capsys.readouterr().err
