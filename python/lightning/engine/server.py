@@ -1034,7 +1034,8 @@ def serve(argv: list[str]) -> int:
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info(
-        "serving %s on http://%s:%d (device=%s dtype=%s max_batch=%d weight_version=%d)",
+        "serving %s on http://%s:%d (device=%s dtype=%s max_batch=%d weight_version=%d "
+        "kv_cache_bytes=%d prefill_chunk=%d)",
         engine.model_name,
         host,
         port,
@@ -1042,6 +1043,8 @@ def serve(argv: list[str]) -> int:
         args.dtype,
         args.max_batch,
         engine.weight_version,
+        args.kv_cache_bytes,
+        args.prefill_chunk,
     )
     config = uvicorn.Config(
         build_app(engine, admin_key=args.admin_key), log_level="warning", lifespan="off"
