@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -380,3 +382,42 @@ def test_serve_refuses_a_bad_cache_size(capsys: pytest.CaptureFixture[str]) -> N
         serve([str(tiny_model_dir()), "--kv-cache-bytes", "lots"])
     assert exit_.value.code == 2
     assert "'lots' is not a byte size" in capsys.readouterr().err
+
+
+def test_requests_racing_a_reload_use_only_their_own_versions_prefixes(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Requests sharing a cached prefix, submitted from threads while a reload lands:
+    each one's logprobs are those of the weight version it reports, so none used a
+    prefix of the other version."""
+    new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(1.3)
+    new.save_pretrained(tmp_path / "v1")
+    prompt = list(range(30, 330))
+    results: dict[int, Any] = {}
+    with Engine(model_dir, max_batch=3, prefill_chunk=64) as engine:
+        engine.generate(prompt, SamplingParams(max_tokens=4, seed=0))  # cached at v0
+
+        def one(i: int) -> None:
+            params = SamplingParams(max_tokens=120, seed=i, ignore_eos=True)
+            results[i] = engine.generate([*prompt, 400 + i], params)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads[:3]:  # admitted before the reload: they finish on v0
+            t.start()
+        while engine.status()["running"] + engine.status()["prefilling"] < 3 and len(results) < 3:
+            time.sleep(0.001)
+        for t in threads[3:6]:  # racing the reload
+            t.start()
+        assert engine.load_weights(tmp_path / "v1", 1) == 1
+        for t in threads[6:]:  # after it: v1, from a cache that held v0's prompt
+            t.start()
+        for t in threads:
+            t.join()
+    assert [results[i].weight_version for i in (0, 1, 2, 6, 7)] == [0, 0, 0, 1, 1]
+    for r in results.values():
+        weights = model_dir if r.weight_version == 0 else tmp_path / "v1"
+        want = reference_logprobs(weights, r.prompt_ids, r.token_ids)
+        assert max_gap(want, r.logprobs) < 1e-4, r.weight_version
