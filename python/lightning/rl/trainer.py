@@ -738,17 +738,21 @@ class Trainer:
             dist.barrier()
         return target
 
-    def live_weights(self) -> LiveWeights:
+    def live_weights(self, dtype: str | None = None) -> LiveWeights:
         """The current policy as full tensors gathered one at a time from the live
         (sharded) model, for weight syncs that broadcast without disk
         (``lightning.sync.live_weights``). Every rank must drain it: under
-        FSDP2 each gather is a collective. LoRA adapters are merged into a copy."""
+        FSDP2 each gather is a collective. LoRA adapters are merged into a copy.
+        ``dtype`` (a torch dtype name, the engine's): floating weights are cast to
+        it before they are gathered, so a bf16 engine gets half the bytes of the
+        float32 masters (a name, not a ``torch.dtype``: the call is mirrored to the
+        other ranks as a pickle)."""
         from lightning.sync.live_weights import LiveWeights
 
         model = self.model
         if self.config.lora is not None:
             model = copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
-        return LiveWeights.of_module(model, sender=self.rank == 0)
+        return LiveWeights.of_module(model, sender=self.rank == 0, dtype=dtype)
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> Path:
         """Model (``model/``, merged, as :meth:`export_weights`), the LoRA adapter
