@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from lightning.apps import demo
 
 
@@ -102,3 +104,45 @@ def test_the_demo_ends_on_the_table_and_where_to_look(tmp_path: Path) -> None:
     assert not any(
         line.startswith("report:") for line in demo.ending(record, out, out / "run", None)
     )
+
+
+@pytest.mark.slow
+def test_the_demo_prints_progress_and_results_only(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`lightning demo` end to end on the tiny model, with a small eval: no progress
+    bar per weight sync, no JSON dump, and it ends on the before/after table and
+    where the report, the view and the record are."""
+    examples = Path(demo.examples_dir())
+    text = (examples / "demo.toml").read_text()
+    for old, new in [
+        ("eval_limit = 48", "eval_limit = 4"),
+        ("eval_samples = 3", "eval_samples = 1"),
+        ("group_size = 8", "group_size = 2"),
+        ("tasks_per_step = 4", "tasks_per_step = 1"),
+        ('callable = "arith_agent.py:run"', f'callable = "{examples / "arith_agent.py"}:run"'),
+    ]:
+        assert old in text, old
+        text = text.replace(old, new)
+    config = tmp_path / "demo.toml"
+    config.write_text(text)
+    out = tmp_path / "demo"
+    argv = ["--model", "tiny", "--steps", "2", "--config", str(config), "--output-dir", str(out)]
+    assert demo.main(argv) == 0
+    printed, errors = capfd.readouterr()
+    everything = printed + errors
+    assert "Writing model shards" not in everything
+    assert '"output_dir"' not in everything and not any(
+        line.startswith("{") for line in printed.splitlines()
+    ), "the run's summary was dumped"
+    # One harness: its per-harness matrix would repeat the eval lines.
+    assert "held-out reward per harness" not in printed
+    tail = printed.strip().splitlines()[-7:]
+    assert tail[0].split() == ["[lightning]", "held-out", "reward", "mean", "95%", "interval"]
+    assert tail[1].startswith("[lightning] before ") and tail[2].startswith("[lightning] final ")
+    assert tail[2].endswith("vs before")
+    assert tail[3].startswith("[lightning] ended on the final weights (after step 2)")
+    assert tail[4] == f"[lightning] report: {out / 'run' / 'report.html'}"
+    assert tail[5] == f"[lightning] view:   lightning view {out / 'run'}"
+    assert tail[6] == f"[lightning] record: {out / 'demo.json'}"
+    assert json.loads((out / "demo.json").read_text())["steps"] == 2

@@ -212,6 +212,22 @@ def test_a_link_opens_with_its_detail_first(
     assert page.errors == []
 
 
+def test_a_session_link_opens_with_its_conversation_first(
+    page: Any, served_online: Any, artifacts: Path
+) -> None:
+    url, got = served_online
+    page.goto("about:blank")
+    page.goto(url + f"#/session/{got['sessions']['conv-1']}")
+    page.wait_for_selector("#conversation .turn")
+    page.wait_for_selector("#session-list tbody tr.session")  # the list loaded, below
+    detail = page.locator("#detail").bounding_box()
+    below = page.locator("#session-list").bounding_box()
+    assert below["y"] >= detail["y"] + detail["height"]
+    assert page.evaluate("window.scrollY") == 0
+    page.screenshot(path=str(artifacts / "9-link-session.png"))
+    assert page.errors == []
+
+
 def test_group_and_compare_render(page: Any, served: Any, artifacts: Path) -> None:
     url, _, ids = served
     page.goto(url + "#/group/g0")
