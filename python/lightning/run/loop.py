@@ -294,7 +294,7 @@ class Run:
         if hasattr(self.trainer, "close"):
             self._stack.callback(self.trainer.close)
         if not (self.resume and self.state["step"] > 0):
-            return None
+            return self._warm_start()
         ckpt = self.out / "checkpoints" / "latest"
         self.trainer.load_checkpoint(str(ckpt))
         # The engine restarts on the weights the run had reached, not on the
@@ -305,6 +305,30 @@ class Run:
             start_weights = self.out / "weights" / "resume"
             self.trainer.export_weights(str(start_weights))
         return start_weights
+
+    def _warm_start(self) -> Path | None:
+        """``[sft]`` from a dataset or a store, before RL (lightning.run.sft):
+        fine-tunes the trainer and returns the weights the engine starts on.
+        Expert iteration needs the engine and runs in :meth:`run` instead."""
+        cfg = self.config
+        if cfg.sft is None or cfg.sft.source == "expert_iteration":
+            return None
+        from lightning.run.sft import fit, prepare_data
+
+        train, val, info = prepare_data(
+            cfg.sft, self.model_dir, seed=cfg.seed, chat_template=cfg.engine.chat_template
+        )
+        self._say(
+            f"sft warm start: {info['train_samples']} train / {info['val_samples']} "
+            f"validation samples, {info['train_tokens']} trained tokens"
+        )
+        result = fit(self.trainer, train, val, cfg.sft, self.out / "sft", seed=cfg.seed, say=self._say)
+        (self.out / "sft" / "summary.json").write_text(
+            json.dumps({"data": info, **result}, indent=2, default=float)
+        )
+        weights = self.out / "weights" / "sft"
+        self.trainer.export_weights(str(weights))
+        return weights
 
     def _start_engine(self, start_weights: Path | None) -> list[str]:
         """Starts the embedded engine when the run has one; returns the
@@ -337,6 +361,7 @@ class Run:
         cfg = self.config
         self.admin_key = cfg.gateway.admin_key or secrets.token_urlsafe(24)
         db = cfg.gateway.db or str(self.out / "lightning.db")
+        self.gateway_db = db
         version = int(self.state["weight_version"])
         gw_config = cfg.gateway.for_run(
             db=db,
@@ -683,6 +708,10 @@ class Run:
             self._say(f"resuming at step {start}")
         from lightning.run.staleness import RolloutPipeline
 
+        if start == 0 and cfg.sft is not None and cfg.sft.source == "expert_iteration":
+            from lightning.run.sft import expert_iteration
+
+            summary["expert_iteration"] = expert_iteration(self, cfg.sft)
         pipeline = RolloutPipeline.for_run(self, start)  # None when max_staleness = 0
         self.phases.mark()
         with _progress(cfg.steps, start, quiet=self.quiet) as tick, pipeline or _nothing():
