@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "run RL training from a TOML config (see examples/)",
     ),
     "sft": (
-        "lightning.run.sft:sft_main",
+        "lightning.run.loop:sft_main",
         "supervised fine-tuning from JSONL conversations or a store (see docs/sft.md)",
     ),
     "demo": (

@@ -45,9 +45,9 @@ import numpy as np
 from lightning._core import LightningError, TemplateError
 
 __all__ = [
+    "Selected",
     "SftDataError",
     "SftSample",
-    "Selected",
     "conversation_calls",
     "load_conversations",
     "merge_examples",

@@ -573,7 +573,10 @@ class Trainer:
         items = seq_items(samples)
         weight = torch.from_numpy(
             np.concatenate(
-                [np.asarray(s.weights, dtype=np.float32)[i.positions] for s, i in zip(samples, items, strict=True)]
+                [
+                    np.asarray(s.weights, dtype=np.float32)[i.positions]
+                    for s, i in zip(samples, items, strict=True)
+                ]
             )
             if items
             else np.zeros(0, np.float32)
@@ -629,7 +632,7 @@ class Trainer:
         metrics: dict[str, Any] = {
             f"{prefix}loss": float(sums[0]) / total,
             f"{prefix}entropy": float(sums[1]) / total,
-            f"{prefix}tokens": int(len(weight)),
+            f"{prefix}tokens": len(weight),
             f"{prefix}samples": int(counts[0]),
             f"{prefix}forward_tokens": int(counts[1]),
             f"{prefix}tokens_per_s": float(counts[1]) / elapsed if elapsed > 0 else float("nan"),

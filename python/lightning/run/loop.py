@@ -322,7 +322,9 @@ class Run:
             f"sft warm start: {info['train_samples']} train / {info['val_samples']} "
             f"validation samples, {info['train_tokens']} trained tokens"
         )
-        result = fit(self.trainer, train, val, cfg.sft, self.out / "sft", seed=cfg.seed, say=self._say)
+        result = fit(
+            self.trainer, train, val, cfg.sft, self.out / "sft", seed=cfg.seed, say=self._say
+        )
         (self.out / "sft" / "summary.json").write_text(
             json.dumps({"data": info, **result}, indent=2, default=float)
         )
@@ -834,3 +836,53 @@ def train_main(argv: list[str]) -> int:
     summary = train(config, resume=args.resume, quiet=args.quiet)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def sft_main(argv: list[str]) -> int:
+    import argparse
+    import tomllib
+
+    p = argparse.ArgumentParser(
+        prog="lightning sft", description="supervised fine-tuning (docs/sft.md)"
+    )
+    p.add_argument("config", help="TOML with [model], [trainer] and [sft]")
+    p.add_argument("--output-dir", help="override output_dir")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    overrides = {"output_dir": args.output_dir} if args.output_dir else {}
+    from lightning.config import SftConfig
+    from lightning.rl.sft import SftDataError
+    from lightning.run.sft import run_standalone
+
+    raw = tomllib.loads(Path(args.config).read_text())
+    try:
+        if (raw.get("sft") or {}).get("source") == "expert_iteration":
+            summary = _expert_main(RunConfig.load(args.config, overrides), quiet=args.quiet)
+        else:
+            summary = run_standalone(SftConfig.load(args.config, overrides), quiet=args.quiet)
+    except SftDataError as e:
+        print(f"lightning sft: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: v for k, v in summary.items() if k != "data"}, indent=2, default=float))
+    return 0
+
+
+def _expert_main(cfg: RunConfig, *, quiet: bool) -> dict[str, Any]:
+    from lightning.run.sft import expert_iteration
+
+    if cfg.sft is None:
+        raise ValueError("expert iteration needs an [sft] section")
+    with Run(cfg.model_copy(update={"sft": None}), quiet=quiet) as run:
+        before = run._eval_row("before expert iteration")
+        summary = expert_iteration(run, cfg.sft)
+        after = run._eval_row("after expert iteration")
+        run._checkpoint()
+    summary.update(
+        output_dir=str(cfg.output_dir),
+        eval_before=before.get("eval_reward"),
+        eval_after=after.get("eval_reward"),
+    )
+    (Path(cfg.output_dir) / "sft" / "summary.json").write_text(
+        json.dumps(summary, indent=2, default=float)
+    )
+    return summary

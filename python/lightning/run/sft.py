@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning.config import RunConfig, SftConfig, SftSection
+from lightning.config import SftConfig, SftSection
 from lightning.rl.sft import (
     SftDataError,
     SftSample,
@@ -53,7 +53,7 @@ from lightning.rl.sft import (
 
 log = logging.getLogger("lightning.run.sft")
 
-__all__ = ["expert_iteration", "fit", "prepare_data", "sft_main"]
+__all__ = ["expert_iteration", "fit", "prepare_data", "run_standalone"]
 
 
 def _max_len(section: SftSection, model_dir: Path) -> int | None:
@@ -294,9 +294,7 @@ def expert_iteration(run: Any, section: SftSection) -> dict[str, Any]:
             "selection": sel.summary(),
         }
         run._say(f"expert iteration {it}: {info['selection']}")
-        samples = store_samples(
-            run.gateway_db, sel, max_len=_max_len(section, run.model_dir)
-        )
+        samples = store_samples(run.gateway_db, sel, max_len=_max_len(section, run.model_dir))
         if samples:
             result = fit(
                 run.trainer,
@@ -350,50 +348,4 @@ def run_standalone(cfg: SftConfig, *, quiet: bool = False) -> dict[str, Any]:
         trainer.close()
     summary = {"output_dir": str(out), "data": info, **result, "model": str(out / "model")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    return summary
-
-
-def sft_main(argv: list[str]) -> int:
-    import argparse
-    import tomllib
-
-    p = argparse.ArgumentParser(
-        prog="lightning sft", description="supervised fine-tuning (docs/sft.md)"
-    )
-    p.add_argument("config", help="TOML with [model], [trainer] and [sft]")
-    p.add_argument("--output-dir", help="override output_dir")
-    p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
-    overrides = {"output_dir": args.output_dir} if args.output_dir else {}
-    raw = tomllib.loads(Path(args.config).read_text())
-    try:
-        if (raw.get("sft") or {}).get("source") == "expert_iteration":
-            summary = _expert_main(RunConfig.load(args.config, overrides), quiet=args.quiet)
-        else:
-            summary = run_standalone(SftConfig.load(args.config, overrides), quiet=args.quiet)
-    except SftDataError as e:
-        print(f"lightning sft: {e}", file=__import__("sys").stderr)
-        return 1
-    print(json.dumps({k: v for k, v in summary.items() if k != "data"}, indent=2, default=float))
-    return 0
-
-
-def _expert_main(cfg: RunConfig, *, quiet: bool) -> dict[str, Any]:
-    from lightning.run.loop import Run
-
-    if cfg.sft is None:
-        raise ValueError("expert iteration needs an [sft] section")
-    with Run(cfg.model_copy(update={"sft": None}), quiet=quiet) as run:
-        before = run._eval_row("before expert iteration")
-        summary = expert_iteration(run, cfg.sft)
-        after = run._eval_row("after expert iteration")
-        run._checkpoint()
-    summary.update(
-        output_dir=str(cfg.output_dir),
-        eval_before=before.get("eval_reward"),
-        eval_after=after.get("eval_reward"),
-    )
-    (Path(cfg.output_dir) / "sft" / "summary.json").write_text(
-        json.dumps(summary, indent=2, default=float)
-    )
     return summary
