@@ -305,3 +305,81 @@ def test_tiny_model_learns_an_answer_format_from_jsonl(tok: Tokenizer, tmp_path:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["data"]["train_samples"] == 18 and summary["data"]["val_samples"] == 6
     assert SftConfig.load(cfg).sft.dataset == str(data)
+
+
+# ------------------------------------------------- inside `lightning train`
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def _demo_config(tmp_path: Path, sft: dict[str, Any]) -> Any:
+    import sys
+
+    from lightning.config import RunConfig
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import arith_tasks
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    tasks = tmp_path / "tasks"
+    assert (
+        arith_tasks.main(["--n", "20", "--eval-size", "2", "--seed", "3", "--out", str(tasks)]) == 0
+    )
+    return RunConfig.load(
+        EXAMPLES / "demo.toml",
+        {
+            "model.builtin": "tiny",
+            "steps": 0,
+            "output_dir": str(tmp_path / "run"),
+            "tasks.train": str(tasks / "train.jsonl"),
+            "tasks.eval": str(tasks / "eval.jsonl"),
+            "algorithm.group_size": 3,
+            "algorithm.tasks_per_step": 2,
+            "harness.concurrency": 6,
+            "sft": sft,
+        },
+    )
+
+
+@pytest.mark.slow
+def test_train_warm_starts_from_sft_then_serves_those_weights(tmp_path: Path) -> None:
+    from lightning.run.loop import Run
+
+    data = _write(tmp_path / "d.jsonl", [_conv(f"q{i}", f"A{i}") for i in range(6)])
+    cfg = _demo_config(tmp_path, {"dataset": str(data), "epochs": 1, "batch_size": 4})
+    with Run(cfg, quiet=True) as run:
+        assert run.trainer.step_count == 2  # ceil(5 train samples / 4) steps
+        rows = [json.loads(x) for x in (run.out / "sft" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1, 2] and "sft_val_loss" in rows[-1]
+        # The engine was started on the fine-tuned weights, not the base model.
+        assert str(run.out / "weights" / "sft") in " ".join(run.engine.proc.args)  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_expert_iteration_keeps_the_best_of_each_group_and_pushes(tmp_path: Path) -> None:
+    from lightning.run.loop import train
+
+    cfg = _demo_config(
+        tmp_path,
+        {"source": "expert_iteration", "iterations": 1, "top_fraction": 0.5, "batch_size": 2},
+    )
+    summary = train(cfg, quiet=True)
+    (it,) = summary["expert_iteration"]["iterations"]
+    assert it["rollouts"] == 6
+    # ceil(0.5 x 3) = 2 of each group of 3 succeeded, rewarded rollouts.
+    assert it["selection"]["kept"] == 4, it
+    assert it["samples"] >= 4  # a multi-call rollout may merge into several samples
+    assert it["fit"]["steps"] == -(-it["samples"] // 2)
+    from lightning import Store
+
+    with Store(tmp_path / "run" / "lightning.db") as store:
+        versions = {
+            c.weight_version
+            for r in store.rollouts(status=None)
+            for c in store.trace(r["rollout_id"])
+            if r["mode"] == "eval"
+        }
+    # The held-out eval after expert iteration ran on the pushed weights (version 1).
+    assert 1 in versions

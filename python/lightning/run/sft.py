@@ -295,6 +295,7 @@ def expert_iteration(run: Any, section: SftSection) -> dict[str, Any]:
         }
         run._say(f"expert iteration {it}: {info['selection']}")
         samples = store_samples(run.gateway_db, sel, max_len=_max_len(section, run.model_dir))
+        info["samples"] = len(samples)
         if samples:
             result = fit(
                 run.trainer,
