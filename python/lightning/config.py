@@ -589,6 +589,12 @@ class SftSection(_Section):
         description="'module:function(trainer, step) -> dict[str, float]' run at each "
         "validation, e.g. a parse rate or reward on held-out prompts",
     )
+    max_wall_s: float | None = Field(
+        None,
+        gt=0,
+        description="stop after this many seconds of training (with epochs as the upper "
+        "bound): a compute-matched control trains for another stage's wall clock",
+    )
     iterations: int = Field(
         2, ge=1, description="expert iteration: rounds of sample -> keep best -> fine-tune"
     )

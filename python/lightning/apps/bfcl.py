@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
+import math
 import os
 import random
 import subprocess
@@ -30,6 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from lightning.model_cache import cache_dir
 
@@ -186,6 +190,194 @@ def decontaminate_cases(
         "removed": removed,
     }
     return [c for c in train if c["id"] in kept_ids], report
+
+
+# ------------------------------------------------------------------ recipe v2
+
+# Never trained on: it repeats 195 simple_python questions (the held-out set).
+NEVER_TRAIN = "unused_datasets/question/BFCL_v4_chatable.json"
+SPLIT_RULE = (
+    "held out: a seeded sample of each held-out category; train pool: every case of the "
+    "train categories except those that (1) declare a function whose name a held-out case "
+    "declares, (2) ask a user question whose text (lowercased, whitespace collapsed) a "
+    "held-out case asks, or (3) share a word {n}-gram of question + function docs with a "
+    "held-out case (lightning.run.tasks.decontaminate); never " + NEVER_TRAIN
+)
+MIN_PRIMARY = 100  # fewer held-out simple_python cases cannot tell arms apart
+
+
+def function_names(case: dict[str, Any]) -> set[str]:
+    return {str(f.get("name", "")) for f in case.get("function") or []}
+
+
+def question_texts(case: dict[str, Any]) -> set[str]:
+    turns = case.get("question") or []
+    return {
+        " ".join(str(m.get("content", "")).lower().split())
+        for turn in turns
+        for m in turn
+        if m.get("role") == "user"
+    }
+
+
+def split_cases(
+    held_out: dict[str, list[dict[str, Any]]],
+    train: dict[str, list[dict[str, Any]]],
+    *,
+    primary: str = "simple_python",
+    ngram: int = 8,
+) -> dict[str, Any]:
+    """The v2 split of given cases (``SPLIT_RULE``): which train cases stay, which
+    go and why (the first rule that applies), overlap counts per rule, and a
+    sha256 over the ids. Raises ``ValueError`` with fewer than ``MIN_PRIMARY``
+    held-out ``primary`` cases or a category on both sides."""
+    if set(held_out) & set(train):
+        raise ValueError(f"categories both trained and held out: {set(held_out) & set(train)}")
+    if any("chatable" in c for c in train):
+        raise ValueError(f"never train on {NEVER_TRAIN}: it repeats simple_python questions")
+    if len(held_out.get(primary, [])) < MIN_PRIMARY:
+        raise ValueError(
+            f"{len(held_out.get(primary, []))} held-out {primary} cases; the recipe needs at "
+            f"least {MIN_PRIMARY} (the same ids for every arm)"
+        )
+    held = [c for cases in held_out.values() for c in cases]
+    held_names = set().union(*(function_names(c) for c in held)) - {""}
+    held_questions = set().union(*(question_texts(c) for c in held)) - {""}
+    pool = [c for cases in train.values() for c in cases]
+    _, ngram_report = decontaminate_cases(pool, held, n=ngram) if ngram > 0 else ([], None)
+    ngram_hits = {r["id"]: r["held_out"] for r in (ngram_report or {}).get("removed", [])}
+    counts = {"function_name": 0, "question_text": 0, "ngram": 0}
+    dropped, kept = [], {cat: [] for cat in train}
+    for cat, cases in train.items():
+        for c in cases:
+            names = function_names(c) & held_names
+            questions = question_texts(c) & held_questions
+            hits = {
+                "function_name": bool(names),
+                "question_text": bool(questions),
+                "ngram": c["id"] in ngram_hits,
+            }
+            for rule, hit in hits.items():
+                counts[rule] += hit
+            reason = next((rule for rule, hit in hits.items() if hit), None)
+            if reason is None:
+                kept[cat].append(c["id"])
+            else:
+                dropped.append(
+                    {
+                        "id": c["id"],
+                        "reason": reason,
+                        "functions": sorted(names),
+                        "held_out": ngram_hits.get(c["id"], [])[:3],
+                    }
+                )
+    ids = {
+        "held_out": {cat: [c["id"] for c in cases] for cat, cases in held_out.items()},
+        "train_pool": kept,
+    }
+    digest = hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()
+    return {
+        **ids,
+        "rule": SPLIT_RULE.format(n=ngram),
+        "overlap": {**counts, "dropped": len(dropped), "train_in": len(pool)},
+        "dropped": dropped,
+        "never_trained": [NEVER_TRAIN],
+        "sha256": digest,
+    }
+
+
+def write_split(
+    out: Path,
+    *,
+    held_out: dict[str, int],
+    train: Sequence[str],
+    seed: int,
+    ngram: int = 8,
+) -> dict[str, Any]:
+    """``split.json`` (the manifest, with BFCL's version and the seed) for held-out
+    categories sampled to the given sizes (0: all) and whole train categories."""
+    rng = random.Random(seed)
+    held_cases = {}
+    for cat, n in held_out.items():
+        cases = category_cases(cat)
+        picks = (
+            sorted(rng.sample(range(len(cases)), n)) if 0 < n < len(cases) else range(len(cases))
+        )
+        held_cases[cat] = [cases[i] for i in picks]
+    manifest = split_cases(held_cases, {cat: category_cases(cat) for cat in train}, ngram=ngram)
+    manifest = {"bfcl_eval": BFCL_EVAL, "seed": seed, **manifest}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "split.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def sft_examples(ids: dict[str, list[str]], out: Path, script: Path) -> dict[str, Any]:
+    """``out`` (JSONL for ``lightning sft``): BFCL's own prompts for ``ids`` with the
+    gold answer as the assistant turn (``examples/bfcl/sft_data.py`` in BFCL's
+    environment); targets BFCL's checker would not accept are left out and counted."""
+    raw = out.with_suffix(".bfcl.jsonl")
+    ids_file = out.with_suffix(".ids.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ids_file.write_text(json.dumps(ids))
+    done = subprocess.run(
+        [str(bfcl_python(quiet=True)), str(script), str(ids_file), str(raw)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"building SFT data in BFCL's environment failed:\n{done.stderr[-3000:]}"
+        )
+    rows = [json.loads(line) for line in raw.read_text().splitlines()]
+    good = [r for r in rows if r["gold_valid"]]
+    out.write_text(
+        "".join(json.dumps({"messages": r["messages"], "id": r["id"]}) + "\n" for r in good)
+    )
+    return {
+        "examples": len(good),
+        "gold_rejected": [(r["id"], r["gold_error"]) for r in rows if not r["gold_valid"]],
+    }
+
+
+def mcnemar(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
+    """Exact McNemar test of paired 0/1 outcomes (the same cases under two arms):
+    the discordant pairs (``a`` wrong, ``b`` right: ``b_wins``; the reverse:
+    ``a_wins``) and the two-sided binomial p-value under "either is equally likely"."""
+    if len(a) != len(b):
+        raise ValueError(f"paired outcomes need equal lengths, got {len(a)} and {len(b)}")
+    b_wins = sum(1 for x, y in zip(a, b, strict=True) if x < 0.5 <= y)
+    a_wins = sum(1 for x, y in zip(a, b, strict=True) if y < 0.5 <= x)
+    n, k = a_wins + b_wins, min(a_wins, b_wins)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n if n else 1.0
+    return {"a_wins": a_wins, "b_wins": b_wins, "p_value": min(1.0, 2 * tail)}
+
+
+def paired_difference(
+    a: Sequence[float],
+    b: Sequence[float],
+    *,
+    confidence: float = 0.95,
+    resamples: int = 4000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """mean(b) − mean(a) over the same cases, with a paired bootstrap interval
+    (cases resampled with replacement, each keeping both its outcomes) and
+    McNemar's exact test."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)  # [N]
+    if x.shape != y.shape or not len(x):
+        raise ValueError("paired outcomes need the same, non-zero number of cases")
+    d = y - x  # [N]
+    picks = np.random.default_rng(seed).integers(0, len(d), size=(resamples, len(d)))  # [R, N]
+    means = d[picks].mean(axis=1)  # [R]
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return {
+        "diff": float(d.mean()),
+        "low": float(low),
+        "high": float(high),
+        "n": len(d),
+        **mcnemar(a, b),
+    }
 
 
 def write_tasks(

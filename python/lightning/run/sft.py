@@ -214,13 +214,16 @@ def fit(
             batch, order = order[: section.batch_size], order[section.batch_size :]
             m = trainer.supervised_step(batch)
             step += 1
+            out_of_time = (
+                section.max_wall_s is not None and time.monotonic() - t0 >= section.max_wall_s
+            )
             row: dict[str, Any] = {
                 "phase": "sft",
                 "step": first_step + step,
                 "epoch": step / per_epoch,
                 **m,
             }
-            if step % eval_every == 0 or step == total:
+            if step % eval_every == 0 or step == total or out_of_time:
                 v = validate(trainer, val, section, first_step + step)
                 row.update({f"sft_{k}": x for k, x in v.items()})
                 if metric not in v and v:
@@ -238,7 +241,7 @@ def fit(
                     else:
                         bad += 1
                 say(f"sft step {first_step + step}/{first_step + total}: {_fmt(row)}")
-                if section.patience is not None and bad >= section.patience:
+                if (section.patience is not None and bad >= section.patience) or out_of_time:
                     stopped = True
                     write(row)
                     break
