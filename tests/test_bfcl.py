@@ -271,3 +271,46 @@ def test_sft_examples_are_bfcl_prompts_with_gold_answers_it_accepts(
     }
     # An optional parameter BFCL lets the answer omit ("" first) is left out.
     assert by_id["simple_python_2"][-1]["content"] == "[math.hypot(x=4, y=5)]"
+
+
+def _scored(rewards: dict[str, tuple[str, float, str | None]]) -> dict[str, object]:
+    return {
+        "per_id": {
+            t: {
+                "category": cat,
+                "rewards": [r],
+                "calls": [bfcl.made_call(cat, v, r)],
+                "verdicts": [v],
+            }
+            for t, (cat, r, v) in rewards.items()
+        }
+    }
+
+
+def test_arms_table_paired_rows_and_report() -> None:
+    assert bfcl.made_call("simple_python", None, 1.0)
+    assert bfcl.made_call("simple_python", "value_error:others", 0.0)
+    assert not bfcl.made_call("simple_python", "ast_decoder:decoder_failed", 0.0)
+    assert not bfcl.made_call("simple_python", None, 0.0)  # a harness failure: no verdict
+    assert bfcl.made_call("irrelevance", "irrelevance_error:decoder_success", 0.0)
+    assert not bfcl.made_call("irrelevance", None, 1.0)
+    sp = "simple_python"
+    sft = _scored({"a": (sp, 1.0, None), "b": (sp, 0.0, "value_error:x"), "c": (sp, 0.0, "ast_decoder:d"),
+                   "i": ("irrelevance", 1.0, None)})  # fmt: skip
+    rl = _scored({"a": (sp, 1.0, None), "b": (sp, 1.0, None), "c": (sp, 1.0, None),
+                  "i": ("irrelevance", 0.0, "irrelevance_error:decoder_success")})  # fmt: skip
+    arms = {"sft": sft, "sft+rl": rl}
+    table = bfcl.arm_table(arms)
+    assert table["sft"][sp]["n"] == 3 and table["sft"][sp]["accuracy"] == pytest.approx(1 / 3)
+    assert table["sft"][sp]["call_rate"] == pytest.approx(2 / 3)
+    assert table["sft+rl"]["irrelevance"]["call_rate"] == 1.0
+    paired = bfcl.paired_rows(arms, [("sft", "sft+rl"), ("control", "sft+rl")], sp)
+    assert list(paired) == ["sft+rl - sft"]  # no control arm: no control row
+    assert paired["sft+rl - sft"]["diff"] == pytest.approx(2 / 3)
+    md = bfcl.report_v2(
+        {"seed": 0, "max_tokens": 96, "table": table, "paired": paired, "phases": {"sft": 1.5},
+         "learnability": {"prompts": 10, "kept": 4, "samples": 8}}
+    )  # fmt: skip
+    assert bfcl.HELD_OUT_SENTENCE in md
+    assert "| sft+rl | irrelevance | 1 | 0.000" in md
+    assert "sft+rl - sft: +0.667" in md and "4 of 10 training prompts" in md
