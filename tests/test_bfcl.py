@@ -269,8 +269,8 @@ def test_sft_examples_are_bfcl_prompts_with_gold_answers_it_accepts(
         "role": "assistant",
         "content": "[calculate_triangle_area(base=10, height=5, unit='units')]",
     }
-    # An optional parameter BFCL lets the answer omit ("" first) is left out.
-    assert by_id["simple_python_2"][-1]["content"] == "[math.hypot(x=4, y=5)]"
+    # An optional parameter BFCL lets the answer omit ("" or 0) gets its value.
+    assert by_id["simple_python_2"][-1]["content"] == "[math.hypot(x=4, y=5, z=0)]"
 
 
 def _scored(rewards: dict[str, tuple[str, float, str | None]]) -> dict[str, object]:

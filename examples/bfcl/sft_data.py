@@ -7,8 +7,8 @@ then the handler's ``_pre_query_processing_prompting`` — BFCL's system prompt
 with the function docs — and ``add_first_turn_message_prompting``; nothing
 re-typed), and the target answer from BFCL's ``possible_answer`` rendered in the
 call format that prompt asks for, ``[func(arg=value, ...)]``: for each
-parameter the first value BFCL accepts, and an optional parameter whose first
-accepted value is ``""`` (BFCL's mark for "may be omitted") left out.
+parameter the first value BFCL accepts other than ``""`` (its mark for "may be
+omitted"; a parameter with no other value is left out), nested dicts alike.
 
 Every target is then run through BFCL's own decoder (``decode_ast``) and checker
 (``ast_checker``) against the same possible answer, so a target BFCL would not
@@ -30,17 +30,34 @@ from pathlib import Path
 from typing import Any
 
 
+def first_accepted(accepted: list[Any]) -> Any:
+    """The first value BFCL accepts other than "" (its mark for "may be omitted"),
+    or "" when omitting is all it accepts; a dict value is itself a map of
+    accepted values per key (BFCL's nested possible answers), chosen the same way."""
+    for value in accepted:
+        if value == "":
+            continue
+        if isinstance(value, dict):
+            return {k: v for k, acc in value.items() if (v := first_accepted(acc)) != ""}
+        return value
+    return ""
+
+
 def gold_call(ground_truth: list[dict[str, dict[str, list[Any]]]]) -> str:
-    """``[f(a=1, b='x'), g()]`` from BFCL's possible answer (first accepted value
-    per parameter; a parameter whose first accepted value is "" is omitted)."""
+    """``[f(a=1, b='x'), g()]`` from BFCL's possible answer: per parameter the
+    first accepted value that is not "", the parameter left out when "" is all
+    that is accepted besides nothing (an optional one BFCL lets the answer omit
+    is kept when it has a value: omitting it is also right, naming it teaches the
+    argument)."""
     calls = []
     for item in ground_truth:
         ((name, params),) = item.items()
         args = []
         for key, accepted in params.items():
-            if not accepted or accepted[0] == "":
+            value = first_accepted(accepted)
+            if value == "":
                 continue
-            args.append(f"{key}={accepted[0]!r}")
+            args.append(f"{key}={value!r}")
         calls.append(f"{name}({', '.join(args)})")
     return "[" + ", ".join(calls) + "]"
 

@@ -899,9 +899,9 @@ def recipe_v2(args: argparse.Namespace) -> int:
         summary["table"] = arm_table(arms)
         pairs = [("base", "sft"), ("sft", "sft+rl"), ("control", "sft+rl")]
         summary["paired"] = paired_rows(arms, pairs, "simple_python")
-        (out / "bfcl.json").write_text(json.dumps(summary, indent=2, default=str))
         (out / "bfcl.md").write_text(report_v2(summary))
         print(report_v2(summary))
+    (out / "bfcl.json").write_text(json.dumps(summary, indent=2, default=str))
     return 0
 
 
