@@ -314,3 +314,13 @@ def test_arms_table_paired_rows_and_report() -> None:
     assert bfcl.HELD_OUT_SENTENCE in md
     assert "| sft+rl | irrelevance | 1 | 0.000" in md
     assert "sft+rl - sft: +0.667" in md and "4 of 10 training prompts" in md
+
+
+def test_recipe_configs_load() -> None:
+    from lightning.config import RunConfig, SftConfig
+
+    here = HARNESS.parent
+    for name in ("sft.toml", "gpu_sft.toml"):
+        cfg = SftConfig.load(here / name)
+        assert cfg.sft.source == "dataset" and cfg.sft.epochs == 1.0
+    assert RunConfig.load(here / "recipe.toml").algorithm.estimator == "grpo"
