@@ -89,7 +89,7 @@ def worker(model: str, steps: int, bucket_mb: int, scratch: Path) -> None:
 
     sys.path.insert(0, str(TESTS))
     from fake_rl_engines import FakeSglang
-    from lightning.run.weight_sync import (
+    from lightning.sync import (
         LiveWeights,
         SglangDistributedSync,
         TorchDistTransport,

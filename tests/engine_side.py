@@ -4,7 +4,7 @@ receives broadcasts, driven by JSON lines on stdin (one answer line each on stdo
 ``--join sglang`` joins with SGLang's own ``init_custom_process_group``, called as
 SGLang's ``WeightUpdater.init_weights_update_group`` calls it (run under the cached
 engine environment, tests/engine_envs.py); ``--join lightning`` uses
-``lightning.run.weight_sync.join_group`` (for fakes of engines whose real data plane
+``lightning.sync.join_group`` (for fakes of engines whose real data plane
 needs a GPU). Receiving is ``torch.distributed.broadcast(buf, src=0, group=...)`` per
 name, as SGLang's ``update_weights_from_distributed`` receives.
 
@@ -43,7 +43,7 @@ def _join_sglang(cmd: dict[str, Any]) -> Any:
 
 
 def _join_lightning(cmd: dict[str, Any]) -> Any:
-    from lightning.run.weight_sync import join_group
+    from lightning.sync import join_group
 
     return join_group(
         cmd["address"],

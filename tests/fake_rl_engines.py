@@ -28,7 +28,7 @@ The data plane is real too: on init the fake starts a process of its own
 (tests/engine_side.py) that joins the trainer's process group over gloo as
 ``rank_offset`` — for SGLang with SGLang's own ``init_custom_process_group`` from the
 pinned release (tests/engine_envs.py), for vLLM (whose receiver is PyNccl, GPU only)
-with ``lightning.run.weight_sync.join_group`` — and on update receives one broadcast
+with ``lightning.sync.join_group`` — and on update receives one broadcast
 per tensor (or one per flattened bucket: for SGLang, unpacked by SGLang's own
 ``FlattenedTensorBucket``), so tests compare what arrived with what was sent.
 """

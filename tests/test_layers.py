@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent / "python" / "lightning"
 # `__init__` (the public names), which sits on top of `gateway`.
 LAYERS: list[set[str]] = [
     {"_core"},
-    {"modes", "model_cache"},
+    {"modes", "model_cache", "traces"},
     {"gateway"},
     {"lightning"},
+    {"sync"},
     {"config"},
     {"engine"},
     {"rl"},

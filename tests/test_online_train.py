@@ -64,7 +64,7 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
     packed tree, and reports what it selected, skipped and weighted."""
     from lightning.cli import main as cli
     from lightning.model_cache import tiny_model_dir
-    from lightning.run.report import show_main
+    from lightning.view.show import main as show_main
 
     db = tmp_path / "train.db"
     gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")

@@ -33,7 +33,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "lightning.run.report:main",
         "write RUN_DIR/report.html (plots and traces, offline)",
     ),
-    "show": ("lightning.run.report:show_main", "print one rollout's merged trace, coloured"),
+    "show": ("lightning.view.show:main", "print one rollout's merged trace, coloured"),
     "view": (
         "lightning.view.server:main",
         "serve a live, read-only web view of a run or a gateway store",

@@ -89,6 +89,7 @@ from lightning.config import (
     trainer_defaults,
 )
 from lightning.modes import Estimator
+from lightning.sync.kinds import DiskSyncKind
 
 
 class _Section(BaseModel):
@@ -154,7 +155,7 @@ class OnlineRewardSection(_Section):
 
 
 class WeightSyncSection(_Section):
-    policy: Literal["none", "embedded", "sglang"] = "none"
+    policy: DiskSyncKind = "none"
     urls: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -566,9 +567,9 @@ def staleness(policy_version: int, calls: Sequence[Any]) -> dict[str, Any]:
     """Completion tokens by staleness ``policy_version - call.weight_version``
     (how many weight versions behind the policy being trained each token was
     sampled), with the token-weighted mean and the maximum."""
-    hist: Counter[int] = Counter()
-    for c in calls:
-        hist[policy_version - int(c.weight_version)] += len(c.completion_ids)
+    from lightning.run.staleness import staleness_histogram
+
+    hist = staleness_histogram(policy_version, calls)
     total = sum(hist.values())
     return {
         "staleness_tokens": {str(k): v for k, v in sorted(hist.items())},
@@ -817,16 +818,13 @@ def _step_line(k: int, m: dict[str, Any]) -> str:
 
 def _export(cfg: OnlineConfig, trainer: Any, out: Path, versions: Counter[int]) -> Path:
     """Writes the new weights; pushes them to the engines only when configured."""
-    from lightning.run.weight_sync import WeightUpdate, make_weight_sync
+    from lightning.sync import WeightUpdate, make_weight_sync
 
     weights = out / "weights" / "latest"
     trainer.export_weights(str(weights))
     if cfg.weight_sync.policy != "none":
         version = 1 + max(versions) if versions else 1
-        policy = cfg.weight_sync.policy
-        sync = make_weight_sync(
-            "sglang-disk" if policy == "sglang" else policy, cfg.weight_sync.urls
-        )
+        sync = make_weight_sync(cfg.weight_sync.policy, cfg.weight_sync.urls)
         try:
             sync.setup()
             sync.push(WeightUpdate(version=version, path=weights))

@@ -75,7 +75,7 @@ from lightning.rl.losses import (
 )
 
 if TYPE_CHECKING:
-    from lightning.rl.live_weights import LiveWeights
+    from lightning.sync.live_weights import LiveWeights
 
 __all__ = ["LoraSettings", "Trainer", "TrainerConfig"]
 
@@ -814,9 +814,9 @@ class Trainer:
     def live_weights(self) -> LiveWeights:
         """The current policy as full tensors gathered one at a time from the live
         (sharded) model, for weight syncs that broadcast without disk
-        (``lightning.rl.live_weights``). Every rank must drain it: under
+        (``lightning.sync.live_weights``). Every rank must drain it: under
         FSDP2 each gather is a collective. LoRA adapters are merged into a copy."""
-        from lightning.rl.live_weights import LiveWeights
+        from lightning.sync.live_weights import LiveWeights
 
         model = self.model
         if self.config.lora is not None:

@@ -54,7 +54,7 @@ from lightning.run.harnesses import (
 )
 from lightning.run.runner import RolloutResult, Runner, load_callable
 from lightning.run.stats import Interval
-from lightning.run.weight_sync import WeightSync, WeightUpdate, make_weight_sync
+from lightning.sync import WeightSync, WeightUpdate, make_weight_sync
 
 log = logging.getLogger("lightning.run.loop")
 
@@ -184,11 +184,10 @@ def _make_launcher(h: HarnessSection) -> Any:
 
 
 def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
-    """The engines' own weight-update API (lightning.run.weight_sync, DESIGN.md §7)."""
+    """The engines' own weight-update API (lightning.sync, docs/design.md#weight-sync)."""
     e = cfg.engine
-    kind = "embedded" if e.kind == "embedded" else e.weight_sync
     return make_weight_sync(
-        "sglang-disk" if kind == "sglang" else kind,
+        "embedded" if e.kind == "embedded" else e.weight_sync,
         upstreams,
         master_address=e.sync_master_address,
         master_port=e.sync_master_port,
@@ -498,7 +497,8 @@ class Run:
             row["eval_harnesses"] = cells
         return row
 
-    def _rollouts(self, step: int) -> list[RolloutResult]:
+    def generate(self, step: int) -> list[RolloutResult]:
+        """Run the rollouts of ``step`` to completion (the schedule decides when)."""
         return self.runner.run(self._jobs(step), mode="train")
 
     def _jobs(self, step: int) -> list[tuple[dict[str, Any], str]]:
@@ -547,14 +547,14 @@ class Run:
             self.client.resume()
 
     def _sync_weights(self, version: int) -> None:
-        """Pause the gateway, drain in-flight calls, push weights, resume (DESIGN.md §7).
+        """Pause the gateway, drain in-flight calls, push weights, resume (docs/design.md#weight-sync).
 
         Asynchronous runs skip the gateway drain: calls in flight finish on the old
         weights (each engine's own update waits for them) and keep the version the
         gateway recorded when they started; the version is bumped only after the
         engines hold the new weights, so a recorded version is never newer than the
         weights that served the call."""
-        drain = self.config.algorithm.max_staleness == 0
+        drain = not self.config.algorithm.asynchronous
         if drain:
             self.client.pause(drain=True, timeout_s=120.0)
         try:
@@ -582,21 +582,20 @@ class Run:
     def _write_traces(
         self, step: int, results: Sequence[RolloutResult], merged: Any, rewards: dict[str, float]
     ) -> None:
-        from lightning.run.report import decode_pieces
+        """The first sample of a few rollouts, decoded, to ``traces.jsonl`` (the
+        report's traces and ``lightning show --run``) and to the trackers."""
+        from lightning.traces import divergence_rows, sample_row, trace_record
 
         n = self.config.traces_per_step
         if n <= 0:
             return
-        by_rollout: dict[str, list[Any]] = {}
+        first: dict[str, Any] = {}
         for sample in merged.samples:
-            by_rollout.setdefault(sample.rollout_id, []).append(sample)
-        divs: dict[str, list[dict[str, Any]]] = {}
-        for d in merged.divergences:
-            divs.setdefault(d.rollout_id, []).append({"position": int(d.position), "kind": d.kind})
+            first.setdefault(sample.rollout_id, sample)
         tasks = {r.rollout_id: r.task for r in results}
         # Round-robin over harnesses, so each harness of the step shows.
         per_harness: dict[str, list[str]] = {}
-        for rid in by_rollout:
+        for rid in first:
             per_harness.setdefault(harness_of(tasks.get(rid)), []).append(rid)
         order = [
             rid
@@ -607,28 +606,19 @@ class Run:
         rows = []
         with open(self.out / "traces.jsonl", "a") as f:
             for rid in order[:n]:
-                sample = by_rollout[rid][0]
-                pieces = decode_pieces([int(t) for t in sample.tokens], self.tokenizer.decode)
                 rows.append(
-                    {
-                        "step": step,
-                        "rollout_id": rid,
-                        "reward": rewards.get(rid),
-                        "pieces": pieces,
-                        "weights": [float(w) for w in sample.weights],
-                        "divergences": divs.get(rid, []),
-                        "task": tasks.get(rid),
-                        "harness": harness_of(tasks.get(rid)),
-                    }
+                    trace_record(
+                        sample_row(first[rid], self.tokenizer),
+                        divergence_rows(merged, rid),
+                        step=step,
+                        rollout_id=rid,
+                        reward=rewards.get(rid),
+                        task=tasks.get(rid),
+                        harness=harness_of(tasks.get(rid)),
+                    )
                 )
                 f.write(json.dumps(rows[-1]) + "\n")
         self.tracking.traces(step, rows)
-
-    def step(self, step: int) -> dict[str, Any]:
-        t0 = time.monotonic()
-        results = self._rollouts(step)
-        self.phases.record("generate", t0, time.monotonic())
-        return self.train_on(step, results, t0=t0)
 
     def train_on(self, step: int, results: list[RolloutResult], *, t0: float) -> dict[str, Any]:
         """Merge, train and push the weights of one step from its finished rollouts."""
@@ -708,17 +698,27 @@ class Run:
             self._append_metrics({"step": -1, **before})
         else:
             self._say(f"resuming at step {start}")
-        from lightning.run.staleness import RolloutPipeline
+        from lightning.run.staleness import schedule
 
         if start == 0 and cfg.sft is not None and cfg.sft.source == "expert_iteration":
             from lightning.run.sft import expert_iteration
 
             summary["expert_iteration"] = expert_iteration(self, cfg.sft)
-        pipeline = RolloutPipeline.for_run(self, start)  # None when max_staleness = 0
+        batches = schedule(
+            cfg.algorithm,
+            self.generate,
+            self.phases,
+            start=start,
+            steps=cfg.steps,
+            version=int(self.state["weight_version"]),
+            timeout_s=max(h.timeout_s for h in cfg.all_harnesses()),
+        )
         self.phases.mark()
-        with _progress(cfg.steps, start, quiet=self.quiet) as tick, pipeline or _nothing():
-            for step in range(start, cfg.steps):
-                metrics = self.step(step) if pipeline is None else pipeline.step(step)
+        with _progress(cfg.steps, start, quiet=self.quiet) as tick, batches:
+            for batch in batches.batches():
+                step = batch.step
+                metrics = self.train_on(step, batch.results, t0=batch.t0)
+                batches.published(step + 1)
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                     metrics.update(self._eval_row(f"after step {step + 1}"))
                 self._append_metrics(metrics)
@@ -761,11 +761,6 @@ class Run:
         final = self.out / "checkpoints" / "latest"
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @contextlib.contextmanager

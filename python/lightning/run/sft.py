@@ -281,7 +281,7 @@ def expert_iteration(run: Any, section: SftSection) -> dict[str, Any]:
     step = 0
     for it in range(section.iterations):
         t0 = time.monotonic()
-        results = run._rollouts(10_000 + it)  # a step number RL never uses: its own seeds
+        results = run.generate(10_000 + it)  # a step number RL never uses: its own seeds
         ids = [r.rollout_id for r in results]
         sel = select_rollouts(
             run.gateway_db,

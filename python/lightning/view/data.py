@@ -12,19 +12,15 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lightning._core import StoreReader, Tokenizer
 from lightning.gateway.store import Store
-from lightning.run.report import decode_pieces
+from lightning.traces import Decoder, divergence_rows, finite, sample_row, token_pieces
 
 PAGE_MAX = 200  # rollouts (or sessions) per page at most
 RATE_WINDOW_S = 600.0  # the calls chart: the last ten minutes of activity...
 RATE_BUCKET_S = 5.0  # ...in five-second buckets
-
-
-class Decoder(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
 
 
 def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
@@ -99,12 +95,6 @@ class View:
                     return None
                 self._store = (Store(self.db), StoreReader(self.db))
             return fn(*self._store)
-
-    def _pieces(self, ids: Sequence[int]) -> list[str]:
-        ids = [int(i) for i in ids]
-        if self.tokenizer is None:
-            return [f"⟨{i}⟩" for i in ids]
-        return decode_pieces(ids, self.tokenizer.decode)
 
     # ------------------------------------------------------------ run-level
 
@@ -288,7 +278,7 @@ class View:
         calls = []
         for r in records:
             completion = [] if r.completion_ids is None else [int(t) for t in r.completion_ids]
-            lps = [] if r.logprobs is None else [_num(x) for x in r.logprobs]
+            lps = [] if r.logprobs is None else [finite(x) for x in r.logprobs]
             calls.append(
                 {
                     "seq": r.seq,
@@ -302,43 +292,24 @@ class View:
                     "latency_ms": r.latency_ms,
                     "trainable": r.trainable,
                     "text": r.text,
-                    "prompt": self._pieces([] if r.prompt_ids is None else r.prompt_ids),
+                    "prompt": token_pieces(
+                        [] if r.prompt_ids is None else r.prompt_ids, self.tokenizer
+                    ),
                     "prompt_ids": [] if r.prompt_ids is None else [int(t) for t in r.prompt_ids],
-                    "completion": self._pieces(completion),
+                    "completion": token_pieces(completion, self.tokenizer),
                     "completion_ids": completion,
                     "logprobs": lps,
                 }
             )
-        samples = []
-        for smp in merged.samples:
-            if smp.rollout_id != rollout_id:
-                continue
-            tokens = [int(t) for t in smp.tokens]
-            samples.append(
-                {
-                    "tokens": tokens,
-                    "pieces": self._pieces(tokens),
-                    "weights": [float(w) for w in smp.weights],
-                    "logprobs": [_num(x) for x in smp.logprobs],
-                    "call_index": [int(c) for c in smp.call_index],
-                    "weight_version": [int(v) for v in smp.weight_version],
-                }
-            )
-        divergences = [
-            {
-                "call_index": d.call_index,
-                "left_call_index": d.left_call_index,
-                "position": d.position,
-                "kind": d.kind,
-            }
-            for d in merged.divergences
-            if d.rollout_id == rollout_id
-        ]
         return {
             "rollout": _rollout_row(info),
             "calls": calls,
-            "samples": samples,
-            "divergences": divergences,
+            "samples": [
+                sample_row(smp, self.tokenizer)
+                for smp in merged.samples
+                if smp.rollout_id == rollout_id
+            ],
+            "divergences": divergence_rows(merged, rollout_id),
             "stats": merged.stats.as_dict(),
             "events": [
                 {"seq": seq, "type": kind, "data": _json(data), "created": created}
@@ -377,7 +348,7 @@ def _rollout_row(r: dict[str, Any]) -> dict[str, Any]:
     row = {k: v for k, v in r.items() if k != "task_json"}
     if "task_json" in r:
         row["task"] = _json(r["task_json"])
-    row["reward"] = _num(row.get("reward"))
+    row["reward"] = finite(row.get("reward"))
     return _finite(row)
 
 
@@ -388,10 +359,3 @@ def _json(text: Any) -> Any:
         return json.loads(text)
     except ValueError:
         return text
-
-
-def _num(x: Any) -> float | None:
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None

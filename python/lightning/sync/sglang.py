@@ -14,26 +14,25 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning.rl.live_weights import (
-    DEFAULT_BUCKET_BYTES,
-    GatherStats,
-    TensorMeta,
-    WeightSyncError,
-    meta_of,
-    plan_buckets,
-)
-from lightning.run.weight_sync.base import (
-    PauseMode,
+from lightning.sync.base import (
     TorchDistTransport,
     WeightSync,
     WeightUpdate,
     flatten_bucket,
 )
+from lightning.sync.kinds import PauseMode, WeightSyncError
+from lightning.sync.live_weights import (
+    DEFAULT_BUCKET_BYTES,
+    GatherStats,
+    TensorMeta,
+    meta_of,
+    plan_buckets,
+)
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("lightning.run.weight_sync")
+log = logging.getLogger("lightning.sync")
 
 
 def _check_sglang(root: str, route: str, answer: Any) -> None:

@@ -16,29 +16,19 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from lightning.rl.live_weights import (
+from lightning.sync.kinds import WeightSyncError
+from lightning.sync.live_weights import (
     GatherStats,
     LiveWeights,
     TensorMeta,
-    WeightSyncError,
     meta_of,
 )
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("lightning.run.weight_sync")
+log = logging.getLogger("lightning.sync")
 
-SyncKind = Literal[
-    "embedded",
-    "sglang-disk",
-    "sglang-distributed",
-    "sglang-tensor",
-    "vllm-nccl",
-    "vllm-ipc",
-    "none",
-]
-PauseMode = Literal["none", "abort", "retract"]
 GROUP_NAME = "lightning_weight_sync"
 
 

@@ -1,5 +1,5 @@
 """The trainer's live weights as a stream of full tensors, for weight syncs that
-broadcast without disk (``lightning.run.weight_sync``).
+broadcast without disk (``lightning.sync``).
 
 Under FSDP2 each parameter is a ``DTensor`` shard; :class:`LiveWeights` gathers
 one whole tensor at a time (``full_tensor()``, a collective every rank joins in
@@ -18,16 +18,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lightning._core import LightningError
+from lightning.sync.kinds import WeightSyncError
 
 if TYPE_CHECKING:
     import torch
-
-
-class WeightSyncError(LightningError, RuntimeError):
-    """A weight update failed (an engine refused it, or the weights did not match
-    what was announced); the message names the engine and the step."""
-
 
 # Bytes a push gathers before it hands them to the engines as one unit: one SGLang
 # update_weights_from_distributed call (one broadcast of a flattened bucket), one

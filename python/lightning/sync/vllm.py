@@ -11,23 +11,23 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning.rl.live_weights import (
-    DEFAULT_BUCKET_BYTES,
-    TensorMeta,
-    WeightSyncError,
-    _itemsize,
-    plan_buckets,
-)
-from lightning.run.weight_sync.base import (
+from lightning.sync.base import (
     Transport,
     WeightSync,
     WeightUpdate,
+)
+from lightning.sync.kinds import WeightSyncError
+from lightning.sync.live_weights import (
+    DEFAULT_BUCKET_BYTES,
+    TensorMeta,
+    _itemsize,
+    plan_buckets,
 )
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("lightning.run.weight_sync")
+log = logging.getLogger("lightning.sync")
 
 
 def vllm_nccl_init_info(
