@@ -187,7 +187,7 @@ def test_pipeline_raises_a_failed_generation_in_the_training_loop() -> None:
 
 
 class _Client:
-    """Records events; `step` re-reads a batch from the 'store' (the calls below)."""
+    """Records events; `read_step` re-reads a batch from the 'store' (the calls below)."""
 
     def __init__(self, store: dict[str, list[int]]) -> None:
         self.events: list[tuple[str, str, Any]] = []
@@ -196,7 +196,7 @@ class _Client:
     def event(self, rid: str, type: str, data: Any) -> None:
         self.events.append((rid, type, data))
 
-    def step(self, ids: list[str], tokenizer: Any = None) -> Any:
+    def read_step(self, ids: list[str], tokenizer: Any = None) -> Any:
         return _merged(ids, self.store)
 
 

@@ -42,7 +42,7 @@ def test_render_trace_terminal_plain_and_errors() -> None:
 
 def test_decode_pieces_round_trips_with_real_tokenizer() -> None:
     from lightning import model_cache as models
-    from lightning.run.tasks import load_tokenizer
+    from lightning.data.files import load_tokenizer
 
     # The built model dir, without paying for smollm2_dir()'s torch import when it exists.
     built = models.cache_dir() / "models" / "smollm2-135m-instruct"

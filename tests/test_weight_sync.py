@@ -492,7 +492,7 @@ class _Recorder:
     def set_upstreams(self, ups: Any) -> None:
         self.calls.append("set_upstreams")
 
-    def live_weights(self) -> LiveWeights:
+    def live_weights(self, dtype: str | None = None) -> LiveWeights:
         self.calls.append("live_weights")
         return self.source
 
@@ -525,9 +525,10 @@ def test_run_streams_without_export_and_drains_a_failed_push(tmp_path: Path, fai
     r = _Recorder(streams=True, fail=fail)
     run = object.__new__(Run)
     run.config = SimpleNamespace(  # type: ignore[assignment]
-        algorithm=SimpleNamespace(max_staleness=0), engine=SimpleNamespace(urls=["http://e"])
+        algorithm=SimpleNamespace(max_staleness=0, asynchronous=False),
+        engine=SimpleNamespace(urls=["http://e"]),
     )
-    run.out, run.engine = tmp_path, None
+    run.out, run.engine, run.sync_dtype = tmp_path, None, None
     run.client = run.trainer = run.weight_sync = r  # type: ignore[assignment]
     if fail:
         with pytest.raises(WeightSyncError):
@@ -605,8 +606,10 @@ class _Trainer:
     def set_upstreams(self, ups: Any) -> None:
         pass
 
-    def live_weights(self) -> contextlib.AbstractContextManager[LiveWeights]:
-        return contextlib.nullcontext(LiveWeights(self.tensors.items()))
+    def live_weights(
+        self, dtype: str | None = None
+    ) -> contextlib.AbstractContextManager[LiveWeights]:
+        return contextlib.nullcontext(LiveWeights(self.tensors.items(), dtype=dtype))
 
     def export_weights(self, path: str) -> None:
         raise AssertionError(f"export_weights({path!r}): sglang-tensor must not touch disk")
@@ -619,11 +622,13 @@ def _run(tmp_path: Path, trainer: _Trainer, sync: Any) -> Any:
 
     run = object.__new__(Run)
     run.config = SimpleNamespace(  # type: ignore[assignment]
-        algorithm=SimpleNamespace(max_staleness=0), engine=SimpleNamespace(urls=["http://e"])
+        algorithm=SimpleNamespace(max_staleness=0, asynchronous=False),
+        engine=SimpleNamespace(urls=["http://e"]),
     )
     run.out, run.engine = tmp_path, None
     run.client = run.trainer = trainer  # type: ignore[assignment]
     run.weight_sync = sync
+    run.sync_dtype = None
     return run
 
 

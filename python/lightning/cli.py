@@ -26,7 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": ("lightning.engine.server:serve", "run the embedded OpenAI-compatible engine"),
     "data": (
-        "lightning.run.tasks:main",
+        "lightning.data.cli:main",
         "clean tasks: normalize, dedupe, filter, split, decontaminate",
     ),
     "report": (
@@ -42,7 +42,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "lightning.gateway.server:main",
         "run the recording gateway (same as lightning-gateway)",
     ),
-    "online": ("lightning.online.train:main", "online sessions in a store: list, export to JSONL"),
+    "online": (
+        "lightning.online.cli:main",
+        "online mode: train on sessions in a store, list them, export them to JSONL",
+    ),
 }
 # `lightning train --online` and `lightning demo --online`: flags of the offline
 # commands, each a command of its own in online mode.

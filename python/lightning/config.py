@@ -34,6 +34,7 @@ from lightning.sync.kinds import (
     ConfigSyncKind,
     PauseMode,
 )
+from lightning.sync.layout import EngineLayout, sglang_distributed_size
 
 
 class _Section(BaseModel):
@@ -81,6 +82,14 @@ class ModelSection(_Section):
         return path
 
 
+class ParallelSection(_Section):
+    """One engine's parallel sizes, as it was started (``--tp``/``--pp``/``--dp``)."""
+
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel size.")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel size.")
+    dp: int = Field(default=1, ge=1, description="Data-parallel size (replicas in one engine).")
+
+
 class EngineSection(_Section):
     """Where generation happens.
 
@@ -116,8 +125,16 @@ class EngineSection(_Section):
     )
     sync_world_sizes: list[int] = Field(
         default_factory=list,
-        description="Distributed syncs: each engine's number of workers (TP x PP x DP), in "
-        "`urls` order; empty means 1 each.",
+        description="Distributed syncs: each engine's number of ranks in the transfer group, "
+        "in `urls` order; empty means 1 each. The ranks its workers join with: TP x PP x DP "
+        "for vLLM, the TP size for SGLang (`lightning.sync.layout`). Or give `sync_parallel`.",
+    )
+    sync_parallel: list[ParallelSection] = Field(
+        default_factory=list,
+        description="Distributed syncs, instead of `sync_world_sizes`: each engine's TP/PP/DP "
+        "sizes (`[{tp = 2}, ...]`, in `urls` order), from which the group's ranks follow the "
+        "engine's own arithmetic; sglang-distributed cannot serve DP or PP and is refused "
+        "at load.",
     )
     sync_pause: PauseMode = Field(
         "none",
@@ -129,6 +146,13 @@ class EngineSection(_Section):
         ge=1,
         description="Streaming syncs: MiB the trainer gathers per transfer (one SGLang call, "
         "one vLLM packed buffer); bounds the trainer's memory beyond its shards.",
+    )
+    sync_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Streaming syncs: the dtype weights leave the trainer in (floating "
+        "tensors are cast before they are gathered); `auto` reads the engines' own (SGLang's "
+        "/server_info, vLLM's dev-mode /server_info), so a bf16 engine gets half the bytes "
+        "of the float32 masters.",
     )
     colocate: bool = Field(
         False,
@@ -182,6 +206,17 @@ class EngineSection(_Section):
     def _urls(self) -> EngineSection:
         if self.kind == "external" and not self.urls:
             raise ValueError("[engine] kind = 'external' needs `urls` (OpenAI base URLs, …/v1)")
+        if self.sync_parallel:
+            if self.sync_world_sizes:
+                raise ValueError("[engine] give sync_world_sizes or sync_parallel, not both")
+            if len(self.sync_parallel) != len(self.urls):
+                raise ValueError(
+                    f"[engine] sync_parallel has {len(self.sync_parallel)} entries for "
+                    f"{len(self.urls)} urls: one per engine"
+                )
+            if self.weight_sync == "sglang-distributed":
+                for p in self.sync_parallel:
+                    sglang_distributed_size(EngineLayout(p.tp, p.pp, p.dp))
         if self.colocate and (self.kind != "external" or self.weight_sync not in COLOCATE_SYNCS):
             kind = "embedded" if self.kind == "embedded" else self.weight_sync
             raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))

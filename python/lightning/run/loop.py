@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -54,7 +54,10 @@ from lightning.run.harnesses import (
 )
 from lightning.run.runner import RolloutResult, Runner, load_callable
 from lightning.run.stats import Interval
-from lightning.sync import WeightSync, WeightUpdate, make_weight_sync
+from lightning.sync import EngineLayout, WeightSync, WeightUpdate, make_weight_sync
+
+if TYPE_CHECKING:
+    from lightning.run.staleness import Schedule
 
 log = logging.getLogger("lightning.run.loop")
 
@@ -65,8 +68,8 @@ SERVED_MODEL_NAME = "policy"
 
 
 def read_tasks(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Tasks from JSONL, Parquet or a saved HF dataset (see `lightning.run.tasks`)."""
-    from lightning.run.tasks import load_records
+    """Tasks from JSONL, Parquet or a saved HF dataset (see `lightning.data.files`)."""
+    from lightning.data.files import load_records
 
     tasks = load_records(path)
     if not tasks:
@@ -192,6 +195,7 @@ def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
         master_address=e.sync_master_address,
         master_port=e.sync_master_port,
         world_sizes=e.sync_world_sizes or None,
+        layouts=[EngineLayout(p.tp, p.pp, p.dp) for p in e.sync_parallel] or None,
         pause_mode=e.sync_pause,
         bucket_bytes=e.sync_bucket_mb << 20,
         colocate=e.colocate,
@@ -271,6 +275,11 @@ class Run:
         self.weight_sync = _make_weight_sync(cfg, upstreams)
         self._stack.callback(self.weight_sync.close)
         self.weight_sync.setup()
+        # The dtype streamed weights leave in: the engines' own unless configured.
+        self.sync_dtype: str | None = None
+        if self.weight_sync.streams:
+            model_config = json.loads((self.model_dir / "config.json").read_text())
+            self.sync_dtype = self.weight_sync.send_dtype(cfg.engine.sync_dtype, model_config)
         self._start_gateway(upstreams)
         self.runner = self._make_runner()
 
@@ -482,7 +491,9 @@ class Run:
                 )
             # What each harness cost at this eval (the only costs an eval_only one has).
             try:
-                merged = self.client.step([r.rollout_id for r in results], tokenizer=self.tokenizer)
+                merged = self.client.read_step(
+                    [r.rollout_id for r in results], tokenizer=self.tokenizer
+                )
                 costs = harness_costs(results, merged, tokenizer=self.tokenizer)
                 for name, c in costs.items():
                     cells[name]["costs"] = c
@@ -500,6 +511,23 @@ class Run:
     def generate(self, step: int) -> list[RolloutResult]:
         """Run the rollouts of ``step`` to completion (the schedule decides when)."""
         return self.runner.run(self._jobs(step), mode="train")
+
+    def schedule(self, start: int) -> Schedule:
+        """When the rollouts of steps ``start, start+1, …`` are generated: each
+        when its step is due, or ahead within ``max_staleness`` (the
+        configuration decides, ``lightning.run.staleness.schedule``)."""
+        from lightning.run.staleness import schedule
+
+        cfg = self.config
+        return schedule(
+            cfg.algorithm,
+            self.generate,
+            self.phases,
+            start=start,
+            steps=cfg.steps,
+            version=int(self.state["weight_version"]),
+            timeout_s=max(h.timeout_s for h in cfg.all_harnesses()),
+        )
 
     def _jobs(self, step: int) -> list[tuple[dict[str, Any], str]]:
         """The rollouts of one step: ``group_size`` per sampled task (one group each).
@@ -563,7 +591,7 @@ class Run:
                 # on disk, never the whole model on one host. Leaving the block
                 # runs any gathers a failed push skipped, so every rank's
                 # collectives still line up.
-                with self.trainer.live_weights() as source:
+                with self.trainer.live_weights(self.sync_dtype) as source:
                     self.weight_sync.push(WeightUpdate(version=version, source=source))
             else:
                 path = self.out / "weights" / f"v{version}"
@@ -632,7 +660,7 @@ class Run:
         ]
         # One read of the store: calls, rewards and groups as they are on disk
         # (what trains is what was recorded), merged with drift classified.
-        merged = self.client.step(usable, tokenizer=self.tokenizer)
+        merged = self.client.read_step(usable, tokenizer=self.tokenizer)
         # Asynchronous hook: the staleness bound, checked again at use.
         merged, stale = enforce_at_use(self, step, merged, results)
         unrewarded = sum(r.reward is None for r in merged.rollouts)
@@ -698,21 +726,11 @@ class Run:
             self._append_metrics({"step": -1, **before})
         else:
             self._say(f"resuming at step {start}")
-        from lightning.run.staleness import schedule
-
         if start == 0 and cfg.sft is not None and cfg.sft.source == "expert_iteration":
             from lightning.run.sft import expert_iteration
 
             summary["expert_iteration"] = expert_iteration(self, cfg.sft)
-        batches = schedule(
-            cfg.algorithm,
-            self.generate,
-            self.phases,
-            start=start,
-            steps=cfg.steps,
-            version=int(self.state["weight_version"]),
-            timeout_s=max(h.timeout_s for h in cfg.all_harnesses()),
-        )
+        batches = self.schedule(start)
         self.phases.mark()
         with _progress(cfg.steps, start, quiet=self.quiet) as tick, batches:
             for batch in batches.batches():

@@ -162,7 +162,7 @@ def enforce_at_use(
         kept += [
             r.rollout_id for r in again if r.status == "succeeded" or not alg.drop_failed_rollouts
         ]
-    return run.client.step(kept, tokenizer=run.tokenizer), counts
+    return run.client.read_step(kept, tokenizer=run.tokenizer), counts
 
 
 def step_metrics(

@@ -156,6 +156,13 @@ from lightning.sync.kinds import (
     WeightSyncError,
     canonical,
 )
+from lightning.sync.layout import (
+    EngineLayout,
+    sglang_distributed_size,
+    sglang_worker_ranks,
+    vllm_size,
+    vllm_worker_ranks,
+)
 from lightning.sync.live_weights import (
     DEFAULT_BUCKET_BYTES,
     GatherStats,
@@ -165,6 +172,7 @@ from lightning.sync.live_weights import (
     plan_buckets,
 )
 from lightning.sync.sglang import (
+    SGLANG_DISTRIBUTED_UNVERIFIED,
     SGLANG_TENSOR_UNVERIFIED,
     SglangDiskSync,
     SglangDistributedSync,
@@ -189,6 +197,7 @@ __all__ = [
     "COLOCATE_SYNCS",
     "DEFAULT_BUCKET_BYTES",
     "GROUP_NAME",
+    "SGLANG_DISTRIBUTED_UNVERIFIED",
     "SGLANG_TENSOR_UNVERIFIED",
     "SYNC_KINDS",
     "VLLM_IPC_UNVERIFIED",
@@ -196,6 +205,7 @@ __all__ = [
     "ConfigSyncKind",
     "DiskSyncKind",
     "EmbeddedSync",
+    "EngineLayout",
     "GatherStats",
     "LiveWeights",
     "NoSync",
@@ -223,10 +233,14 @@ __all__ = [
     "meta_of",
     "multiprocessing_serializer",
     "plan_buckets",
+    "sglang_distributed_size",
+    "sglang_worker_ranks",
     "vllm_ipc_json_safe",
     "vllm_nccl_init_info",
     "vllm_nccl_update_info",
     "vllm_packed_misaligned",
+    "vllm_size",
+    "vllm_worker_ranks",
 ]
 
 
@@ -241,12 +255,27 @@ def make_weight_sync(
     backend: Literal["nccl", "gloo"] = "nccl",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     colocate: bool = False,
+    layouts: Sequence[EngineLayout] | None = None,
 ) -> WeightSync:
     """The sync for ``[engine] weight_sync = kind`` (see the module docstring; an
     alias such as ``"sglang"`` is mapped by :func:`canonical`); ``colocate`` only
-    with ``sglang-tensor`` or ``vllm-ipc``."""
+    with ``sglang-tensor`` or ``vllm-ipc``.
+
+    Each engine's share of the transfer group: ``world_sizes`` (the ranks it joins
+    with) or ``layouts`` (its TP/PP/DP sizes, turned into ranks by the engine's own
+    arithmetic, ``lightning.sync.layout``; a layout SGLang cannot serve is refused
+    here, with the reason)."""
     kind = canonical(kind)
     roots = list(urls)
+    if layouts is not None:
+        if world_sizes is not None:
+            raise ValueError("give each engine's world size or its layout, not both")
+        if kind == "sglang-distributed":
+            world_sizes = [sglang_distributed_size(lay) for lay in layouts]
+        elif kind == "sglang-tensor":  # one payload per TP rank; DP and PP ranks share them
+            world_sizes = [lay.tp for lay in layouts]
+        else:
+            world_sizes = [vllm_size(lay) for lay in layouts]
     if colocate and kind not in COLOCATE_SYNCS:
         raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))
     if kind == "embedded":

@@ -116,7 +116,9 @@ class LiveWeights:
     (use it as a context manager). Shapes and dtypes (:meth:`metas`) come from the
     global shapes, without gathering.
 
-    ``dtype``: cast floating tensors to it before sending (the engine's dtype).
+    ``dtype``: cast floating tensors to it before they are gathered and sent (the
+    engine's dtype: :meth:`lightning.sync.WeightSync.engine_dtype`, or
+    ``[engine] sync_dtype``); a name (``"bfloat16"``) or a ``torch.dtype``.
     ``stats`` counts what the sender materialised (:class:`GatherStats`)."""
 
     def __init__(
@@ -124,8 +126,12 @@ class LiveWeights:
         named: Iterable[tuple[str, torch.Tensor]],
         *,
         sender: bool = True,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
     ) -> None:
+        if isinstance(dtype, str):
+            import torch
+
+            dtype = getattr(torch, dtype)
         seen: set[int] = set()
         self._named: list[tuple[str, torch.Tensor]] = []
         for name, t in named:
@@ -133,13 +139,17 @@ class LiveWeights:
                 seen.add(id(t))
                 self._named.append((name, t))
         self.sender = sender
-        self.dtype = dtype
+        self.dtype: torch.dtype | None = dtype
         self.stats = GatherStats()
         self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
 
     @classmethod
     def of_module(
-        cls, module: torch.nn.Module, *, sender: bool = True, dtype: torch.dtype | None = None
+        cls,
+        module: torch.nn.Module,
+        *,
+        sender: bool = True,
+        dtype: torch.dtype | str | None = None,
     ) -> LiveWeights:
         return cls(module.state_dict(keep_vars=True).items(), sender=sender, dtype=dtype)
 
@@ -165,10 +175,16 @@ class LiveWeights:
     def _gather(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._named:
             t = t.detach()
+            cast = self._casts(t)
+            if cast:
+                # The shard is cast before the gather (a DTensor casts shard-wise), so
+                # FSDP2's all-gather and everything after it move the engine's dtype:
+                # half the bytes of float32 masters for a bf16 engine. Rounding is
+                # elementwise, so this equals casting the gathered tensor.
+                t = t.to(self.dtype)
             fresh = hasattr(t, "full_tensor")
             full = t.full_tensor() if fresh else t  # type: ignore[attr-defined]
-            if self._casts(full):
-                full, fresh = full.to(self.dtype), True
+            fresh = fresh or cast
             if fresh and self.sender:
                 self.stats.track(full)
             if self.sender:

@@ -168,7 +168,8 @@ class View:
         """One page of online sessions, newest activity first: key, tags, number of
         signals, the reward ``lightning train --online`` computes from them by
         default (mean of the latest signal per name and target), trained or not."""
-        from lightning.online.train import BadReward, OnlineRewardSection, session_reward, signals
+        from lightning.online.rewards import BadReward, OnlineRewardSection, session_reward
+        from lightning.online.sessions import signals
 
         limit = max(1, min(limit, PAGE_MAX))
 
@@ -211,13 +212,9 @@ class View:
         the response id the client was given, the messages the harness sent that
         turn (as chat messages, whatever the protocol) and the answer, decoded
         from the exact ids; its feedback signals and computed reward."""
-        from lightning.online.train import (
-            BadReward,
-            OnlineRewardSection,
-            _sent_messages,
-            session_reward,
-            signals,
-        )
+        from lightning.online.export import sent_messages
+        from lightning.online.rewards import BadReward, OnlineRewardSection, session_reward
+        from lightning.online.sessions import signals
 
         def read(_: Store, r: StoreReader) -> Any:
             return r.call_bodies(session_id), signals(r, [session_id]).get(session_id, [])
@@ -234,7 +231,7 @@ class View:
             call["protocol"], call["response_id"] = proto, resp
             try:
                 body = json.loads(harness) if harness else {}
-                sent = _sent_messages(body, before) if isinstance(body, dict) else None
+                sent = sent_messages(body, before) if isinstance(body, dict) else None
             except ValueError:
                 sent = None
             if sent is None:  # a later choice of a request, or a redacted call
@@ -267,7 +264,7 @@ class View:
             records = s.records(rollout_id)
             # Drift causes need the policy's own tokenizer (a plain decoder leaves them unclassified).
             tok = self.tokenizer if isinstance(self.tokenizer, Tokenizer) else None
-            merged = s.step([rollout_id], tokenizer=tok)
+            merged = s.read_step([rollout_id], tokenizer=tok)
             events = reader.events(rollout_id)
             return info[0], records, merged, events
 
