@@ -381,7 +381,7 @@ def store_samples(db: str | Path, selected: Selected, *, max_len: int | None) ->
     if not selected.ids:
         return []
     with Store(db) as store:
-        merged = store.step(selected.ids)
+        merged = store.read_step(selected.ids)
     out = []
     for s in merged.samples:
         if max_len is not None and len(s.tokens) > max_len:
