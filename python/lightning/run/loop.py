@@ -759,9 +759,11 @@ class Run:
                 name: [{k: v for k, v in c.items() if k != "costs"} for c in cells]
                 for name, cells in matrix.items()
             }
-            self._say("held-out reward per harness (95% intervals):\n" + matrix_table(matrix))
-            for line in transfer_lines(matrix):
-                self._say(line)
+            # With one harness the matrix is the eval line above, said again.
+            if len(matrix) > 1:
+                self._say("held-out reward per harness (95% intervals):\n" + matrix_table(matrix))
+                for line in transfer_lines(matrix):
+                    self._say(line)
         self._checkpoint()
         self.state_path.write_text(json.dumps(self.state))
         try:
