@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,13 +195,6 @@ def test_keep_best_is_the_filter_it_names() -> None:
     assert keep_best(rows, min_reward=0.8, top_fraction=None).ids == ["a1", "a4", "b3"]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine("sft")
-    yield e
-    e.stop()
-
-
 def _chat(base_url: str, token: str, text: str) -> None:
     r = httpx.post(
         base_url + "/chat/completions",
@@ -309,7 +301,7 @@ def test_tiny_model_learns_an_answer_format_from_jsonl(tok: Tokenizer, tmp_path:
 
 # ------------------------------------------------- inside `lightning train`
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
