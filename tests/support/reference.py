@@ -397,3 +397,15 @@ def tree_attention(q, k, v, parent: Sequence[int], scale: float):  # type: ignor
         w = torch.softmax((q[:, i : i + 1] @ keys.transpose(1, 2)) * scale, dim=-1)  # [H, 1, P]
         out.append((w @ v[:, path])[:, 0])  # [H, d]
     return torch.stack(out)
+
+
+def longest_cached_prefix(stored: Sequence[Sequence[int]], ids: Sequence[int], limit: int) -> int:
+    """The prefix cache's answer, by brute force: the longest common prefix of
+    ``ids[:limit]`` with any stored sequence."""
+    best = 0
+    for seq in stored:
+        n = 0
+        while n < min(len(seq), limit, len(ids)) and seq[n] == ids[n]:
+            n += 1
+        best = max(best, n)
+    return best
