@@ -26,6 +26,8 @@ const fmt = (x) => (x === null || x === undefined ? "–" : Math.abs(x) >= 100 |
 const CHARTS = [
   { id: "reward", title: "reward", keys: ["reward_mean", "eval_reward"], ci: ["eval_reward", "eval_ci_low", "eval_ci_high"] },
   { id: "loss", title: "loss", keys: ["loss", "policy_loss"] },
+  { id: "sft", title: "supervised (SFT) loss", keys: ["sft_loss", "sft_val_loss"] },
+  { id: "sft-entropy", title: "SFT entropy", keys: ["sft_entropy", "sft_val_entropy"] },
   { id: "kl", title: "KL", keys: ["approx_kl", "gap_kl", "kl_penalty"] },
   { id: "entropy", title: "entropy", keys: /^entropy/ },
   { id: "staleness", title: "staleness", keys: /stale/ },
