@@ -148,7 +148,7 @@ def test_bad_requests_are_400_in_their_protocol_and_reach_nothing(
         raw = httpx.post(
             url + path,
             content=b"{not json",
-            headers={"Authorization": f"Bearer {r.token}"},
+            headers={"Authorization": f"Bearer {r.token}", "Content-Type": "application/json"},
             timeout=30,
         )
         assert_protocol_error(path, raw, 400)

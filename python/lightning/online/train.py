@@ -599,6 +599,14 @@ def selection_metrics(
     }
 
 
+def check_can_mark(db: str, *, gateway: str | None, admin_key: str | None) -> None:
+    """Marks nothing, the way ``mark_trained`` will mark: through the gateway's
+    writer (its admin key checked) or by opening the store's own writer (which
+    fails at once, naming the gateway's pid, while a gateway writes ``db``;
+    the error says to set ``gateway = URL``)."""
+    mark_trained(db, [], gateway=gateway, admin_key=admin_key)
+
+
 def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
     """Select, reward, group, train; returns the summary (also in
     OUTPUT_DIR/summary.json; one line per step in OUTPUT_DIR/metrics.jsonl)."""
@@ -631,6 +639,12 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
         summary["sessions_trained"] = 0
         (out / "summary.json").write_text(_dumps(summary, indent=2))
         return summary
+    if cfg.mark_trained:
+        # Before a step is trained or a weight written: a pass that cannot mark
+        # would train these sessions again next time.
+        src = cfg.source
+        admin_key = os.environ.get(src.admin_key_env) if src.gateway else None
+        check_can_mark(src.db, gateway=src.gateway, admin_key=admin_key)
     model_dir = cfg.model.resolve()
     trainer = Trainer(cfg.trainer_config(model_dir), log_dir=str(out))
     tokenizer = Tokenizer.from_dir(str(model_dir))
@@ -879,7 +893,12 @@ def export_sessions(
     sessions = select_sessions(src)
     summary = ExportSummary()
     reader = _reader(db)
-    with open(path, "w") as f:
+    # Production text (and, with ``with_ids``, ids that decode to redacted
+    # text): 0600 whatever the umask, as the store itself is. Created 0600, and
+    # an existing file is tightened before a byte is written to it.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with open(fd, "w") as f:
         for s in sessions:
             line = _export_session(reader, s, reward, with_ids=with_ids)
             summary.skipped.extend({"session_id": s.rollout_id, **x} for x in line["skipped_calls"])

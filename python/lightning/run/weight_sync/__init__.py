@@ -223,14 +223,16 @@ def make_weight_sync(
     backend: Literal["nccl", "gloo"] = "nccl",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     colocate: bool = False,
+    engine_key: str | None = None,
 ) -> WeightSync:
     """The sync for ``[engine] weight_sync = kind`` (see the module docstring);
-    ``colocate`` only with ``sglang-tensor`` or ``vllm-ipc``."""
+    ``colocate`` only with ``sglang-tensor`` or ``vllm-ipc``; ``engine_key``: the
+    embedded engine's key (default ``$LIGHTNING_ENGINE_KEY``)."""
     roots = list(urls)
     if colocate and kind not in COLOCATE_SYNCS:
         raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))
     if kind == "embedded":
-        return EmbeddedSync(roots)
+        return EmbeddedSync(roots, key=engine_key)
     if kind == "sglang-disk":
         return SglangDiskSync(roots, pause_mode=pause_mode)
     if kind == "sglang-tensor":
