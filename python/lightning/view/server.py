@@ -280,6 +280,9 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         print(f"lightning view: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
+    # Listening before the URL is printed: a client that reads it and connects
+    # at once waits in the backlog for uvicorn instead of being refused.
+    sock.listen(128)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     config = uvicorn.Config(create_app(view, key, listen_host=args.host), log_level="warning")
