@@ -16,8 +16,8 @@ printed too).
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import sys
 import tempfile
 import time
