@@ -78,13 +78,24 @@ async fn a_loopback_gateway_answers_only_loopback_names_and_json_bodies() {
 
     // A rebinding page: its own name in Host, even with a JSON body.
     let evil = format!("attacker.example:{port}");
-    let (s, r) = raw(addr, "POST", "/admin/upstreams", &[("host", &evil), json_ct], upstreams).await;
+    let (s, r) = raw(
+        addr,
+        "POST",
+        "/admin/upstreams",
+        &[("host", &evil), json_ct],
+        upstreams,
+    )
+    .await;
     assert_eq!(s, 403, "{r}");
     assert_eq!(r["error"]["code"], json!("host_not_allowed"), "{r}");
     let (s, _) = raw(addr, "GET", "/rollouts", &[("host", &evil)], "").await;
     assert_eq!(s, 403);
     // A cross-origin "simple" POST: text/plain, or no type at all.
-    for ct in [Some("text/plain"), Some("application/x-www-form-urlencoded"), None] {
+    for ct in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        None,
+    ] {
         let mut h = vec![("host", "127.0.0.1")];
         if let Some(ct) = ct {
             h.push(("content-type", ct));
@@ -94,7 +105,14 @@ async fn a_loopback_gateway_answers_only_loopback_names_and_json_bodies() {
         assert_eq!(r["error"]["code"], json!("unsupported_media_type"));
     }
     // The upstream list is what it was: the engine was not replaced.
-    let (s, r) = raw(addr, "GET", "/admin/upstreams", &[("host", "localhost")], "").await;
+    let (s, r) = raw(
+        addr,
+        "GET",
+        "/admin/upstreams",
+        &[("host", "localhost")],
+        "",
+    )
+    .await;
     assert_eq!(s, 200, "{r}");
     assert!(!r.to_string().contains("203.0.113.9"), "{r}");
     // A harness route refuses in its own protocol's shape (Anthropic's here).
@@ -123,7 +141,10 @@ async fn a_loopback_gateway_answers_only_loopback_names_and_json_bodies() {
         addr,
         "POST",
         "/rollouts",
-        &[("host", "localhost"), ("content-type", "application/json; charset=utf-8")],
+        &[
+            ("host", "localhost"),
+            ("content-type", "application/json; charset=utf-8"),
+        ],
         r#"{"rollout_id": "ro-1"}"#,
     )
     .await;
@@ -137,7 +158,11 @@ async fn a_loopback_gateway_answers_only_loopback_names_and_json_bodies() {
                 addr,
                 "POST",
                 "/rollouts/ro-1/reward",
-                &[("host", "localhost"), ("content-type", "application/json"), ("authorization", &token)],
+                &[
+                    ("host", "localhost"),
+                    ("content-type", "application/json"),
+                    ("authorization", &token),
+                ],
                 v,
             )
             .await

@@ -20,13 +20,19 @@ fn fresh_dir(name: &str) -> PathBuf {
 
 fn gateway(db: &Path) -> Command {
     let mut c = Command::new(BIN);
-    c.args(["--listen", "127.0.0.1:0", "--admin-key", "admin-key-123", "--db"])
-        .arg(db)
-        .env("RUST_LOG", "info")
-        .env_remove("LIGHTNING_TOKEN_SECRET")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+    c.args([
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-key",
+        "admin-key-123",
+        "--db",
+    ])
+    .arg(db)
+    .env("RUST_LOG", "info")
+    .env_remove("LIGHTNING_TOKEN_SECRET")
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped());
     c
 }
 
@@ -75,7 +81,10 @@ fn second(db: &Path) -> (bool, String) {
         if Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("a second gateway on {} kept running: two writers", db.display());
+            panic!(
+                "a second gateway on {} kept running: two writers",
+                db.display()
+            );
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -109,7 +118,10 @@ fn a_hard_link_is_refused_while_a_writer_runs_and_when_none_does() {
     let (ok, log) = second(&link);
     assert!(!ok, "{log}");
     assert!(log.contains("2 hard links"), "{log}");
-    assert!(!dir.join("copy.db-wal").exists(), "the second name got its own WAL");
+    assert!(
+        !dir.join("copy.db-wal").exists(),
+        "the second name got its own WAL"
+    );
     drop(first);
     // No writer running: the file still has two names, and neither is opened.
     let (ok, log) = second(&db);
@@ -171,7 +183,10 @@ fn the_key_file_is_made_private_and_never_silently_replaced() {
     std::fs::remove_file(&key).unwrap_or_else(|e| panic!("{e}"));
     let (ok, log) = second(&db);
     assert!(!ok, "a missing key file was silently replaced: {log}");
-    assert!(log.contains("key file is missing") && log.contains("1 rollouts"), "{log}");
+    assert!(
+        log.contains("key file is missing") && log.contains("1 rollouts"),
+        "{log}"
+    );
     assert!(!key.exists());
     // Restored, the store opens again with its old secret.
     std::fs::write(&key, &before).unwrap_or_else(|e| panic!("{e}"));

@@ -144,7 +144,10 @@ fn private_key_file(f: &Path) -> Result<(), GatewayError> {
     {
         use std::os::unix::fs::PermissionsExt;
         let err = |e: &dyn std::fmt::Display| GatewayError::store(f.display(), e);
-        let mode = std::fs::metadata(f).map_err(|e| err(&e))?.permissions().mode();
+        let mode = std::fs::metadata(f)
+            .map_err(|e| err(&e))?
+            .permissions()
+            .mode();
         if mode & 0o077 != 0 {
             std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o600)).map_err(|e| {
                 err(&format!(
