@@ -333,6 +333,7 @@ def test_train_online_checks_it_can_mark_before_it_trains(
             turn = turn_for("chat", oa, an, stream=False)
             answer, _ = turn([{"role": "user", "content": "2+2? [[len:6]]"}], "s0")
         gw.api.feedback(key, "f0", name="thumbs", value=1.0, response_id=answer)
+        assert gw.api.sweep(idle_timeout_s=0)["closed"] == 1
         out = tmp_path / "run"
         base = {"output_dir": str(out), "model": {"builtin": "tiny"}}
         cfg = OnlineConfig.model_validate({**base, "source": {"db": str(db)}})
