@@ -241,7 +241,11 @@ def test_errors_are_openai_shaped(server: RunningServer, client: openai.OpenAI) 
     assert long.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="", messages=MESSAGES, top_p=0)
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json")
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "code"}
 
 
