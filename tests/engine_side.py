@@ -4,7 +4,7 @@ receives broadcasts, driven by JSON lines on stdin (one answer line each on stdo
 ``--join sglang`` joins with SGLang's own ``init_custom_process_group``, called as
 SGLang's ``WeightUpdater.init_weights_update_group`` calls it (run under the cached
 engine environment, tests/engine_envs.py); ``--join lightning`` uses
-``lightning.run.weight_sync.join_group`` (for fakes of engines whose real data plane
+``lightning.sync.join_group`` (for fakes of engines whose real data plane
 needs a GPU). Receiving is ``torch.distributed.broadcast(buf, src=0, group=...)`` per
 name, as SGLang's ``update_weights_from_distributed`` receives.
 
@@ -13,7 +13,8 @@ Commands: ``{"op": "join", "address", "port", "rank", "world", "name"}``;
 written to ``out`` with ``torch.save``, or dropped if it is null; ``flat``: one broadcast of the bucket's bytes,
 SGLang's ``load_format = "flattened_bucket"``); ``{"op": "tensor", "payloads", "rank",
 "flat", "authkey", "out"}`` (one TP rank's ``update_weights_from_tensor`` payload,
-opened with SGLang's own code, written to ``out``); ``{"op": "vllm_ipc", "info",
+opened with SGLang's own code, written to ``out``); ``{"op": "cuda_ipc", "payloads",
+"rank", "gpus"}`` (a CUDA IPC payload's device, as SGLang resolves it); ``{"op": "vllm_ipc", "info",
 "packed", "uuid", "out"}`` (one vLLM ``/update_weights`` of the IPC backend, parsed and
 unpacked with vLLM's own code, ``--join vllm``); ``{"op": "vllm_nccl_init" |
 "vllm_nccl_update", "info"}`` and ``{"op": "vllm_nccl_replay", "broadcasts", "out"}``
@@ -43,7 +44,7 @@ def _join_sglang(cmd: dict[str, Any]) -> Any:
 
 
 def _join_lightning(cmd: dict[str, Any]) -> Any:
-    from lightning.run.weight_sync import join_group
+    from lightning.sync import join_group
 
     return join_group(
         cmd["address"],
@@ -131,6 +132,57 @@ def _open_tensors(cmd: dict[str, Any]) -> list[tuple[str, Any]]:
     ]
     bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=metadata)
     return bucket.reconstruct_tensors()
+
+
+def _open_cuda_ipc(cmd: dict[str, Any]) -> dict[str, Any]:
+    """A CUDA IPC payload opened the way an SGLang 0.5.23 TP worker opens it, on a
+    machine whose GPUs this process sees as ``cmd["gpus"]`` (UUIDs, in this
+    process's index order, as ``CUDA_VISIBLE_DEVICES`` would order them). The
+    worker's ``monkey_patch_torch_reductions`` (``srt/utils/patch_torch.py``)
+    installs ``_rebuild_cuda_tensor_modified``, whose ``_device_from_maybe_uuid``
+    turns a UUID into this process's index and passes an integer through; then
+    ``MultiprocessingSerializer.deserialize`` (its ``SafeUnpickler``). Without a GPU
+    only the last step is stood in: torch's own ``rebuild_cuda_tensor`` (which would
+    open the IPC handle on that device) records the device it was given and returns
+    zeros of the announced shape. ``torch.cuda``'s device count and properties answer
+    from ``cmd["gpus"]``. Answers the devices the tensors were opened on and the
+    names SGLang's ``FlattenedTensorBucket`` rebuilt."""
+    import types
+
+    import torch
+    from torch.multiprocessing import reductions
+
+    gpus = cmd["gpus"]
+    torch.cuda.device_count = lambda: len(gpus)
+    torch.cuda.get_device_properties = lambda i: types.SimpleNamespace(uuid=gpus[i])
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import (
+        FlattenedTensorBucket,
+        FlattenedTensorMetadata,
+    )
+
+    monkey_patch_torch_reductions()
+    opened: list[int] = []
+
+    def rebuild(tensor_cls: Any, size: Any, stride: Any, offset: Any, storage_cls: Any,
+                dtype: Any, device: Any, *rest: Any) -> Any:  # fmt: skip
+        opened.append(device)
+        return torch.zeros(size, dtype=dtype)
+
+    reductions._rebuild_cuda_tensor_original = rebuild  # type: ignore[attr-defined]
+    raw = normalize_serialized_named_tensor_payloads(cmd["payloads"])
+    obj = MultiprocessingSerializer.deserialize(raw[cmd["rank"]])
+    metadata = [
+        FlattenedTensorMetadata(
+            name=m.name, shape=m.shape, dtype=m.dtype,
+            start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel,
+        )
+        for m in obj["metadata"]
+    ]  # fmt: skip
+    bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=metadata)
+    return {"devices": opened, "names": [n for n, _ in bucket.reconstruct_tensors()]}
 
 
 def _open_vllm_ipc(cmd: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -322,6 +374,8 @@ def main() -> None:
             elif cmd["op"] == "join":
                 group = join(cmd)
                 answer = {"ok": True, "module": join.__name__}
+            elif cmd["op"] == "cuda_ipc":
+                answer = {"ok": True, **_open_cuda_ipc(cmd)}
             elif cmd["op"] == "vllm_ipc":
                 got = dict(_open_vllm_ipc(cmd))
                 torch.save(got, cmd["out"])

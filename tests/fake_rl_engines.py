@@ -28,7 +28,7 @@ The data plane is real too: on init the fake starts a process of its own
 (tests/engine_side.py) that joins the trainer's process group over gloo as
 ``rank_offset`` — for SGLang with SGLang's own ``init_custom_process_group`` from the
 pinned release (tests/engine_envs.py), for vLLM (whose receiver is PyNccl, GPU only)
-with ``lightning.run.weight_sync.join_group`` — and on update receives one broadcast
+with ``lightning.sync.join_group`` — and on update receives one broadcast
 per tensor (or one per flattened bucket: for SGLang, unpacked by SGLang's own
 ``FlattenedTensorBucket``), so tests compare what arrived with what was sent.
 """
@@ -195,6 +195,20 @@ class FakeEngine:
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 pass
+
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                handler = getattr(fake, "g_" + url.path.strip("/").replace("/", "_"), None)
+                status, answer = (
+                    (200, handler(query)) if handler else (404, {"detail": "Not Found"})
+                )
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def do_POST(self) -> None:
                 url = urlparse(self.path)
@@ -372,6 +386,14 @@ class FakeVllm(FakeEngine):
         self.asleep: list[str] = []  # sleep tags not yet woken
         self.refuse: dict[str, str] = {}  # route -> error message to answer with
         self.sleep_levels: list[int] = []
+        self.dtype = "torch.bfloat16"  # ModelConfig.dtype, resolved, as dumped
+
+    def g_server_info(self, query: dict[str, str]) -> Any:
+        """vllm 0.34.0 dev-mode ``GET /server_info``: with ``config_format=json`` the
+        ``VllmConfig`` dumped with ``fallback=str`` (a few of its fields here)."""
+        if query.get("config_format") != "json":
+            return {"vllm_config": f"model_config=ModelConfig(dtype={self.dtype}, ...)"}
+        return {"vllm_config": {"model_config": {"dtype": self.dtype}}, "vllm_env": {}}
 
     def _embedded(self, body: Any, key: str) -> Any:
         if not isinstance(body, dict) or set(body) != {key}:
@@ -525,6 +547,13 @@ class FakeSglang(FakeEngine):
         self.released: list[str] = []  # memory tags released and not yet resumed
         self.refuse_memory: str | None = None  # answer memory calls with this error
         self.ranks: dict[int, dict[str, Any]] = {}  # what each TP rank opened
+        self.dtype = "auto"  # --dtype, as GET /server_info reports it
+        self.load_s = 0.0  # how long loading a received bucket takes
+        self.events: list[tuple[str, float]] = []  # (what, monotonic time) per update call
+
+    def g_server_info(self, query: dict[str, str]) -> Any:
+        """sglang 0.5.23 ``GET /server_info``: the server args (a few of them here)."""
+        return {"dtype": self.dtype, "tp_size": 1, "dp_size": 1, "pp_size": 1}
 
     @staticmethod
     def _ok(message: str) -> dict[str, Any]:
@@ -574,7 +603,13 @@ class FakeSglang(FakeEngine):
         if req.group_name != self.group_name:
             raise _Refused(400, {"success": False, "message": f"no group {req.group_name!r}"})
         flat = req.load_format == "flattened_bucket"
+        import time
+
+        self.events.append(("request", time.monotonic()))
         self._receive(req.names, req.dtypes, req.shapes, flat=flat)
+        self.events.append(("received", time.monotonic()))
+        time.sleep(self.load_s)  # the model loads the bucket; the trainer may gather on
+        self.events.append(("answered", time.monotonic()))
         self.versions.append(req.weight_version)
         if req.weight_version is not None:
             self.version = req.weight_version
@@ -615,6 +650,10 @@ class FakeSglang(FakeEngine):
                     self.ranks.setdefault(rank, {}).update(got)
             self.calls.append(len(got))
             self.weights.update(got)
+        import time
+
+        time.sleep(self.load_s)  # the model loads the bucket; the trainer may gather on
+        self.events.append(("answered", time.monotonic()))
         self.versions.append(req.weight_version)
         if req.weight_version is not None:
             self.version = req.weight_version

@@ -127,7 +127,7 @@ class _Tree:
 
 
 def merge(calls: Sequence[RefCall], max_tokens: int | None = None) -> RefMerge:
-    """DESIGN.md §5 by definition, one rollout at a time."""
+    """docs/design.md#merge by definition, one rollout at a time."""
     limit = math.inf if max_tokens is None else max_tokens
     res = RefMerge()
     dropped = 0

@@ -83,7 +83,7 @@ def main() -> None:
         return
 
     from fake_rl_engines import FakeSglang
-    from lightning.run.weight_sync import SglangDistributedSync, TorchDistTransport, WeightUpdate
+    from lightning.sync import SglangDistributedSync, TorchDistTransport, WeightUpdate
 
     # The fake's own plumbing (it hands received tensors over through a file) stays
     # out of the watched directories.

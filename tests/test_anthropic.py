@@ -250,3 +250,35 @@ def test_refusals_and_auth_in_anthropic_shape(
     assert raw.status_code == 400
     assert raw.json()["type"] == "error"
     assert raw.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_rollout_answer_and_claude_codes_probe(
+    client: GatewayClient, gw: lightning.GatewayHandle
+) -> None:
+    """`POST /rollouts` answers the Anthropic base URL beside the OpenAI one, and
+    the `HEAD` probe Claude Code sends to it (2.1.197: `HEAD /rollouts/{id}`) is a
+    reachable gateway, not an error in the metrics."""
+    created = httpx.post(
+        gw.url + "/rollouts",
+        json={"task": "t1"},
+        headers={"Authorization": f"Bearer {client.admin_key}"},
+    ).json()
+    rid = created["rollout_id"]
+    assert created["base_url"] == f"{gw.url}/rollouts/{rid}/v1"
+    assert created["anthropic_base_url"] == f"{gw.url}/rollouts/{rid}"
+    # The Python record gives the same URL.
+    assert (
+        client.create_rollout(rollout_id=rid, task="t1").anthropic_base_url
+        == (created["anthropic_base_url"])
+    )
+    for probe in (created["anthropic_base_url"], gw.url + "/rollouts/no-such-rollout"):
+        assert httpx.head(probe).status_code == 200
+    errors = [
+        line
+        for line in httpx.get(gw.url + "/metrics").text.splitlines()
+        if line.startswith("lightning_errors_total{")
+    ]
+    assert errors == [], errors
+    # An unknown route still counts.
+    assert httpx.delete(created["anthropic_base_url"]).status_code == 404
+    assert 'lightning_errors_total{code="route_not_found"} 1' in httpx.get(gw.url + "/metrics").text

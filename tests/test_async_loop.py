@@ -18,12 +18,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning.config import TrainerConfig, TrainerSection, trainer_defaults
+from lightning.config import AlgorithmSection, TrainerConfig, TrainerSection, trainer_defaults
 from lightning.run.staleness import (
     PhaseLog,
+    RolloutPipeline,
+    SynchronousSchedule,
     enforce_at_use,
     may_dispatch,
     rollout_staleness,
+    schedule,
     split_stale,
     staleness_histogram,
 )
@@ -105,11 +108,86 @@ def test_phase_busy_time_matches_unit_cells(
         assert log.busy(kind, float(lo), float(hi)) == pytest.approx(len(cells))
 
 
+# -- the schedule ------------------------------------------------------------------
+
+
+def _schedule(k: int, generate: Any, steps: int = 4) -> Any:
+    return schedule(
+        AlgorithmSection(max_staleness=k),
+        generate,
+        PhaseLog(),
+        start=0,
+        steps=steps,
+        version=0,
+        timeout_s=5.0,
+    )
+
+
+def test_the_algorithm_section_alone_decides_sync_or_async() -> None:
+    assert not AlgorithmSection(max_staleness=0).asynchronous
+    assert AlgorithmSection(max_staleness=2).asynchronous
+    assert isinstance(_schedule(0, lambda s: []), SynchronousSchedule)
+    assert isinstance(_schedule(2, lambda s: []), RolloutPipeline)
+
+
+def test_synchronous_schedule_generates_each_step_when_it_is_due() -> None:
+    trained: list[int] = []
+    seen: list[tuple[int, list[int]]] = []
+
+    def generate(step: int) -> list[Any]:
+        seen.append((step, list(trained)))
+        return [step]
+
+    with _schedule(0, generate) as sched:
+        for batch in sched.batches():
+            assert batch.results == [batch.step]
+            trained.append(batch.step)
+            sched.published(batch.step + 1)
+    # Step s was generated only after steps 0..s-1 had trained.
+    assert seen == [(s, list(range(s))) for s in range(4)]
+
+
+def test_pipeline_overlaps_within_the_bound_and_never_beyond() -> None:
+    """k = 1: step s + 1 is generated while step s trains (the trainer waits for
+    it before publishing), and no step is dispatched on weights older than s - k."""
+    dispatched: dict[int, int] = {}
+    started = {s: threading.Event() for s in range(4)}
+    sched = _schedule(1, lambda s: [])
+
+    def generate(step: int) -> list[Any]:
+        dispatched[step] = sched.version
+        started[step].set()
+        return [step]
+
+    sched.generate = generate
+    with sched:
+        for batch in sched.batches():
+            if batch.step + 1 in started:
+                assert started[batch.step + 1].wait(timeout=5), "no overlap"
+            sched.published(batch.step + 1)
+    assert dispatched == {0: 0, 1: 0, 2: 1, 3: 2}
+    assert all(may_dispatch(s, v, 1) for s, v in dispatched.items())
+
+
+def test_pipeline_raises_a_failed_generation_in_the_training_loop() -> None:
+    def generate(step: int) -> list[Any]:
+        if step == 1:
+            raise RuntimeError("harness broke")
+        return []
+
+    got = []
+    with pytest.raises(RuntimeError, match="harness broke"), _schedule(2, generate) as sched:
+        for batch in sched.batches():
+            got.append(batch.step)
+            sched.published(batch.step + 1)
+    assert got == [0]
+
+
 # -- enforcement at use --------------------------------------------------------------
 
 
 class _Client:
-    """Records events; `step` re-reads a batch from the 'store' (the calls below)."""
+    """Records events; `read_step` re-reads a batch from the 'store' (the calls below)."""
 
     def __init__(self, store: dict[str, list[int]]) -> None:
         self.events: list[tuple[str, str, Any]] = []
@@ -118,7 +196,7 @@ class _Client:
     def event(self, rid: str, type: str, data: Any) -> None:
         self.events.append((rid, type, data))
 
-    def step(self, ids: list[str], tokenizer: Any = None) -> Any:
+    def read_step(self, ids: list[str], tokenizer: Any = None) -> Any:
         return _merged(ids, self.store)
 
 
@@ -131,7 +209,7 @@ def _merged(ids: list[str], store: dict[str, list[int]]) -> Any:
 
 
 def _run(k: int, on_stale: str) -> Any:
-    alg = SimpleNamespace(max_staleness=k, on_stale=on_stale, drop_failed_rollouts=True)
+    alg = AlgorithmSection(max_staleness=k, on_stale=on_stale, drop_failed_rollouts=True)
     again: list[Any] = []
     # Calls as recorded, by rollout: trained at step 5; "new*" are regenerated on 5.
     store = {"a": [5, 5], "b": [3, 5], "c": [4], "new0": [5]}
@@ -316,7 +394,7 @@ def test_asynchronous_run_on_the_tiny_model(tmp_path: Path) -> None:
         # scheduler; hold each update until the next step's batch is generated, so
         # the overlap the bound allows (k = 1) always happens and is what we check.
         generated = {s: threading.Event() for s in range(3)}
-        rollouts, train_on = run._rollouts, run.train_on
+        rollouts, train_on = run.generate, run.train_on
 
         def rollouts_then_signal(step: int) -> Any:
             results = rollouts(step)
@@ -328,7 +406,7 @@ def test_asynchronous_run_on_the_tiny_model(tmp_path: Path) -> None:
                 assert generated[step + 1].wait(timeout=300), f"step {step + 1} never generated"
             return train_on(step, results, t0=t0)
 
-        run._rollouts = rollouts_then_signal  # type: ignore[method-assign]
+        run.generate = rollouts_then_signal  # type: ignore[method-assign]
         run.train_on = train_after_next_batch  # type: ignore[method-assign]
         run.run()
         health = httpx.get(root + "/health").json()

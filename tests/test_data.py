@@ -1,4 +1,4 @@
-"""lightning.run.tasks: every cleaning stage, the pipeline and the CLI."""
+"""lightning.data: every cleaning stage, the pipeline, the task files and the CLI."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning import cli
-from lightning.run import tasks as data
-from lightning.run.tasks import DataConfig
+from lightning import cli, data
+from lightning.data import DataConfig
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -379,6 +378,6 @@ def test_cli_rejects_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_data_module_imports_no_torch() -> None:
     import subprocess
 
-    code = "import sys, lightning.run.tasks, lightning.cli; print('torch' in sys.modules)"
+    code = "import sys, lightning.data.cli, lightning.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

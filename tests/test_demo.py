@@ -75,3 +75,30 @@ def test_the_table_of_harness_runs(tmp_path: Path) -> None:
     assert lines[start + 2] == "| 0 | chat | 0.200 (0.100–0.300) | 0.700 (0.100–0.300) | +0.500 |"
     assert lines[start + 3].startswith("| 0 | unseen (eval only) | 0.250")
     assert lines[start + 3].endswith("| +0.250 |")
+
+
+def test_the_demo_ends_on_the_table_and_where_to_look(tmp_path: Path) -> None:
+    """The last lines of `lightning demo`: before/mid/final with intervals, the gain,
+    and the report, the view and the record, not a dump of the run's summary."""
+    rows: list[dict[str, object]] = [
+        {"step": -1, "eval_reward": 0.4, "eval_ci_low": 0.3, "eval_ci_high": 0.5},
+        {"step": 4, "eval_reward": 0.62, "eval_ci_low": 0.5, "eval_ci_high": 0.7},
+        {"step": 12, "eval_reward": 0.85},
+    ]
+    out = _run(tmp_path, 0, rows)
+    record = json.loads((out / "demo.json").read_text())
+    lines = demo.ending(record, out, out / "run", str(out / "run" / "report.html"))
+    assert lines == [
+        "held-out reward  mean   95% interval",
+        "before           0.400  0.300–0.500",
+        "step 5           0.620  0.500–0.700",
+        "final            0.850  –             +0.450 vs before",
+        "ended on the final weights (after step 12) in 9.0 min",
+        f"report: {out / 'run' / 'report.html'}",
+        f"view:   lightning view {out / 'run'}",
+        f"record: {out / 'demo.json'}",
+    ]
+    # Without a report (it failed; the run says how to redo it) the rest stands.
+    assert not any(
+        line.startswith("report:") for line in demo.ending(record, out, out / "run", None)
+    )

@@ -1,5 +1,5 @@
 """examples/: the arithmetic agent against a real loopback OpenAI-compatible stub,
-and the seeded task generator through lightning.run.tasks."""
+and the seeded task generator through lightning.data."""
 
 from __future__ import annotations
 

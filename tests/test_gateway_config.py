@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -117,3 +119,17 @@ def test_run_gateway_section_is_the_gateway_config() -> None:
         GatewaySection(max_retrys=5)  # type: ignore[call-arg]
     with pytest.raises(ValidationError, match="upstreams is set by the run"):
         GatewaySection(upstreams=["http://x/v1"])  # type: ignore[list-item]
+
+
+def test_help_names_every_protocol() -> None:
+    """`lightning-gateway --help` tells a newcomer which clients it serves."""
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning.gateway.server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    first = " ".join(out.stdout.split("\n\n")[0].split())
+    for protocol in ("chat completions", "completions", "Responses", "Anthropic Messages"):
+        assert protocol in first, f"{protocol!r} is not in the --help summary: {first!r}"

@@ -448,7 +448,7 @@ def test_continuity_window_and_idle_close(engine: FakeEngine, tmp_path: Path) ->
 
 
 def test_redaction_retention_export(engine: FakeEngine, tmp_path: Path) -> None:
-    from lightning.online.train import export_sessions
+    from lightning.online.export import export_sessions
 
     db = tmp_path / "priv.db"
     gw = Gw(

@@ -12,12 +12,8 @@ from pathlib import Path
 import pytest
 
 from fake_vllm import FakeEngine
-from lightning.online.train import (
-    OnlineRewardSection,
-    latest_per_target,
-    pool_small_groups,
-    session_reward,
-)
+from lightning.online.rewards import OnlineRewardSection, latest_per_target, session_reward
+from lightning.online.select import pool_small_groups
 from test_online import ADMIN, Gw, db_rows, new_key
 from test_online_protocols import PREFIX, PROTOCOLS, sdk_clients, turn_for
 
@@ -64,7 +60,7 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
     packed tree, and reports what it selected, skipped and weighted."""
     from lightning.cli import main as cli
     from lightning.model_cache import tiny_model_dir
-    from lightning.run.report import show_main
+    from lightning.view.show import main as show_main
 
     db = tmp_path / "train.db"
     gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")
@@ -158,7 +154,8 @@ def test_train_online_trains_exactly_the_sessions_with_feedback(
         short = tmp_path / "short.toml"
         short.write_text(cfg.read_text().replace("[source]\n", "[source]\nmin_calls = 2\n"))
         run3 = tmp_path / "run3"
-        assert cli(["train", "--online", str(short), "--quiet", "--output-dir", str(run3)]) == 0
+        # `lightning online train` is the same pass as `lightning train --online`.
+        assert cli(["online", "train", str(short), "--quiet", "--output-dir", str(run3)]) == 0
         assert json.loads((run3 / "summary.json").read_text())["sessions_skipped"] == {
             "already_trained": 5,
             "too_short": 1,
@@ -269,28 +266,32 @@ def test_a_huge_reward_stops_the_pass_before_anything_is_marked(
     assert trained() == set(summary["sessions"]) and huge not in trained()
 
 
+@pytest.mark.parametrize("command", [["train", "--online"], ["online", "train"]])
 def test_a_missing_model_is_one_line_naming_the_fix(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
 ) -> None:
     """The documented ``online.toml`` named only a model path; a user without
-    one got a traceback. Now one line, naming ``builtin = "tiny"``."""
+    one got a traceback. Now one line, naming ``builtin = "tiny"`` (under either
+    spelling of the command, each naming itself)."""
     from lightning.cli import main as cli
 
     db = tmp_path / "none.db"
     db.write_bytes(b"")
     cfg = tmp_path / "online.toml"
     cfg.write_text(f'[model]\npath = "/models/policy"\n[source]\ndb = "{db}"\n')
-    assert cli(["train", "--online", str(cfg)]) == 1
+    assert cli([*command, str(cfg)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and 'builtin = "tiny"' in err and "/models/policy" in err
+    assert err.startswith(f"lightning {' '.join(command)}: ")
     cfg.write_text(f'[source]\ndb = "{db}"\n')
-    assert cli(["train", "--online", str(cfg)]) == 1
+    assert cli([*command, str(cfg)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model: Field required" in err and 'builtin = "tiny"' in err
 
 
 @pytest.mark.parametrize(
-    "argv", [["online", "export"], ["online", "sessions"], ["train", "--online"]]
+    "argv",
+    [["online", "export"], ["online", "sessions"], ["train", "--online"], ["online", "train"]],
 )
 def test_every_online_argument_has_help(
     argv: list[str], capsys: pytest.CaptureFixture[str]

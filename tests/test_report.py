@@ -1,4 +1,4 @@
-"""lightning.run.report: the offline HTML run report and the terminal trace view."""
+"""lightning.run.report: the offline HTML run report."""
 
 from __future__ import annotations
 
@@ -199,63 +199,6 @@ def test_pick_traces_prefers_divergences_and_extremes() -> None:
     assert len(report.pick_traces(traces, 100)) == len(traces)
 
 
-# ------------------------------------------------------------------ terminal
-
-PIECES = ["<s>", "Q", ":", " 2+2", "\n", "A", ":", " 4"]
-WEIGHTS = [0, 0, 0, 0, 0, 0, 0, 1.0]
-
-
-def test_render_trace_terminal_colours_generated_and_marks_divergences() -> None:
-    out = report.render_trace_terminal(PIECES, WEIGHTS, [{"position": 5, "kind": "template"}])
-    assert f"{report.ANSI_GENERATED} 4{report.ANSI_RESET}" in out
-    assert f"{report.ANSI_CONTEXT}<s>Q: 2+2" in out
-    assert f"{report.ANSI_DIVERGENCE}[↪ template]{report.ANSI_RESET}" in out
-    # The marker sits right before the divergent position.
-    assert out.index("[↪ template]") < out.index("A:")
-    # Stripping the escapes gives the text back, plus the marker.
-    import re
-
-    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
-    assert plain == "<s>Q: 2+2\n[↪ template]A: 4"
-
-
-def test_render_trace_terminal_plain_and_errors() -> None:
-    out = report.render_trace_terminal(PIECES, WEIGHTS, [], color=False)
-    assert out == "<s>Q: 2+2\nA:« 4»" and "\x1b" not in out
-    # Divergence at the very end (a call that only extended the path) still shows.
-    out = report.render_trace_terminal(
-        ["a"], [1.0], [{"position": 1, "kind": "other"}], color=False
-    )
-    assert out == "«a»[↪ other]"
-    with pytest.raises(ValueError, match="2 pieces but 1 weights"):
-        report.render_trace_terminal(["a", "b"], [0.0])
-
-
-def test_cli_show_from_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run = make_run(tmp_path / "run", steps=3)
-    assert cli.main(["show", "r0-1", "--run", str(run), "--color", "always"]) == 0
-    out = capsys.readouterr().out
-    assert "rollout r0-1" in out and report.ANSI_GENERATED in out and "[↪ template]" in out
-    assert cli.main(["show", "nope", "--run", str(run)]) == 1
-    assert cli.main(["show", "r0-1", "--db", str(tmp_path / "x.db")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-
-
-def test_decode_pieces_round_trips_with_real_tokenizer() -> None:
-    from lightning import model_cache as models
-    from lightning.run.tasks import load_tokenizer
-
-    # The built model dir, without paying for smollm2_dir()'s torch import when it exists.
-    built = models.cache_dir() / "models" / "smollm2-135m-instruct"
-    tok = load_tokenizer(built if (built / "tokenizer.json").exists() else models.smollm2_dir())
-    text = "Héllo wörld — 17 + 25 = 42 ✅ 你好世界 🙂 the end, with  double  spaces."
-    ids = tok.encode(text, add_special_tokens=False).ids
-    pieces = report.decode_pieces(ids, tok.decode)
-    assert len(pieces) == len(ids)
-    assert "".join(pieces) == tok.decode(ids) == text
-    assert "" in pieces  # the emoji/CJK bytes span several tokens
-
-
 def test_report_module_imports_fast_without_torch_or_matplotlib() -> None:
     code = "import sys, lightning.run.report; print('torch' in sys.modules, 'matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -280,36 +223,3 @@ def test_eval_points_carry_their_interval() -> None:
     (segments,) = bars.lines[2]
     spans = sorted((float(s[0][1]), float(s[1][1])) for s in segments.get_segments())
     assert spans == [(0.2, 0.4), (0.85, 0.95)]
-
-
-def test_cli_show_standalone_store_without_tokenizer(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A standalone gateway's store has no run config beside it: `show` still
-    merges the rollout and prints it, tokens as ids, and says how to decode."""
-    import openai
-
-    from fake_vllm import FakeEngine
-    from gateways import start_gateway
-
-    engine = FakeEngine("S")
-    db = tmp_path / "gw.db"
-    try:
-        with start_gateway(engine.url, db) as gw, gw.client() as client:
-            r = client.create_rollout({"task": "t"})
-            with openai.OpenAI(base_url=r.base_url, api_key=r.token) as sdk:
-                answer = sdk.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": "hi [[len:3]]"}]
-                )
-            client.reward(r.id, 1.0)
-            calls = client.trace(r.id)
-    finally:
-        engine.stop()
-    assert answer.choices[0].message.content
-    assert cli.main(["show", r.id, "--db", str(db), "--color", "never"]) == 0
-    captured = capsys.readouterr()
-    assert f"rollout {r.id}" in captured.out and "reward 1" in captured.out
-    # Every prompt and generated id of the one call appears, in order.
-    ids = [*calls[0].prompt_ids.tolist(), *calls[0].completion_ids.tolist()]
-    assert "".join(f"⟨{i}⟩" for i in ids) in captured.out.replace("«", "").replace("»", "")
-    assert "pass --model DIR" in captured.err

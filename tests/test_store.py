@@ -67,7 +67,7 @@ def recorded(engine: FakeEngine, tmp_path_factory: pytest.TempPathFactory) -> It
 def test_step_reads_rewards_groups_and_calls_in_one_call(recorded: Any) -> None:
     _, db, ids = recorded
     with Store(db) as store:
-        batch = store.step(ids[::-1])
+        batch = store.read_step(ids[::-1])
     assert [r.rollout_id for r in batch.rollouts] == ids[::-1]
     info = {r.rollout_id: r for r in batch.rollouts}
     assert [info[i].reward for i in ids] == [1.0, 0.0, 0.5, None]
@@ -90,9 +90,20 @@ def test_step_reads_rewards_groups_and_calls_in_one_call(recorded: Any) -> None:
     assert [set(s.weight_version[s.weights > 0]) for s in late] == [{3}, {5}]
 
 
+def test_step_is_a_deprecated_name_of_read_step(recorded: Any) -> None:
+    """``Store.step`` was documented; it stays as a warning alias of ``read_step``."""
+    _, db, ids = recorded
+    with Store(db) as store:
+        want = store.read_step(ids)
+        with pytest.warns(DeprecationWarning, match="Store.read_step"):
+            got = store.step(ids)
+    assert [r.rollout_id for r in got.rollouts] == [r.rollout_id for r in want.rollouts]
+    assert [s.tokens.tolist() for s in got.samples] == [s.tokens.tolist() for s in want.samples]
+
+
 def test_packed_tree_carries_rollout_group_and_version(recorded: Any) -> None:
     _, db, ids = recorded
-    batch = Store(db).step(ids)
+    batch = Store(db).read_step(ids)
     t = batch.packed(across_rollouts=True)
     assert t.rollout_ids == ids and t.groups == ["g0", "g1"]
     assert t.tree_keys == ["g0", "g1"]
@@ -119,7 +130,7 @@ def test_http_path_returns_the_same_batch(recorded: Any) -> None:
         GatewayClient(gw.url, gw.admin_key) as remote,
         GatewayClient(gw.url, gw.admin_key, store=db) as local,
     ):
-        a, b = remote.step(ids), local.step(ids)
+        a, b = remote.read_step(ids), local.read_step(ids)
         for rid in ids:
             ta, tb = remote.trace(rid), local.trace(rid)
             assert len(ta) == len(tb)
@@ -214,7 +225,7 @@ def test_store_reads_records_events_and_rewards(recorded: Any) -> None:
     assert [r.weight_version for r in recs] == [3, 3, 5]
     assert all(r.trainable and r.group == "g1" for r in recs)
     assert [e["type"] for e in store.events(ids[0])] == ["reward", "reward"]
-    assert store.step(group="g1").rollouts[0].rollout_id == ids[2]
+    assert store.read_step(group="g1").rollouts[0].rollout_id == ids[2]
 
 
 def test_missing_store_is_a_store_error(tmp_path: Path) -> None:

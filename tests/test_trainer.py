@@ -219,3 +219,27 @@ def test_bf16_compute_short_run_learns() -> None:
     # Measured: the objective rose from -2.98 to 12.65 in both (gains within 3e-4).
     assert gains["bfloat16"] > 5, gains
     assert 0.9 < gains["bfloat16"] / gains["float32"] < 1.1, gains
+
+
+def test_export_draws_no_progress_bar(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A run exports weights after every step: transformers' "Writing model shards"
+    bar would print once per step. The export is silent, and the caller's setting
+    of transformers' bars is left as it was."""
+    from transformers.utils import logging as hf_logging
+
+    tr = tiny_trainer()
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as on a terminal, whatever this machine's env says
+    try:
+        capfd.readouterr()
+        tr.export_weights(tmp_path / "export")
+        tr.save_checkpoint(tmp_path / "ckpt")
+        out, err = capfd.readouterr()
+        assert "Writing model shards" not in out + err, err
+        assert hf_logging.is_progress_bar_enabled()
+        # The bar this guards against is transformers' own: it prints when enabled.
+        tr.model.save_pretrained(tmp_path / "plain", safe_serialization=True)
+        assert "Writing model shards" in "".join(capfd.readouterr())
+    finally:
+        if not was:
+            hf_logging.disable_progress_bar()

@@ -6,6 +6,8 @@ its tokens, a group and a comparison render; screenshots are kept in
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import shutil
 import threading
@@ -147,6 +149,66 @@ def test_a_rollout_opens_with_its_tokens(page: Any, served: Any, artifacts: Path
     assert page.locator("#samples .split-label").count() == 2  # one split, in each sample
     assert "unclassified" in page.inner_text("#samples")
     page.screenshot(path=str(artifacts / "3-rollout.png"), full_page=True)
+    assert page.errors == []
+
+
+def round_ticks(text: str) -> bool:
+    """Whether axis tick labels are evenly spaced by 1, 2 or 5 x 10^k."""
+    values = [float(v) for v in text.split()]
+    steps = {round(b - a, 12) for a, b in itertools.pairwise(values)}
+    if len(values) < 2 or len(steps) != 1:
+        return False
+    (step,) = steps
+    mantissa = step / 10 ** math.floor(math.log10(step) + 1e-9)
+    on_grid = all(abs(v / step - round(v / step)) < 1e-6 for v in values)
+    return on_grid and any(abs(mantissa - m) < 1e-6 for m in (1, 2, 5))
+
+
+def test_round_ticks_check_can_fail() -> None:
+    assert round_ticks("0.0 0.5 1.0") and round_ticks("-400 -300 -200") and round_ticks("0 2 4")
+    assert not round_ticks("-0.6 2.67 6.33") and not round_ticks("0 3 6") and not round_ticks("1")
+    assert not round_ticks("0.1 0.6 1.1")  # 0.5 apart, but off the grid of 0.5
+
+
+def test_chart_axes_tick_at_round_values(page: Any, served: Any, artifacts: Path) -> None:
+    url, _, _ = served
+    page.goto(url)
+    page.wait_for_selector("#chart-loss[data-yticks]")
+    for chart in ("reward", "loss", "kl", "entropy"):
+        for axis in ("yticks", "xticks"):
+            ticks = page.get_attribute(f"#chart-{chart}", f"data-{axis}") or ""
+            assert round_ticks(ticks), f"{chart} {axis}: {ticks!r}"
+    # What the reader sees is those labels.
+    labels = page.locator("#chart-loss text.tick").all_text_contents()
+    ticks = (
+        page.get_attribute("#chart-loss", "data-yticks")
+        + " "
+        + page.get_attribute("#chart-loss", "data-xticks")
+    )
+    assert labels == ticks.split()
+    page.locator("#charts").screenshot(path=str(artifacts / "8-charts-round-ticks.png"))
+    assert page.errors == []
+
+
+@pytest.mark.parametrize("kind", ["rollout", "group", "compare"])
+def test_a_link_opens_with_its_detail_first(
+    page: Any, served: Any, artifacts: Path, kind: str
+) -> None:
+    """A link to a rollout, a group or a comparison (pasted, or opened from a report)
+    shows that detail at the top of the page, above the charts and the rollout list."""
+    url, _, ids = served
+    a, b = ids["g0"][0], ids["g0"][1]
+    link = {"rollout": f"#/rollout/{a}", "group": "#/group/g0", "compare": f"#/compare/{a}/{b}"}
+    page.goto("about:blank")
+    page.goto(url + link[kind])
+    page.wait_for_selector("#detail .tok")
+    page.wait_for_selector("#rollouts tbody tr")  # the list has loaded too, below
+    detail = page.locator("#detail").bounding_box()
+    for below in ("#charts", "#rollouts"):
+        assert page.locator(below).bounding_box()["y"] >= detail["y"] + detail["height"], below
+    assert page.evaluate("window.scrollY") == 0
+    assert detail["y"] < 900  # in the first screen
+    page.screenshot(path=str(artifacts / f"9-link-{kind}.png"))
     assert page.errors == []
 
 

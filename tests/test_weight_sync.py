@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from fake_rl_engines import FAKE_GPU_UUID, FakeSglang, FakeVllm
-from lightning.run.weight_sync import (
+from lightning.sync import (
     EmbeddedSync,
     LiveWeights,
     SglangDiskSync,
@@ -65,7 +65,7 @@ def _same(got: dict[str, Any], update: WeightUpdate) -> None:
 
 class GlooVllmTransport(TorchDistTransport):
     """vLLM's NCCL payloads, carried by gloo so the fake can receive on a CPU (the
-    real data plane is vLLM's PyNccl: lightning.run.weight_sync.VllmNcclTransport)."""
+    real data plane is vLLM's PyNccl: lightning.sync.VllmNcclTransport)."""
 
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
         return vllm_nccl_init_info(
@@ -279,13 +279,38 @@ def test_config_offers_exactly_the_syncs_make_weight_sync_builds() -> None:
     from typing import get_args
 
     from lightning.config import EngineSection
-    from lightning.run.weight_sync import SyncKind
+    from lightning.sync import SyncKind
 
     offered = set(get_args(EngineSection.model_fields["weight_sync"].annotation))
     assert offered - {"sglang"} == set(get_args(SyncKind))
     for kind in get_args(SyncKind):
         url = ["http://127.0.0.1:9/v1"]
         make_weight_sync(kind, url, world_sizes=[1]).close()
+
+
+def test_aliases_are_mapped_once_by_the_factory() -> None:
+    """``"sglang"`` means ``"sglang-disk"`` wherever a kind is named (``[engine]
+    weight_sync``, an online pass's ``[weight_sync] policy``): ``make_weight_sync``
+    maps it, through ``lightning.sync.kinds.canonical``, and nothing else does."""
+    from typing import get_args
+
+    from lightning.online.train import WeightSyncSection
+    from lightning.sync import ALIASES, DiskSyncKind, canonical
+
+    assert ALIASES == {"sglang": "sglang-disk"}
+    assert canonical("sglang") == "sglang-disk" and canonical("vllm-ipc") == "vllm-ipc"
+    with pytest.raises(ValueError, match=r"unknown weight_sync 'sglang-nccl': one of embedded"):
+        canonical("sglang-nccl")
+    sync = make_weight_sync("sglang", ["http://127.0.0.1:9/v1"])
+    assert type(sync) is SglangDiskSync
+    sync.close()
+    # An online pass pushes an exported directory: only the disk kinds are offered.
+    policies = set(get_args(WeightSyncSection.model_fields["policy"].annotation))
+    assert policies == set(get_args(DiskSyncKind)) == {"none", "embedded", "sglang", "sglang-disk"}
+    for policy in policies:
+        sync = make_weight_sync(policy, ["http://127.0.0.1:9/v1"])
+        assert not sync.streams, policy
+        sync.close()
 
 
 # -- no disk: buckets from the live model ------------------------------------------
@@ -467,7 +492,7 @@ class _Recorder:
     def set_upstreams(self, ups: Any) -> None:
         self.calls.append("set_upstreams")
 
-    def live_weights(self) -> LiveWeights:
+    def live_weights(self, dtype: str | None = None) -> LiveWeights:
         self.calls.append("live_weights")
         return self.source
 
@@ -500,9 +525,10 @@ def test_run_streams_without_export_and_drains_a_failed_push(tmp_path: Path, fai
     r = _Recorder(streams=True, fail=fail)
     run = object.__new__(Run)
     run.config = SimpleNamespace(  # type: ignore[assignment]
-        algorithm=SimpleNamespace(max_staleness=0), engine=SimpleNamespace(urls=["http://e"])
+        algorithm=SimpleNamespace(max_staleness=0, asynchronous=False),
+        engine=SimpleNamespace(urls=["http://e"]),
     )
-    run.out, run.engine = tmp_path, None
+    run.out, run.engine, run.sync_dtype = tmp_path, None, None
     run.client = run.trainer = run.weight_sync = r  # type: ignore[assignment]
     if fail:
         with pytest.raises(WeightSyncError):
@@ -580,8 +606,10 @@ class _Trainer:
     def set_upstreams(self, ups: Any) -> None:
         pass
 
-    def live_weights(self) -> contextlib.AbstractContextManager[LiveWeights]:
-        return contextlib.nullcontext(LiveWeights(self.tensors.items()))
+    def live_weights(
+        self, dtype: str | None = None
+    ) -> contextlib.AbstractContextManager[LiveWeights]:
+        return contextlib.nullcontext(LiveWeights(self.tensors.items(), dtype=dtype))
 
     def export_weights(self, path: str) -> None:
         raise AssertionError(f"export_weights({path!r}): sglang-tensor must not touch disk")
@@ -594,11 +622,13 @@ def _run(tmp_path: Path, trainer: _Trainer, sync: Any) -> Any:
 
     run = object.__new__(Run)
     run.config = SimpleNamespace(  # type: ignore[assignment]
-        algorithm=SimpleNamespace(max_staleness=0), engine=SimpleNamespace(urls=["http://e"])
+        algorithm=SimpleNamespace(max_staleness=0, asynchronous=False),
+        engine=SimpleNamespace(urls=["http://e"]),
     )
     run.out, run.engine = tmp_path, None
     run.client = run.trainer = trainer  # type: ignore[assignment]
     run.weight_sync = sync
+    run.sync_dtype = None
     return run
 
 
@@ -736,7 +766,7 @@ def test_sglang_tensor_warns_at_setup_what_has_not_run(
     """CUDA IPC handles (and, colocated, SGLang's memory saver) have not run in these
     tests: a user starting a run is told so, as for vllm-nccl."""
     sync = make_weight_sync("sglang-tensor", ["http://127.0.0.1:9"], colocate=colocate)
-    with caplog.at_level("WARNING", logger="lightning.run.weight_sync"):
+    with caplog.at_level("WARNING", logger="lightning.sync"):
         sync.setup()
     (record,) = caplog.records
     assert "experimental" in record.message and "CUDA IPC" in record.message
@@ -1012,7 +1042,7 @@ def test_vllm_ipc_warns_at_setup_and_names_what_to_install(
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is importable here: setup would need a GPU")
     sync = VllmIpcSync(["http://127.0.0.1:9"], colocate=True)
-    with caplog.at_level("WARNING", logger="lightning.run.weight_sync"):
+    with caplog.at_level("WARNING", logger="lightning.sync"):
         with pytest.raises(WeightSyncError, match=r"install vllm==0\.34\.0"):
             sync.setup()
     (record,) = caplog.records

@@ -86,7 +86,7 @@ def record_online(engine: Any, db: Path) -> dict[str, Any]:
     and the key ids."""
     import anthropic
 
-    from lightning.online.train import mark_trained
+    from lightning.online.sessions import mark_trained
     from test_online import ADMIN, Gw, new_key
 
     gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")

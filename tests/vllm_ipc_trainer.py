@@ -86,7 +86,7 @@ def main() -> None:
     _no_disk()
     from vllm.distributed.weight_transfer.clients import _json_safe_update_info
 
-    from lightning.run.weight_sync import (
+    from lightning.sync import (
         LiveWeights,
         VllmIpcSync,
         WeightSyncError,

@@ -104,7 +104,7 @@ def main() -> None:
     _no_disk()
     from vllm.distributed.weight_transfer import nccl_engine
 
-    from lightning.run.weight_sync import LiveWeights, VllmNcclSync, WeightSyncError, WeightUpdate
+    from lightning.sync import LiveWeights, VllmNcclSync, WeightSyncError, WeightUpdate
 
     group = RecordingGroup()
     endpoint: dict[str, Any] = {}

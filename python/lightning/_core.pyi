@@ -370,7 +370,7 @@ class StoreReader:
         self, rollout_id: str
     ) -> list[tuple[int, str | None, str | None, str | None]]: ...
     def trace(self, rollout_id: str) -> list[Call]: ...
-    def step(
+    def read_step(
         self,
         rollout_ids: Sequence[str] | None = None,
         *,

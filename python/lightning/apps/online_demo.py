@@ -135,13 +135,8 @@ def main(argv: list[str]) -> int:
     from lightning import Gateway, GatewayClient, GatewayConfig, UpstreamConfig
     from lightning.apps.examples import examples_dir, load_example
     from lightning.config import ModelSection, TrainerSection
-    from lightning.online.train import (
-        GroupingSection,
-        OnlineConfig,
-        SourceSection,
-        WeightSyncSection,
-        train_online,
-    )
+    from lightning.online.select import GroupingSection, SourceSection
+    from lightning.online.train import OnlineConfig, WeightSyncSection, train_online
     from lightning.run.loop import (
         ENGINE_KEY_ENV,
         SERVED_MODEL_NAME,

@@ -12,11 +12,11 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lightning._core import StoreReader, Tokenizer
 from lightning.gateway.store import Store
-from lightning.run.report import decode_pieces
+from lightning.traces import Decoder, divergence_rows, finite, sample_row, token_pieces
 
 PAGE_MAX = 200  # rollouts (or sessions) per page at most
 RATE_WINDOW_S = 600.0  # the calls chart: the last ten minutes of activity...
@@ -27,10 +27,6 @@ RATE_MIN_S, RATE_MAX_S = 1e-3, 1e9
 CALLS_PAGE = 20  # calls per page of a rollout's detail...
 CALLS_PAGE_MAX = 100
 SAMPLES_PAGE = 4  # ...and merged samples (each as long as the whole conversation)
-
-
-class Decoder(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
 
 
 def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
@@ -130,12 +126,6 @@ class View:
                 self._poll = StoreReader(self.db)
             return fn(self._poll)
 
-    def _pieces(self, ids: Sequence[int]) -> list[str]:
-        ids = [int(i) for i in ids]
-        if self.tokenizer is None:
-            return [f"⟨{i}⟩" for i in ids]
-        return decode_pieces(ids, self.tokenizer.decode)
-
     # ------------------------------------------------------------ run-level
 
     def metrics(self, offset: int) -> dict[str, Any]:
@@ -208,7 +198,8 @@ class View:
         """One page of online sessions, newest activity first: key, tags, number of
         signals, the reward ``lightning train --online`` computes from them by
         default (mean of the latest signal per name and target), trained or not."""
-        from lightning.online.train import BadReward, OnlineRewardSection, session_reward, signals
+        from lightning.online.rewards import BadReward, OnlineRewardSection, session_reward
+        from lightning.online.sessions import signals
 
         limit = max(1, min(limit, PAGE_MAX))
 
@@ -254,13 +245,9 @@ class View:
         turn (as chat messages, whatever the protocol) and the answer, decoded
         from the exact ids; its feedback signals and computed reward. One page of
         calls (``offset``, ``limit``), like ``rollout``."""
-        from lightning.online.train import (
-            BadReward,
-            OnlineRewardSection,
-            _sent_messages,
-            session_reward,
-            signals,
-        )
+        from lightning.online.export import sent_messages
+        from lightning.online.rewards import BadReward, OnlineRewardSection, session_reward
+        from lightning.online.sessions import signals
 
         detail = self._detail(session_id, offset, limit)
         if detail is None:
@@ -277,7 +264,7 @@ class View:
                 call["protocol"], call["response_id"] = proto, resp
             try:
                 body = json.loads(harness) if harness else {}
-                sent = _sent_messages(body, before) if isinstance(body, dict) else None
+                sent = sent_messages(body, before) if isinstance(body, dict) else None
             except ValueError:
                 sent = None
             if sent is None:  # a later choice of a request, or a redacted call
@@ -337,7 +324,7 @@ class View:
             records = s.records(rollout_id)
             # Drift causes need the policy's own tokenizer (a plain decoder leaves them unclassified).
             tok = self.tokenizer if isinstance(self.tokenizer, Tokenizer) else None
-            merged = s.step([rollout_id], tokenizer=tok)
+            merged = s.read_step([rollout_id], tokenizer=tok)
             events = reader.events(rollout_id)
             return info[0], records, merged, events, reader.call_bodies(rollout_id)
 
@@ -354,7 +341,7 @@ class View:
             prompt = [] if r.prompt_ids is None else [int(t) for t in r.prompt_ids]
             if hide:
                 prompt, completion = [], []
-            lps = [] if r.logprobs is None or hide else [_num(x) for x in r.logprobs]
+            lps = [] if r.logprobs is None or hide else [finite(x) for x in r.logprobs]
             calls.append(
                 {
                     "seq": r.seq,
@@ -368,37 +355,16 @@ class View:
                     "latency_ms": r.latency_ms,
                     "trainable": r.trainable,
                     "text": r.text,
-                    "prompt": self._pieces(prompt),
+                    "prompt": token_pieces(prompt, self.tokenizer),
                     "prompt_ids": prompt,
-                    "completion": self._pieces(completion),
+                    "completion": token_pieces(completion, self.tokenizer),
                     "completion_ids": completion,
                     "logprobs": lps,
                 }
             )
         mine = [smp for smp in merged.samples if smp.rollout_id == rollout_id]
-        samples = []
-        for smp in [] if hide else mine[samples_offset : samples_offset + SAMPLES_PAGE]:
-            tokens = [int(t) for t in smp.tokens]
-            samples.append(
-                {
-                    "tokens": tokens,
-                    "pieces": self._pieces(tokens),
-                    "weights": [float(w) for w in smp.weights],
-                    "logprobs": [_num(x) for x in smp.logprobs],
-                    "call_index": [int(c) for c in smp.call_index],
-                    "weight_version": [int(v) for v in smp.weight_version],
-                }
-            )
-        divergences = [
-            {
-                "call_index": d.call_index,
-                "left_call_index": d.left_call_index,
-                "position": d.position,
-                "kind": d.kind,
-            }
-            for d in merged.divergences
-            if d.rollout_id == rollout_id
-        ]
+        page = [] if hide else mine[samples_offset : samples_offset + SAMPLES_PAGE]
+        samples = [sample_row(smp, self.tokenizer) for smp in page]
         end, s_end = offset + len(calls), samples_offset + len(samples)
         return {
             "rollout": _rollout_row(info),
@@ -409,7 +375,7 @@ class View:
             "samples": samples,
             "samples_total": 0 if hide else len(mine),
             "next_samples_offset": s_end if not hide and s_end < len(mine) else None,
-            "divergences": divergences,
+            "divergences": divergence_rows(merged, rollout_id),
             "stats": merged.stats.as_dict(),
             "events": [
                 {"seq": seq, "type": kind, "data": _json(data), "created": created}
@@ -464,7 +430,7 @@ def _rollout_row(r: dict[str, Any]) -> dict[str, Any]:
     row = {k: v for k, v in r.items() if k != "task_json"}
     if "task_json" in r:
         row["task"] = _json(r["task_json"])
-    row["reward"] = _num(row.get("reward"))
+    row["reward"] = finite(row.get("reward"))
     return _finite(row)
 
 
@@ -475,10 +441,3 @@ def _json(text: Any) -> Any:
         return json.loads(text)
     except ValueError:
         return text
-
-
-def _num(x: Any) -> float | None:
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None

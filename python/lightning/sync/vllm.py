@@ -11,23 +11,23 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning.rl.live_weights import (
-    DEFAULT_BUCKET_BYTES,
-    TensorMeta,
-    WeightSyncError,
-    _itemsize,
-    plan_buckets,
-)
-from lightning.run.weight_sync.base import (
+from lightning.sync.base import (
     Transport,
     WeightSync,
     WeightUpdate,
+)
+from lightning.sync.kinds import WeightSyncError
+from lightning.sync.live_weights import (
+    DEFAULT_BUCKET_BYTES,
+    TensorMeta,
+    _itemsize,
+    plan_buckets,
 )
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("lightning.run.weight_sync")
+log = logging.getLogger("lightning.sync")
 
 
 def vllm_nccl_init_info(
@@ -54,6 +54,27 @@ def vllm_nccl_update_info(metas: Sequence[TensorMeta]) -> dict[str, Any]:
     }
 
 
+def vllm_engine_dtype(sync: WeightSync) -> str:
+    """vLLM's dev-mode ``GET /server_info?config_format=json`` (vllm 0.34.0
+    ``entrypoints/serve/dev/server_info/api_router.py`` ``show_server_info``; the RL
+    routes need ``VLLM_SERVER_DEV_MODE=1`` anyway) dumps its ``VllmConfig``, whose
+    ``model_config.dtype`` is the resolved ``torch.dtype`` (``"auto"`` already
+    applied), written with ``fallback=str`` as ``"torch.bfloat16"``."""
+
+    def read(root: str) -> str:
+        info = sync._get(root, "/server_info", params={"config_format": "json"})
+        try:
+            dtype = info["vllm_config"]["model_config"]["dtype"]
+        except (KeyError, TypeError) as e:
+            raise WeightSyncError(
+                f"{root}/server_info has no vllm_config.model_config.dtype ({e!r}): start "
+                "vLLM with VLLM_SERVER_DEV_MODE=1, or set [engine] sync_dtype"
+            ) from e
+        return str(dtype).removeprefix("torch.")
+
+    return sync._one_dtype(read)
+
+
 class VllmSync(WeightSync):
     """vLLM's four-phase weight transfer; ``world_sizes`` as for SGLang."""
 
@@ -69,6 +90,9 @@ class VllmSync(WeightSync):
         self.transport = transport
         self.world, self.offsets = self._group_ranks(world_sizes)
         self.streams = transport.streams
+
+    def engine_dtype(self, model_config: dict[str, Any]) -> str | None:
+        return vllm_engine_dtype(self)
 
     def setup(self) -> None:
         world, offsets = self.world, self.offsets
@@ -239,6 +263,9 @@ class VllmNcclSync(WeightSync):
         self.client = _VllmClients(self, self.offsets, self.world)
         self.engine: Any = None
 
+    def engine_dtype(self, model_config: dict[str, Any]) -> str | None:
+        return vllm_engine_dtype(self)
+
     def setup(self) -> None:
         log.warning(VLLM_NCCL_UNVERIFIED)
         from vllm.distributed.weight_transfer.nccl_engine import (
@@ -360,6 +387,9 @@ class VllmIpcSync(WeightSync):
         self.engine: Any = None
         self.source: Any = None
         self.asleep = False
+
+    def engine_dtype(self, model_config: dict[str, Any]) -> str | None:
+        return vllm_engine_dtype(self)
 
     def setup(self) -> None:
         log.warning(VLLM_IPC_UNVERIFIED.format(sleep=" and vLLM's sleep mode" * self.colocated))

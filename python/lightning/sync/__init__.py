@@ -4,15 +4,19 @@ One interface, :class:`WeightSync` (``setup`` once, ``push`` after every optimiz
 step, ``close``), with one implementation per engine API. The HTTP choreography
 lives here; moving the tensors themselves (NCCL broadcast, CUDA IPC, a shared
 disk) is a :class:`Transport`, so the choreography is the same whatever carries
-the bytes and can be tested on a CPU. The package: ``base.py`` (what every sync
-shares: :class:`WeightUpdate`, :class:`WeightSync`, the torch.distributed transport,
-the embedded and no-op syncs), ``sglang.py`` and ``vllm.py`` (each engine's syncs),
-and here :func:`make_weight_sync`, which picks one from the config.
+the bytes and can be tested on a CPU. The package, the one home of weight sync:
+``kinds.py`` (the kinds, their aliases and :class:`WeightSyncError`, torch-free so
+the configs validate against them), ``live_weights.py`` (the trainer's live
+weights as buckets of full tensors), ``base.py`` (what every sync shares:
+:class:`WeightUpdate`, :class:`WeightSync`, the torch.distributed transport, the
+embedded and no-op syncs), ``sglang.py`` and ``vllm.py`` (each engine's syncs), and
+here :func:`make_weight_sync`, the one factory, which picks one from the config.
 
 What a push carries, :class:`WeightUpdate`, is a directory or a stream. The disk
 paths (``embedded``, ``sglang-disk``) get an exported safetensors directory. The
 streaming paths (``sglang-distributed``, ``sglang-tensor``, ``vllm-nccl``, ``vllm-ipc``;
-``WeightSync.streams``) get :class:`LiveWeights` (``lightning.rl.live_weights``): the trainer's live parameters, each FSDP2 shard gathered
+``WeightSync.streams``) get :class:`LiveWeights` (``live_weights.py``): the
+trainer's live parameters, each FSDP2 shard gathered
 (``full_tensor()``) only when its turn comes, grouped into buckets of
 ``bucket_bytes`` (:func:`plan_buckets`, from shapes alone) that map to the engine's
 own unit of transfer: one SGLang ``update_weights_from_distributed`` call with
@@ -126,23 +130,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
-from lightning.config import COLOCATE_NEEDS_IPC, COLOCATE_SYNCS, VLLM_DISK_GONE
-from lightning.rl.live_weights import (
-    DEFAULT_BUCKET_BYTES,
-    GatherStats,
-    LiveWeights,
-    TensorMeta,
-    WeightSyncError,
-    meta_of,
-    plan_buckets,
-)
-from lightning.run.weight_sync.base import (
+from lightning.sync.base import (
     GROUP_NAME,
     EmbeddedSync,
     NoSync,
-    PauseMode,
     PlainTransport,
-    SyncKind,
     TorchDistTransport,
     Transport,
     WeightSync,
@@ -152,7 +144,35 @@ from lightning.run.weight_sync.base import (
     join_group,
     leave_group,
 )
-from lightning.run.weight_sync.sglang import (
+from lightning.sync.kinds import (
+    ALIASES,
+    COLOCATE_NEEDS_IPC,
+    COLOCATE_SYNCS,
+    SYNC_KINDS,
+    ConfigSyncKind,
+    DiskSyncKind,
+    PauseMode,
+    SyncKind,
+    WeightSyncError,
+    canonical,
+)
+from lightning.sync.layout import (
+    EngineLayout,
+    sglang_distributed_size,
+    sglang_worker_ranks,
+    vllm_size,
+    vllm_worker_ranks,
+)
+from lightning.sync.live_weights import (
+    DEFAULT_BUCKET_BYTES,
+    GatherStats,
+    LiveWeights,
+    TensorMeta,
+    meta_of,
+    plan_buckets,
+)
+from lightning.sync.sglang import (
+    SGLANG_DISTRIBUTED_UNVERIFIED,
     SGLANG_TENSOR_UNVERIFIED,
     SglangDiskSync,
     SglangDistributedSync,
@@ -160,7 +180,7 @@ from lightning.run.weight_sync.sglang import (
     flattened_bucket_payload,
     multiprocessing_serializer,
 )
-from lightning.run.weight_sync.vllm import (
+from lightning.sync.vllm import (
     VLLM_IPC_UNVERIFIED,
     VLLM_NCCL_UNVERIFIED,
     VllmIpcSync,
@@ -173,12 +193,19 @@ from lightning.run.weight_sync.vllm import (
 )
 
 __all__ = [
+    "ALIASES",
+    "COLOCATE_SYNCS",
     "DEFAULT_BUCKET_BYTES",
     "GROUP_NAME",
+    "SGLANG_DISTRIBUTED_UNVERIFIED",
     "SGLANG_TENSOR_UNVERIFIED",
+    "SYNC_KINDS",
     "VLLM_IPC_UNVERIFIED",
     "VLLM_NCCL_UNVERIFIED",
+    "ConfigSyncKind",
+    "DiskSyncKind",
     "EmbeddedSync",
+    "EngineLayout",
     "GatherStats",
     "LiveWeights",
     "NoSync",
@@ -197,6 +224,7 @@ __all__ = [
     "WeightSync",
     "WeightSyncError",
     "WeightUpdate",
+    "canonical",
     "flatten_bucket",
     "flattened_bucket_payload",
     "join_group",
@@ -205,15 +233,19 @@ __all__ = [
     "meta_of",
     "multiprocessing_serializer",
     "plan_buckets",
+    "sglang_distributed_size",
+    "sglang_worker_ranks",
     "vllm_ipc_json_safe",
     "vllm_nccl_init_info",
     "vllm_nccl_update_info",
     "vllm_packed_misaligned",
+    "vllm_size",
+    "vllm_worker_ranks",
 ]
 
 
 def make_weight_sync(
-    kind: SyncKind,
+    kind: ConfigSyncKind,
     urls: Iterable[str],
     *,
     master_address: str = "127.0.0.1",
@@ -223,12 +255,29 @@ def make_weight_sync(
     backend: Literal["nccl", "gloo"] = "nccl",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     colocate: bool = False,
+    layouts: Sequence[EngineLayout] | None = None,
     engine_key: str | None = None,
 ) -> WeightSync:
-    """The sync for ``[engine] weight_sync = kind`` (see the module docstring);
-    ``colocate`` only with ``sglang-tensor`` or ``vllm-ipc``; ``engine_key``: the
-    embedded engine's key (default ``$LIGHTNING_ENGINE_KEY``)."""
+    """The sync for ``[engine] weight_sync = kind`` (see the module docstring; an
+    alias such as ``"sglang"`` is mapped by :func:`canonical`); ``colocate`` only
+    with ``sglang-tensor`` or ``vllm-ipc``.
+
+    Each engine's share of the transfer group: ``world_sizes`` (the ranks it joins
+    with) or ``layouts`` (its TP/PP/DP sizes, turned into ranks by the engine's own
+    arithmetic, ``lightning.sync.layout``; a layout SGLang cannot serve is refused
+    here, with the reason). ``engine_key``: the embedded engine's key (default
+    ``$LIGHTNING_ENGINE_KEY``)."""
+    kind = canonical(kind)
     roots = list(urls)
+    if layouts is not None:
+        if world_sizes is not None:
+            raise ValueError("give each engine's world size or its layout, not both")
+        if kind == "sglang-distributed":
+            world_sizes = [sglang_distributed_size(lay) for lay in layouts]
+        elif kind == "sglang-tensor":  # one payload per TP rank; DP and PP ranks share them
+            world_sizes = [lay.tp for lay in layouts]
+        else:
+            world_sizes = [vllm_size(lay) for lay in layouts]
     if colocate and kind not in COLOCATE_SYNCS:
         raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))
     if kind == "embedded":
@@ -253,8 +302,6 @@ def make_weight_sync(
             pause_mode=pause_mode,
             bucket_bytes=bucket_bytes,
         )
-    if kind == "vllm-disk":  # type: ignore[comparison-overlap]  # a removed kind, named
-        raise ValueError(VLLM_DISK_GONE)
     if kind == "vllm-nccl":
         port = master_port or _free_port(master_address)
         return VllmNcclSync(
@@ -268,6 +315,5 @@ def make_weight_sync(
                 "one worker on that GPU (tensor_parallel_size 1); use 'vllm-nccl' for more"
             )
         return VllmIpcSync(roots, bucket_bytes=bucket_bytes, colocate=colocate)
-    if kind == "none":
-        return NoSync(roots)
-    raise ValueError(f"unknown weight_sync {kind!r}")
+    assert kind == "none", kind  # canonical() refused every other name
+    return NoSync(roots)

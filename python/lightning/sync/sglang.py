@@ -12,28 +12,27 @@ import functools
 import logging
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from lightning.rl.live_weights import (
-    DEFAULT_BUCKET_BYTES,
-    GatherStats,
-    TensorMeta,
-    WeightSyncError,
-    meta_of,
-    plan_buckets,
-)
-from lightning.run.weight_sync.base import (
-    PauseMode,
+from lightning.sync.base import (
     TorchDistTransport,
     WeightSync,
     WeightUpdate,
     flatten_bucket,
 )
+from lightning.sync.kinds import PauseMode, WeightSyncError
+from lightning.sync.live_weights import (
+    DEFAULT_BUCKET_BYTES,
+    TensorMeta,
+    meta_of,
+    plan_buckets,
+)
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("lightning.run.weight_sync")
+log = logging.getLogger("lightning.sync")
 
 
 def _check_sglang(root: str, route: str, answer: Any) -> None:
@@ -60,6 +59,42 @@ class _SglangBase(WeightSync):
     @abstractmethod
     def _update(self, update: WeightUpdate) -> None: ...
 
+    def engine_dtype(self, model_config: dict[str, Any]) -> str | None:
+        """SGLang's ``GET /server_info`` (sglang 0.5.23 ``http_server.py``
+        ``server_info``: the resolved server args) carries ``dtype``, the ``--dtype``
+        it was started with; ``"auto"`` is resolved from the checkpoint's config as
+        SGLang resolves it (:func:`sglang_auto_dtype`)."""
+
+        def read(root: str) -> str:
+            info = self._get(root, "/server_info")
+            dtype = info.get("dtype") if isinstance(info, dict) else None
+            if not isinstance(dtype, str):
+                raise WeightSyncError(f"{root}/server_info has no dtype: {str(info)[:200]}")
+            return sglang_auto_dtype(model_config) if dtype == "auto" else _dtype_name(dtype)
+
+        return self._one_dtype(read)
+
+
+def _dtype_name(dtype: str) -> str:
+    """A dtype as engines spell it (``"bf16"``, ``"half"``, ``"torch.bfloat16"``) as
+    a torch attribute name."""
+    name = dtype.lower().removeprefix("torch.")
+    return {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32"}.get(
+        name, name
+    )
+
+
+def sglang_auto_dtype(model_config: dict[str, Any]) -> str:
+    """The dtype SGLang serves a checkpoint in under ``--dtype auto``: sglang 0.5.23
+    ``srt/configs/model_config.py`` ``_get_and_verify_dtype``: the config's ``dtype``
+    (or ``torch_dtype``), float32 when absent; a float32 checkpoint is served in
+    float16 (bfloat16 for Gemma models); any other as it is."""
+    config_dtype = model_config.get("dtype") or model_config.get("torch_dtype") or "float32"
+    name = _dtype_name(str(config_dtype))
+    if name != "float32":
+        return name
+    return "bfloat16" if str(model_config.get("model_type", "")).startswith("gemma") else "float16"
+
 
 class SglangDiskSync(_SglangBase):
     def _update(self, update: WeightUpdate) -> None:
@@ -78,6 +113,14 @@ class SglangDiskSync(_SglangBase):
             )
 
         self._all(one)
+
+
+SGLANG_DISTRIBUTED_UNVERIFIED = (
+    "weight_sync = 'sglang-distributed' is experimental on GPUs: lightning's tests ran "
+    "SGLang 0.5.23's own group join (init_custom_process_group) and FlattenedTensorBucket "
+    "over gloo on CPU tensors, but the NCCL group and its broadcasts on GPUs have not run "
+    "there"
+)
 
 
 class SglangDistributedSync(_SglangBase):
@@ -118,6 +161,8 @@ class SglangDistributedSync(_SglangBase):
         self.flatten = flatten
 
     def setup(self) -> None:
+        if self.transport.backend == "nccl":
+            log.warning(SGLANG_DISTRIBUTED_UNVERIFIED)
         world, offsets = self.world, self.offsets
 
         def init(root: str) -> None:
@@ -131,9 +176,17 @@ class SglangDistributedSync(_SglangBase):
         self._beside(lambda: self._all(init), lambda: self.transport.open(world))
 
     def _update(self, update: WeightUpdate) -> None:
+        """Pipelined: bucket ``i + 1`` is gathered (FSDP2's collectives) while the
+        engines still load bucket ``i`` and answer its request; its request goes out
+        once theirs for ``i`` has returned (the engine receives in request order)
+        and its broadcast then. A broadcast has finished before the next gather is
+        issued (:meth:`TorchDistTransport.broadcast`), so the trainer's collectives
+        and the engines' never overlap on rank 0's GPU."""
         plan = plan_buckets(update.metas(), self.bucket_bytes, aligned=self.flatten)
         tensors = update.tensors()
+        stats = update.stats
         with _sglang_session(self):
+            loading: Future[Any] | None = None  # the engines' request for the last bucket
             for i, metas in enumerate(plan):
                 last = i == len(plan) - 1
                 body = {
@@ -146,25 +199,30 @@ class SglangDistributedSync(_SglangBase):
                     "abort_all_requests": False,
                     "weight_version": str(update.version) if last else None,
                 }
-                self._beside(
-                    functools.partial(self._all, functools.partial(self._call_update, body=body)),
-                    functools.partial(self._send_bucket, metas, tensors, update.stats),
+                bucket = _checked(metas, tensors)
+                if self.flatten:
+                    gathered: Any = flatten_bucket(metas, bucket, self.transport._device(), stats)
+                else:
+                    gathered = list(bucket)
+                if loading is not None:
+                    loading.result()
+                loading = self._pool.submit(
+                    self._all, functools.partial(self._call_update, body=body)
                 )
+                # If a broadcast fails the engines wait for a peer that is gone and
+                # their request fails on their own timeout; this error is raised.
+                if self.flatten:
+                    self.transport.broadcast(gathered)
+                    if stats is not None:
+                        stats.sent_bytes += gathered.numel()
+                else:
+                    self.transport.send_tensors(gathered, stats)
+                del gathered, bucket
+            if loading is not None:
+                loading.result()
             extra = next(tensors, None)  # also frees the source's last tensor
             if extra is not None:
                 raise WeightSyncError(f"{extra[0]!r} was sent but not announced (metas())")
-
-    def _send_bucket(
-        self,
-        metas: list[TensorMeta],
-        tensors: Iterator[tuple[str, torch.Tensor]],
-        stats: GatherStats | None,
-    ) -> None:
-        bucket = _checked(metas, tensors)
-        if self.flatten:
-            self.transport.send_flat(metas, bucket, stats)
-        else:
-            self.transport.send_tensors(bucket, stats)
 
     def _call_update(self, root: str, body: dict[str, Any]) -> None:
         route = "/update_weights_from_distributed"
@@ -219,24 +277,70 @@ def _sglang_session(sync: WeightSync) -> Iterator[None]:
 Serializer = Callable[[Any], bytes]
 
 
+# sglang 0.5.23 ``srt/utils/patch_torch.py`` ``_REDUCE_TENSOR_ARG_DEVICE_INDEX``: where
+# the device sits among the arguments torch's ``reduce_tensor`` gives
+# ``rebuild_cuda_tensor`` (tensor_cls, size, stride, offset, storage_cls, dtype,
+# storage_device, handle, ...).
+DEVICE_ARG = 6
+
+
+def device_uuid(index: int) -> str:
+    """A CUDA device's UUID as SGLang writes it (``_device_to_uuid``:
+    ``str(torch.cuda.get_device_properties(index).uuid)``)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _with_device_uuid(reduce_tensor: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """torch's tensor reduction, with a CUDA tensor's device index replaced by the
+    device's UUID, what sglang 0.5.23's ``_reduce_tensor_modified`` sends
+    (``srt/utils/patch_torch.py``, applied by ``monkey_patch_torch_reductions``).
+    The engine's workers run that patch too (``TpModelWorker.__init__``), so their
+    ``rebuild_cuda_tensor`` is ``_rebuild_cuda_tensor_modified``, which maps a UUID
+    back to the index the device has in the engine's process
+    (``_device_from_maybe_uuid``) and passes an integer through unchanged: an index
+    names a different GPU, or none, when the engine sees the GPUs under another
+    ``CUDA_VISIBLE_DEVICES``. CPU tensors (tests, ``--device cpu``) keep torch's
+    reduction: SGLang's patch would index past their shorter argument tuple."""
+
+    def reduce(tensor: Any) -> Any:
+        rebuild, args = reduce_tensor(tensor)
+        # rebuild_cuda_tensor, or SGLang's _rebuild_cuda_tensor_modified in a trainer
+        # process that ran SGLang's patch itself.
+        cuda = "rebuild_cuda_tensor" in getattr(rebuild, "__name__", "")
+        if cuda and isinstance(args[DEVICE_ARG], int):
+            args = (*args[:DEVICE_ARG], device_uuid(args[DEVICE_ARG]), *args[DEVICE_ARG + 1 :])
+        return rebuild, args
+
+    return reduce
+
+
 def multiprocessing_serializer(obj: Any) -> bytes:
-    """What SGLang's ``MultiprocessingSerializer.serialize`` does (sglang 0.5.23
-    ``srt/utils/common.py``: one ``ForkingPickler`` dump), without importing SGLang
-    on the trainer. torch's reductions write a CUDA tensor as an IPC handle to its
-    memory (engine and trainer share the GPU) and a CPU tensor as a shared-memory
-    file descriptor that the receiver fetches from this process, so either way the
-    tensor must stay alive until the engine has loaded it: :class:`SglangTensorSync`
-    holds each bucket until its request returns. Device indices go as torch writes
-    them (we do not apply SGLang's ``monkey_patch_torch_reductions``, which rewrites
-    them to GPU UUIDs and breaks CPU tensors): the engine must see the GPU under the
-    same index as the trainer."""
+    """What SGLang's ``MultiprocessingSerializer.serialize`` does on a trainer that
+    has run ``monkey_patch_torch_reductions`` (sglang 0.5.23 ``srt/utils/common.py``:
+    one ``ForkingPickler`` dump; ``srt/weight_sync/utils.py`` ``update_weights``
+    patches first), without importing SGLang on the trainer: CUDA tensors go as IPC
+    handles keyed by the GPU's UUID (:func:`_with_device_uuid`). torch's reductions
+    write a CUDA tensor as an IPC handle to its memory (engine and trainer share the
+    GPU) and a CPU tensor as a shared-memory file descriptor that the receiver
+    fetches from this process, so either way the tensor must stay alive until the
+    engine has loaded it: :class:`SglangTensorSync` holds each bucket until its
+    request returns."""
     import io
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions)
+    import torch
+    import torch.multiprocessing
 
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
+    pickler = ForkingPickler(buf)
+    # ForkingPickler copies its registered reducers into this pickler's own table;
+    # torch registers reduce_tensor for every tensor class.
+    for cls, reduce in list(pickler.dispatch_table.items()):
+        if isinstance(cls, type) and issubclass(cls, torch.Tensor):
+            pickler.dispatch_table[cls] = _with_device_uuid(reduce)
+    pickler.dump(obj)
     return buf.getvalue()
 
 
@@ -377,34 +481,55 @@ class SglangTensorSync(_SglangBase):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def _update(self, update: WeightUpdate) -> None:
+        """Pipelined: bucket ``i + 1`` is gathered and serialized while the engines
+        load bucket ``i``; bucket ``i`` (whose memory their handles point at) is
+        kept until its request returns, so the sender holds at most two buckets."""
         plan = plan_buckets(update.metas(), self.bucket_bytes, aligned=self.flatten)
         tensors = update.tensors()
         with _sglang_session(self):
-            for i, metas in enumerate(plan):
-                last = i == len(plan) - 1
-                bucket = _checked(metas, tensors)
-                if self.flatten:
-                    flat = flatten_bucket(metas, bucket, self._device(), update.stats)
-                    obj: Any = flattened_bucket_payload(metas, flat)
-                else:
-                    obj = list(bucket)
-                payloads = {
-                    root: [base64.b64encode(self.serializer(obj)).decode("ascii") for _ in range(n)]
-                    for root, n in self.tp_sizes.items()
-                }
-                body = {
-                    "load_format": "flattened_bucket" if self.flatten else None,
-                    "flush_cache": last,
-                    "abort_all_requests": False,
-                    "weight_version": str(update.version) if last else None,
-                }
-                self._all(functools.partial(self._call_update, body=body, payloads=payloads))
-                if update.stats is not None:
-                    update.stats.sent_bytes += sum(m.nbytes for m in metas)
-                # The engines have loaded it: the handles may die with the bucket.
-                del obj, payloads
-                if self.flatten:
-                    del flat
+            loading: Future[Any] | None = None
+            held: Any = None  # the bucket the engines are loading
+            try:
+                for i, metas in enumerate(plan):
+                    last = i == len(plan) - 1
+                    bucket = _checked(metas, tensors)
+                    if self.flatten:
+                        flat = flatten_bucket(metas, bucket, self._device(), update.stats)
+                        obj: Any = flattened_bucket_payload(metas, flat)
+                        del flat
+                    else:
+                        obj = list(bucket)
+                    payloads = {
+                        root: [
+                            base64.b64encode(self.serializer(obj)).decode("ascii") for _ in range(n)
+                        ]
+                        for root, n in self.tp_sizes.items()
+                    }
+                    body = {
+                        "load_format": "flattened_bucket" if self.flatten else None,
+                        "flush_cache": last,
+                        "abort_all_requests": False,
+                        "weight_version": str(update.version) if last else None,
+                    }
+                    if loading is not None:
+                        loading.result()
+                    # The engines have loaded the last bucket: its handles may die.
+                    held = obj
+                    loading = self._pool.submit(
+                        self._all,
+                        functools.partial(self._call_update, body=body, payloads=payloads),
+                    )
+                    if update.stats is not None:
+                        update.stats.sent_bytes += sum(m.nbytes for m in metas)
+                    del obj, payloads, bucket
+                if loading is not None:
+                    loading.result()
+                    loading = None
+            finally:
+                if loading is not None:  # a failure while a bucket is out: let it land
+                    with contextlib.suppress(Exception):
+                        loading.result()
+                del held
             extra = next(tensors, None)  # also frees the source's last tensor
             if extra is not None:
                 raise WeightSyncError(f"{extra[0]!r} was sent but not announced (metas())")

@@ -1,4 +1,4 @@
-"""Task cleaning: load → normalize → dedupe → length filter → split → decontaminate → pass rate.
+"""Task cleaning (``lightning data``): normalize → dedupe → length filter → split → decontaminate → pass rate.
 
 A *task* is a plain dict ``{"id": str, "prompt": str, "answer": ..., **extra}``: the
 runner hands it to the harness as ``LIGHTNING_TASK`` JSON, so it must stay
@@ -34,18 +34,15 @@ This module imports no torch and no tokenizer library at import time.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import inspect
-import json
 import random
 import re
-import sys
 import tomllib
 import unicodedata
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -138,67 +135,6 @@ class CleanResult:
     train: list[Task]
     eval: list[Task]
     reports: list[StageReport]
-
-
-# ---------------------------------------------------------------- loading
-
-
-def load_records(path: str | Path, *, split: str | None = None) -> list[dict[str, Any]]:
-    """Raw records from JSONL (``.jsonl``/``.json`` lines), Parquet, or a
-    ``datasets`` dataset saved with ``save_to_disk`` (a directory)."""
-    path = Path(path)
-    if path.is_dir():
-        return _load_hf_disk(path, split)
-    if not path.exists():
-        raise FileNotFoundError(f"no task file at {path}; pass a .jsonl, .parquet or a directory")
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return [dict(row) for row in pq.read_table(path).to_pylist()]
-    if suffix in (".jsonl", ".json", ".ndjson"):
-        return _load_jsonl(path)
-    raise ValueError(
-        f"unknown task file type {path.suffix!r} for {path}; use .jsonl, .parquet, "
-        "or a datasets directory written by save_to_disk"
-    )
-
-
-def _load_jsonl(path: Path) -> list[dict[str, Any]]:
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix the line") from e
-            if not isinstance(obj, dict):
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}"
-                )
-            records.append(obj)
-    return records
-
-
-def _load_hf_disk(path: Path, split: str | None) -> list[dict[str, Any]]:
-    import datasets
-
-    ds = datasets.load_from_disk(str(path))
-    if isinstance(ds, datasets.DatasetDict):
-        names = list(ds.keys())
-        if split is None:
-            if len(names) == 1:
-                split = names[0]
-            elif "train" in ds:
-                split = "train"
-            else:
-                raise ValueError(f"{path} holds splits {names}; choose one with split=...")
-        if split not in ds:
-            raise ValueError(f"{path} has no split {split!r}; it has {names}")
-        ds = ds[split]
-    return [dict(row) for row in ds]
 
 
 # ---------------------------------------------------------------- text keys
@@ -503,90 +439,6 @@ def clean(
     return CleanResult(train=train, eval=held, reports=reports)
 
 
-def write_jsonl(path: str | Path, tasks: Iterable[Task]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for task in tasks:
-            f.write(json.dumps(task, ensure_ascii=False, default=str) + "\n")
-
-
-def load_tokenizer(path: str | Path) -> SupportsEncode:
-    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json`` file or a model
-    directory that holds one."""
-    from tokenizers import Tokenizer
-
-    path = Path(path)
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.exists():
-        raise FileNotFoundError(f"no tokenizer.json at {file}; pass a model dir or the file")
-    return Tokenizer.from_file(str(file))
-
-
 def format_reports(reports: Sequence[StageReport]) -> str:
     head = f"{'stage':<16} {'in':>8} → {'out':<8} dropped"
     return "\n".join([head, *(str(r) for r in reports)])
-
-
-# ---------------------------------------------------------------- CLI
-
-# Fields that `--flag none` sets to None.
-_NULLABLE = frozenset({"answer_field", "id_field", "split", "max_tokens", "eval_size"})
-
-
-def main(argv: list[str]) -> int:
-    """``lightning data IN [IN ...] --out DIR``: writes train.jsonl, eval.jsonl
-    and report.json (the stage counts) into DIR and prints the counts."""
-    p = argparse.ArgumentParser(
-        prog="lightning data", description="Clean tasks and split them into train/eval."
-    )
-    p.add_argument("inputs", nargs="+", help=".jsonl, .parquet, or a datasets directory")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--config", help="TOML with DataConfig fields (top level or [data])")
-    p.add_argument("--tokenizer", help="tokenizer.json or a model directory (length filter)")
-    p.add_argument(
-        "--sampler",
-        help="module:function sample(task, k) -> list of k rewards (pass-rate filter)",
-    )
-    for name, field in DataConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, dest=name, default=None, help=f"override {name} ({field.annotation})")
-    args = p.parse_args(argv)
-
-    raw: dict[str, Any] = {}
-    if args.config:
-        with open(args.config, "rb") as f:
-            loaded = tomllib.load(f)
-        raw.update(loaded.get("data", loaded))
-    for name in DataConfig.model_fields:
-        value = getattr(args, name)
-        if value is not None:
-            nullable = name in _NULLABLE and value.lower() in ("none", "null")
-            raw[name] = None if nullable else value
-    try:
-        cfg = DataConfig.model_validate(raw)
-    except ValueError as e:
-        print(f"lightning data: invalid configuration:\n{e}", file=sys.stderr)
-        return 2
-
-    records: list[dict[str, Any]] = []
-    for path in args.inputs:
-        records.extend(load_records(path, split=cfg.split))
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    sample = None
-    if args.sampler:
-        import importlib
-
-        module_name, _, func_name = args.sampler.partition(":")
-        sample = getattr(importlib.import_module(module_name), func_name)
-    result = clean(records, cfg, tokenizer=tokenizer, sample=sample)
-
-    out = Path(args.out)
-    write_jsonl(out / "train.jsonl", result.train)
-    write_jsonl(out / "eval.jsonl", result.eval)
-    (out / "report.json").write_text(
-        json.dumps([asdict(r) for r in result.reports], indent=2) + "\n", encoding="utf-8"
-    )
-    print(format_reports(result.reports))
-    print(f"wrote {len(result.train)} train and {len(result.eval)} eval tasks to {out}")
-    return 0

@@ -17,29 +17,19 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from lightning.rl.live_weights import (
+from lightning.sync.kinds import WeightSyncError
+from lightning.sync.live_weights import (
     GatherStats,
     LiveWeights,
     TensorMeta,
-    WeightSyncError,
     meta_of,
 )
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("lightning.run.weight_sync")
+log = logging.getLogger("lightning.sync")
 
-SyncKind = Literal[
-    "embedded",
-    "sglang-disk",
-    "sglang-distributed",
-    "sglang-tensor",
-    "vllm-nccl",
-    "vllm-ipc",
-    "none",
-]
-PauseMode = Literal["none", "abort", "retract"]
 GROUP_NAME = "lightning_weight_sync"
 
 
@@ -142,12 +132,15 @@ class TorchDistTransport(Transport):
         backend: Literal["nccl", "gloo"] = "nccl",
         group_name: str = GROUP_NAME,
         timeout_s: float = 600.0,
+        device: torch.device | None = None,
     ) -> None:
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend
         self.group_name = group_name
         self.timeout_s = timeout_s
+        # Resolved at open(): under torchrun the trainer's GPU is set by then.
+        self.device = device
         self.group: Any = None
 
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
@@ -161,6 +154,7 @@ class TorchDistTransport(Transport):
         }
 
     def open(self, world_size: int) -> None:
+        self.device = self.device or group_device(self.backend)
         self.group = join_group(
             self.master_address,
             self.master_port,
@@ -169,6 +163,7 @@ class TorchDistTransport(Transport):
             backend=self.backend,
             group_name=self.group_name,
             timeout_s=self.timeout_s,
+            device=self.device,
         )
 
     def update_info(self, update: WeightUpdate) -> dict[str, Any]:
@@ -181,7 +176,8 @@ class TorchDistTransport(Transport):
         }
 
     def _device(self) -> str:
-        return "cuda" if self.backend == "nccl" else "cpu"
+        """Where sent tensors go: the device the group is bound to."""
+        return str(self.device or group_device(self.backend))
 
     def send(self, update: WeightUpdate) -> None:
         self.send_tensors(update.tensors(), update.stats)
@@ -191,15 +187,31 @@ class TorchDistTransport(Transport):
     ) -> None:
         """One broadcast per tensor, in order: what SGLang's
         ``update_weights_from_distributed`` receives without a ``load_format``."""
-        group = self._group()
-        import torch.distributed as dist
-
         for _, tensor in tensors:
             send = tensor.to(self._device()).contiguous()
-            dist.broadcast(send, src=0, group=group)
+            self.broadcast(send)
             if stats is not None:
                 stats.sent_bytes += send.numel() * send.element_size()
             del send, tensor  # before the next gather
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """One broadcast from rank 0, finished on the device before it returns.
+
+        Under torchrun the trainer's FSDP2 gathers (``full_tensor()``, collectives
+        on the default group) and this broadcast (this group, other peers) are two
+        NCCL communicators on rank 0's GPU. NCCL does not order collectives of two
+        communicators against each other, and a kernel of one that waits for its
+        peers can keep the other's from running; so no gather is issued while a
+        broadcast is in flight: ``wait()`` makes the current stream wait for it, and
+        the stream synchronize holds the CPU, which issues the next gather, until it
+        has run. (On gloo the broadcast is synchronous already.)"""
+        import torch
+        import torch.distributed as dist
+
+        work = dist.broadcast(tensor, src=0, group=self._group(), async_op=True)
+        work.wait()
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
 
     def send_flat(
         self,
@@ -212,11 +224,8 @@ class TorchDistTransport(Transport):
         and one tensor, never the bucket twice. The layout is SGLang's
         ``FlattenedTensorBucket`` (``load_format = "flattened_bucket"``): row-major
         bytes of each tensor in ``metas`` order, no padding."""
-        import torch.distributed as dist
-
-        group = self._group()
         flat = flatten_bucket(metas, tensors, self._device(), stats)
-        dist.broadcast(flat, src=0, group=group)
+        self.broadcast(flat)
         if stats is not None:
             stats.sent_bytes += flat.numel()
 
@@ -263,6 +272,22 @@ def flatten_bucket(
     return flat
 
 
+def group_device(backend: str) -> torch.device:
+    """The device a transfer group of ``backend`` is bound to: for NCCL the current
+    CUDA device (``LOCAL_RANK``'s under torchrun: ``lightning.run.distributed`` sets
+    it before anything else), for gloo ``cpu:0`` (torch wants an index)."""
+    import torch
+
+    if backend != "nccl":
+        return torch.device("cpu", 0)
+    if not torch.cuda.is_available():
+        raise WeightSyncError(
+            "an NCCL weight-update group needs a CUDA device on the trainer; use "
+            "backend='gloo' for engines on the CPU"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def join_group(
     master_address: str,
     master_port: int,
@@ -272,6 +297,7 @@ def join_group(
     backend: str,
     group_name: str,
     timeout_s: float = 600.0,
+    device: torch.device | None = None,
 ) -> Any:
     """A standalone process group, built the way SGLang's engine side builds it.
 
@@ -287,6 +313,14 @@ def join_group(
     rather than building a backend by hand (tests/test_weight_sync.py runs SGLang's
     function on the other side). ``group_name`` must be non-empty (SGLang asserts it)
     and unique in this process; :func:`leave_group` frees it.
+
+    ``device`` (default :func:`group_device`) is passed as torch's ``device_id``,
+    which SGLang's ``init_custom_process_group`` also takes: the group is bound to
+    the trainer's GPU when it is created (NCCL connects eagerly there) instead of
+    at its first broadcast, on whatever device is current by then. The default
+    process group must stay unbound (``lightning.run.distributed`` binds none):
+    torch 2.x builds a new group by splitting a bound default group's
+    communicator, which would ask the trainer's other ranks to join this one.
     """
     from datetime import timedelta
 
@@ -310,6 +344,7 @@ def join_group(
         c10d.PrefixStore(group_name, store),
         group_name=group_name,
         timeout=timeout,
+        device_id=device or group_device(backend),
         **{options: None},
     )
     # Group ranks are global ranks: lets torch.distributed.broadcast(group=...) work.
@@ -375,7 +410,49 @@ class WeightSync(ABC):
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
 
+    def engine_dtype(self, model_config: dict[str, Any]) -> str | None:
+        """The dtype every engine holds its weights in (a torch dtype name), read
+        from the engines; ``model_config`` is the policy's ``config.json``, for an
+        engine that reports only ``"auto"``. None when they do not say."""
+        return None
+
+    def send_dtype(self, configured: str, model_config: dict[str, Any]) -> str | None:
+        """What a streamed push casts floating weights to: ``configured`` (``[engine]
+        sync_dtype``) unless it is ``"auto"``, then :meth:`engine_dtype`; None (send
+        the trainer's own dtype) when neither says."""
+        if configured != "auto":
+            return configured
+        found = self.engine_dtype(model_config)
+        if found is None:
+            log.info(
+                "the engines do not report their dtype: weights are sent as the trainer "
+                "holds them (set [engine] sync_dtype to cast them before they leave)"
+            )
+        return found
+
     # -- helpers --------------------------------------------------------------
+
+    def _get(self, root: str, route: str, params: dict[str, Any] | None = None) -> Any:
+        try:
+            r = self.http.get(root + route, params=params)
+        except httpx.HTTPError as e:
+            raise WeightSyncError(f"{root}{route}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise WeightSyncError(f"{root}{route} answered {r.status_code}: {r.text[:500]}")
+        try:
+            return r.json()
+        except ValueError as e:
+            raise WeightSyncError(f"{root}{route} answered no JSON: {r.text[:200]!r}") from e
+
+    def _one_dtype(self, read: Callable[[str], str]) -> str:
+        """``read`` on every engine; they must agree (one trainer sends one dtype)."""
+        found = dict(zip(self.roots, self._all(read), strict=True))
+        if len(set(found.values())) > 1:
+            raise WeightSyncError(
+                f"the engines hold weights in different dtypes ({found}): the trainer sends "
+                "one; start them with the same --dtype"
+            )
+        return next(iter(found.values()))
 
     def _post(
         self, root: str, route: str, body: Any = None, params: dict[str, Any] | None = None

@@ -1,5 +1,5 @@
 """The trainer's live weights as a stream of full tensors, for weight syncs that
-broadcast without disk (``lightning.run.weight_sync``).
+broadcast without disk (``lightning.sync``).
 
 Under FSDP2 each parameter is a ``DTensor`` shard; :class:`LiveWeights` gathers
 one whole tensor at a time (``full_tensor()``, a collective every rank joins in
@@ -18,16 +18,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lightning._core import LightningError
+from lightning.sync.kinds import WeightSyncError
 
 if TYPE_CHECKING:
     import torch
-
-
-class WeightSyncError(LightningError, RuntimeError):
-    """A weight update failed (an engine refused it, or the weights did not match
-    what was announced); the message names the engine and the step."""
-
 
 # Bytes a push gathers before it hands them to the engines as one unit: one SGLang
 # update_weights_from_distributed call (one broadcast of a flattened bucket), one
@@ -122,7 +116,9 @@ class LiveWeights:
     (use it as a context manager). Shapes and dtypes (:meth:`metas`) come from the
     global shapes, without gathering.
 
-    ``dtype``: cast floating tensors to it before sending (the engine's dtype).
+    ``dtype``: cast floating tensors to it before they are gathered and sent (the
+    engine's dtype: :meth:`lightning.sync.WeightSync.engine_dtype`, or
+    ``[engine] sync_dtype``); a name (``"bfloat16"``) or a ``torch.dtype``.
     ``stats`` counts what the sender materialised (:class:`GatherStats`)."""
 
     def __init__(
@@ -130,8 +126,12 @@ class LiveWeights:
         named: Iterable[tuple[str, torch.Tensor]],
         *,
         sender: bool = True,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
     ) -> None:
+        if isinstance(dtype, str):
+            import torch
+
+            dtype = getattr(torch, dtype)
         seen: set[int] = set()
         self._named: list[tuple[str, torch.Tensor]] = []
         for name, t in named:
@@ -139,13 +139,17 @@ class LiveWeights:
                 seen.add(id(t))
                 self._named.append((name, t))
         self.sender = sender
-        self.dtype = dtype
+        self.dtype: torch.dtype | None = dtype
         self.stats = GatherStats()
         self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
 
     @classmethod
     def of_module(
-        cls, module: torch.nn.Module, *, sender: bool = True, dtype: torch.dtype | None = None
+        cls,
+        module: torch.nn.Module,
+        *,
+        sender: bool = True,
+        dtype: torch.dtype | str | None = None,
     ) -> LiveWeights:
         return cls(module.state_dict(keep_vars=True).items(), sender=sender, dtype=dtype)
 
@@ -171,10 +175,16 @@ class LiveWeights:
     def _gather(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._named:
             t = t.detach()
+            cast = self._casts(t)
+            if cast:
+                # The shard is cast before the gather (a DTensor casts shard-wise), so
+                # FSDP2's all-gather and everything after it move the engine's dtype:
+                # half the bytes of float32 masters for a bf16 engine. Rounding is
+                # elementwise, so this equals casting the gathered tensor.
+                t = t.to(self.dtype)
             fresh = hasattr(t, "full_tensor")
             full = t.full_tensor() if fresh else t  # type: ignore[attr-defined]
-            if self._casts(full):
-                full, fresh = full.to(self.dtype), True
+            fresh = fresh or cast
             if fresh and self.sender:
                 self.stats.track(full)
             if self.sender:
