@@ -4,7 +4,7 @@ command that fails loudly (exit 1, a ``FAIL`` line per wrong number).
 
     python benches/gpu_check.py                        # one GPU, SmolLM2-135M (sized for < 10 min; not yet run)
     python benches/gpu_check.py --device cpu --quick   # the same code on a CPU, tiny model
-                                                       # (tests/test_gpu_check.py runs this)
+                                                       # (tests/sync/test_gpu_check.py runs this)
 
 1. **Gradients, exact layouts.** A GRPO-shaped batch (groups sharing a
    prompt) through the fused head with tree batching, float32, against the
@@ -362,7 +362,7 @@ def receive_main() -> int:
 def _sglang_python(given: str | None) -> str:
     if given:
         return given
-    sys.path.insert(0, str(HERE.parent / "tests"))
+    sys.path.insert(0, str(HERE.parent / "tests" / "support"))
     from engine_envs import engines_python
 
     return str(engines_python("sglang"))

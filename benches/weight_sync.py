@@ -6,7 +6,7 @@ live sharded model (no disk): time per push, the sender's peak host memory, byte
 For each model the script runs itself under ``torchrun --nproc-per-node 2`` (gloo,
 CPU): every rank holds an FSDP2 shard of a real ``Trainer``; rank 0 drives
 ``SglangDistributedSync`` against the fake SGLang engine of the tests
-(``tests/fake_rl_engines.py``: real HTTP, and an engine process of its own that
+(``tests/support/fake_rl_engines.py``: real HTTP, and an engine process of its own that
 joins the transfer group and receives every byte, then drops it), and rank 1
 follows as under ``lightning train`` (``LeaderTrainer`` / ``follow``). Per step,
 in the same processes, alternating:
@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent / "tests"
+TESTS = HERE.parent / "tests" / "support"
 
 
 def _status(key: str) -> int:

@@ -194,6 +194,19 @@ class EngineSection(_Section):
         None,
         description="Embedded engine: the context length in tokens; unset uses the model's.",
     )
+    kv_cache_bytes: int = Field(
+        default=1 << 30,
+        ge=0,
+        description="Embedded engine: byte budget of its prefix KV cache (keys/values of "
+        "prompts and completions that a group's samples and later turns reuse; "
+        "`lightning serve --kv-cache-bytes`); 0 turns it off. See docs/engine.md.",
+    )
+    prefill_chunk: int = Field(
+        default=512,
+        ge=1,
+        description="Embedded engine: prompt tokens prefilled per scheduler step, so running "
+        "sequences keep decoding while a long prompt is admitted (`--prefill-chunk`).",
+    )
 
     @field_validator("weight_sync", mode="before")
     @classmethod

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # The Rust config (rust/gateway/src/config.rs) is the one definition: the
 # scalar fields of GatewayConfig are generated from it (.ci/gateway_config.py),
 # the sections below take their defaults from it, and
-# tests/test_gateway_config.py checks both.
+# tests/gateway/test_gateway_config.py checks both.
 _RUST = json.loads(_core.gateway_config_schema())
 _DEFAULTS = _RUST["defaults"]
 _UPSTREAM = _RUST["upstream_defaults"]

@@ -105,6 +105,8 @@ class EmbeddedEngine:
         chat_template: str | None = None,
         tool_call_parser: str = "auto",
         max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.host = host
         self.port = port or _free_port(host)
@@ -142,6 +144,10 @@ class EmbeddedEngine:
         if max_model_len is not None:
             argv += ["--max-model-len", str(max_model_len)]
         argv += ["--tool-call-parser", tool_call_parser]
+        if kv_cache_bytes is not None:
+            argv += ["--kv-cache-bytes", str(kv_cache_bytes)]
+        if prefill_chunk is not None:
+            argv += ["--prefill-chunk", str(prefill_chunk)]
         self.log_file = open(log_path, "ab")
         self.proc = subprocess.Popen(
             argv,
@@ -350,6 +356,8 @@ class Run:
             chat_template=cfg.engine.chat_template,
             tool_call_parser=cfg.engine.tool_call_parser,
             max_model_len=cfg.engine.max_model_len,
+            kv_cache_bytes=cfg.engine.kv_cache_bytes,
+            prefill_chunk=cfg.engine.prefill_chunk,
         )
         self._stack.callback(engine.stop)
         self._say(f"starting embedded engine on {engine.url} (log: {self.out / 'engine.log'})")
@@ -748,9 +756,11 @@ class Run:
                 name: [{k: v for k, v in c.items() if k != "costs"} for c in cells]
                 for name, cells in matrix.items()
             }
-            self._say("held-out reward per harness (95% intervals):\n" + matrix_table(matrix))
-            for line in transfer_lines(matrix):
-                self._say(line)
+            # With one harness the matrix is the eval line above, said again.
+            if len(matrix) > 1:
+                self._say("held-out reward per harness (95% intervals):\n" + matrix_table(matrix))
+                for line in transfer_lines(matrix):
+                    self._say(line)
         self._checkpoint()
         self.state_path.write_text(json.dumps(self.state))
         try:

@@ -23,7 +23,7 @@ own unit of transfer: one SGLang ``update_weights_from_distributed`` call with
 ``load_format = "flattened_bucket"`` (one broadcast per bucket), one SGLang
 ``update_weights_from_tensor`` call (one flattened tensor per bucket), one vLLM
 packed buffer (one ``/update_weights`` per fill for ``vllm-ipc``). Nothing is written to disk and the sender holds at most a bucket plus the
-tensor being gathered (``LiveWeights.stats``; tests/test_weight_sync.py checks it on
+tensor being gathered (``LiveWeights.stats``; tests/sync/test_weight_sync.py checks it on
 2 FSDP2 ranks; benches/weight_sync.py measures it against the disk path).
 
 Engine APIs, with the sources every endpoint and payload was checked against:
@@ -101,7 +101,7 @@ Engine APIs, with the sources every endpoint and payload was checked against:
     "awake"|"sleeping", "tags"}``); see :class:`VllmIpcSync`.
 
 Verified: SGLang's group join (the trainer side joins a group built by SGLang
-0.5.23's own ``init_custom_process_group`` in tests/test_weight_sync.py), and its
+0.5.23's own ``init_custom_process_group`` in tests/sync/test_weight_sync.py), and its
 flattened-bucket receive (SGLang's own ``FlattenedTensorBucket`` allocates and
 unpacks what the trainer sends, bitwise); ``sglang-tensor`` payloads (SGLang's
 own ``MultiprocessingSerializer.deserialize`` and ``FlattenedTensorBucket`` open
@@ -114,12 +114,12 @@ infos it builds, its packed producer) ran on CPU tensors to two fake engines who
 bodies went to vLLM's own worker-side ``parse_init_info``/``init_transfer_engine``
 (each engine's rank offset, the wire params) and ``parse_update_info``, and vLLM's
 ``receive_weights`` (packed: ``packed_nccl_broadcast_consumer``) unpacked what the
-trainer broadcast, bitwise (tests/vllm_nccl_trainer.py, engine_side.py); the data
+trainer broadcast, bitwise (tests/support/vllm_nccl_trainer.py, engine_side.py); the data
 plane was a stand-in there: PyNccl (the group join over vLLM's
 ``StatelessProcessGroup``, the broadcast, CUDA streams) has not run, and it logs
 :data:`VLLM_NCCL_UNVERIFIED` at setup. ``vllm-ipc``: vLLM 0.34.0's own
 ``IPCTrainerWeightTransferEngine``, ``IPCWeightTransferUpdateInfo`` parser and
-``unpack_tensor`` ran on CPU tensors (tests/vllm_ipc_trainer.py answers the engine's
+``unpack_tensor`` ran on CPU tensors (tests/support/vllm_ipc_trainer.py answers the engine's
 few device queries), bitwise; CUDA IPC handles and vLLM's sleep mode (checked
 against a fake of its routes) have not run, and it logs :data:`VLLM_IPC_UNVERIFIED`
 at setup.

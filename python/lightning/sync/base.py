@@ -310,7 +310,7 @@ def join_group(
     ``PrefixStore(group_name)`` and hands it to torch's process-group factory, which
     prefixes its keys with ``"{group_name}/"`` again. The store keys of both sides
     must agree to the byte, so the trainer goes through the same three torch steps
-    rather than building a backend by hand (tests/test_weight_sync.py runs SGLang's
+    rather than building a backend by hand (tests/sync/test_weight_sync.py runs SGLang's
     function on the other side). ``group_name`` must be non-empty (SGLang asserts it)
     and unique in this process; :func:`leave_group` frees it.
 

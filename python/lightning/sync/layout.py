@@ -5,7 +5,7 @@ The trainer is rank 0 of one group; every engine is told its first rank
 a rank the *engine* computes. The two engines compute it differently, so the
 group's size and each engine's offset follow the engine's own arithmetic, written
 out here (torch-free: ``lightning.config`` refuses a layout an engine cannot
-serve when the file is loaded), and tests/test_sync_engine_rules.py holds each
+serve when the file is loaded), and tests/sync/test_sync_engine_rules.py holds each
 function to the engine's released code.
 """
 

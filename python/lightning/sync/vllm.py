@@ -240,7 +240,7 @@ class VllmNcclSync(WeightSync):
     in turn, so the sender holds those buffers and the tensor being gathered.
 
     ``device``: where the tensors go before vLLM's engine sees them (the
-    communicator's GPU; tests/vllm_nccl_trainer.py runs the engine on the CPU)."""
+    communicator's GPU; tests/support/vllm_nccl_trainer.py runs the engine on the CPU)."""
 
     streams = True
 
@@ -328,7 +328,7 @@ def vllm_packed_misaligned(metas: Sequence[TensorMeta], buffer_bytes: int) -> Te
     to end into its buffer, starting a new chunk when the next would overflow it
     (:func:`plan_buckets` without alignment), and the worker's ``unpack_tensor``
     views each slice of the uint8 buffer as its dtype, which torch allows only at a
-    byte offset that is a multiple of the item size (tests/test_weight_sync.py runs
+    byte offset that is a multiple of the item size (tests/sync/test_weight_sync.py runs
     vLLM's own unpacker on a misaligned chunk). Bf16-only models always pass; a
     float32 tensor behind an odd number of bf16 elements does not."""
     for bucket in plan_buckets(metas, buffer_bytes, aligned=False):

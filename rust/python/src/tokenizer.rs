@@ -11,7 +11,7 @@ use lightning_core::drift::classify_drift as core_classify;
 use lightning_core::retokenize::{ChatInput, Generation};
 use lightning_core::tokenizer::{Tokenizer as CoreTokenizer, TokenizerConfig};
 use lightning_core::CoreError;
-use numpy::{PyArray1, PyArrayMethods};
+use numpy::PyArray1;
 use pyo3::exceptions::{PyFileNotFoundError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
