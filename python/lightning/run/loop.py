@@ -83,6 +83,11 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+ENGINE_KEY_ENV = (
+    "LIGHTNING_ENGINE_KEY"  # lightning.engine.server.KEY_ENV (that module imports torch)
+)
+
+
 class EmbeddedEngine:
     """`lightning serve` in a child process: its own interpreter, its own threads,
     so generation and training never fight over one GIL."""
@@ -105,6 +110,9 @@ class EmbeddedEngine:
     ) -> None:
         self.host = host
         self.port = port or _free_port(host)
+        # The engine takes only requests with its key (lightning/engine/server.py);
+        # the gateway and the weight sync send it.
+        self.key = os.environ.get(ENGINE_KEY_ENV) or secrets.token_urlsafe(24)
         argv = [
             sys.executable,
             "-m",
@@ -141,7 +149,12 @@ class EmbeddedEngine:
         if prefill_chunk is not None:
             argv += ["--prefill-chunk", str(prefill_chunk)]
         self.log_file = open(log_path, "ab")
-        self.proc = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, ENGINE_KEY_ENV: self.key},
+        )
 
     @property
     def root(self) -> str:
@@ -192,7 +205,9 @@ def _make_launcher(h: HarnessSection) -> Any:
     )
 
 
-def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
+def _make_weight_sync(
+    cfg: RunConfig, upstreams: Sequence[str], engine_key: str | None = None
+) -> WeightSync:
     """The engines' own weight-update API (lightning.sync, docs/design.md#weight-sync)."""
     e = cfg.engine
     return make_weight_sync(
@@ -205,6 +220,7 @@ def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
         pause_mode=e.sync_pause,
         bucket_bytes=e.sync_bucket_mb << 20,
         colocate=e.colocate,
+        engine_key=engine_key,
     )
 
 
@@ -278,7 +294,9 @@ class Run:
             self.eval_tasks = self.eval_tasks[: cfg.tasks.eval_limit]
         start_weights = self._setup_trainer()
         upstreams = self._start_engine(start_weights)
-        self.weight_sync = _make_weight_sync(cfg, upstreams)
+        self.weight_sync = _make_weight_sync(
+            cfg, upstreams, self.engine.key if self.engine is not None else None
+        )
         self._stack.callback(self.weight_sync.close)
         self.weight_sync.setup()
         # The dtype streamed weights leave in: the engines' own unless configured.
@@ -387,6 +405,8 @@ class Run:
             upstreams=[UpstreamConfig(url=u, weight_version=version) for u in upstreams],
             algorithm=cfg.algorithm,
         )
+        if self.engine is not None and gw_config.upstream_api_key is None:
+            gw_config = gw_config.model_copy(update={"upstream_api_key": self.engine.key})
         self.gateway = Gateway(gw_config).start()
         self._stack.callback(self.gateway.stop)
         # The store is on this machine: a step's batch is one Rust read of it.
