@@ -462,6 +462,7 @@ def test_a_redacted_session_shows_no_ids_or_decoded_text_unless_with_ids(
 ) -> None:
     """As `lightning online export`: a redacting key's ids decode to the removed text."""
     import openai
+
     from online_gateway import Gw, new_key
 
     engine = FakeEngine("R", unique_ids=True)
