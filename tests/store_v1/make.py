@@ -23,10 +23,9 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import lightning  # noqa: E402
 from fake_vllm import FakeEngine  # noqa: E402
 from gateways import start_gateway  # noqa: E402
-
-import lightning  # noqa: E402
 from lightning import Store  # noqa: E402
 
 
@@ -61,7 +60,9 @@ def completions(r: lightning.Rollout) -> None:
 def responses(r: lightning.Rollout) -> None:
     history: list[Any] = [{"role": "user", "content": "Plan it [[len:5]]"}]
     for t in range(3):
-        a = post(r.base_url + "/responses", r.token, {"model": "m", "input": history, "store": False})
+        a = post(
+            r.base_url + "/responses", r.token, {"model": "m", "input": history, "store": False}
+        )
         history.extend(a["output"])
         history.append({"role": "user", "content": f"go on {t} [[len:3]]"})
 
@@ -98,7 +99,8 @@ def reads(db: Path) -> dict[str, Any]:
                     for c in store.trace(rid)
                 ],
                 "samples": [
-                    [s.tokens.tolist(), s.weights.tolist(), s.logprobs.tolist()] for s in step.samples
+                    [s.tokens.tolist(), s.weights.tolist(), s.logprobs.tolist()]
+                    for s in step.samples
                 ],
             }
     with sqlite3.connect(db) as c:
@@ -129,7 +131,9 @@ def main() -> None:
         expected = reads(db)
         shutil.copy(db, HERE / "store.db")
         (HERE / "expected.json").write_text(json.dumps(expected, sort_keys=True) + "\n")
-        print(f"wrote {HERE / 'store.db'} ({(HERE / 'store.db').stat().st_size} bytes), {len(expected)} rollouts")
+        print(
+            f"wrote {HERE / 'store.db'} ({(HERE / 'store.db').stat().st_size} bytes), {len(expected)} rollouts"
+        )
     finally:
         engine.stop()
         shutil.rmtree(tmp, ignore_errors=True)
