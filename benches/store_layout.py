@@ -26,13 +26,18 @@ import json
 import os
 import platform
 import re
+import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,7 @@ from lightning.model_cache import smollm2_dir
 ROOT = Path(__file__).resolve().parent.parent
 TURNS = int(os.environ.get("STORE_BENCH_TURNS", "100"))
 MARKS = [t for t in (10, 40, 100) if t <= TURNS]
+ADMIN = "bench-admin-key"
 ANSWER = "I ran the command; two tests fail in test_parser.py, fixing the tokenizer edge case next."
 
 
@@ -122,19 +128,66 @@ def stored_bytes(db: Path) -> tuple[int, int]:
     return int(calls), int(pages) * int(size)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def gateway(db: Path, engine_url: str, layout: str) -> Iterator[str]:
+    """The gateway in its own process: this process opens the file with
+    Python's sqlite3, and two SQLite copies in one process break each other's
+    POSIX locks (closing one's file drops the other's, and the WAL goes)."""
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; from lightning.gateway.server import main; sys.exit(main())",
+           "--listen", f"127.0.0.1:{port}", "--upstream", engine_url, "--db", str(db),
+           "--admin-key", ADMIN, "--threads", "1", "--store-layout", layout]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                httpx.get(url + "/healthz", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def compressibility(db: Path) -> tuple[int, int, float]:
+    """What compressing each stored value on its own would save (zlib level 1,
+    a stand-in for zstd, which this environment lacks): (raw bytes, compressed
+    bytes, microseconds of compression per call)."""
+    raw = packed = 0
+    t0 = time.perf_counter()
+    with sqlite3.connect(db) as c:
+        rows = c.execute(
+            "SELECT prompt_ids, completion_ids, logprobs, request, harness_request, text FROM calls"
+        ).fetchall()
+    for row in rows:
+        for v in row:
+            if v is None:
+                continue
+            b = v.encode() if isinstance(v, str) else bytes(v)
+            raw += len(b)
+            packed += min(len(b), len(zlib.compress(b, 1)))
+    return raw, packed, (time.perf_counter() - t0) / max(len(rows), 1) * 1e6
+
+
 def run(layout: str, engine_url: str, tok: lightning.Tokenizer, tmp: Path) -> list[dict[str, Any]]:
     db = tmp / f"{layout}.db"
-    cfg = lightning.GatewayConfig(
-        listen="127.0.0.1:0", upstreams=[{"url": engine_url}], db=str(db), store_layout=layout
-    )
     rows = []
-    with lightning.Gateway(cfg).start() as gw, gw.client() as client:
+    with gateway(db, engine_url, layout) as url, lightning.GatewayClient(url, ADMIN) as client:
         _, base_pages = stored_bytes(db)
         r = client.create_rollout({"task": "bench"})
         messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt()}]
         messages.append({"role": "user", "content": "Fix the failing parser tests."})
         with httpx.Client(timeout=60) as http:
-            s0, n0 = commit_seconds(gw.url)
+            s0, n0 = commit_seconds(url)
             for turn in range(1, TURNS + 1):
                 a = http.post(
                     r.base_url + "/chat/completions",
@@ -146,14 +199,18 @@ def run(layout: str, engine_url: str, tok: lightning.Tokenizer, tmp: Path) -> li
                 messages.append({"role": "user", "content": tool_output(turn)})
                 if turn in MARKS or turn % 10 == 0:
                     # Mean commit over the calls since the last mark.
-                    s1, n1 = commit_seconds(gw.url)
+                    s1, n1 = commit_seconds(url)
                     commit_ms = (s1 - s0) / max(n1 - n0, 1) * 1000
                     calls, file_bytes = stored_bytes(db)
-                    s0, n0 = commit_seconds(gw.url)
+                    s0, n0 = commit_seconds(url)
                     text = sum(len(m["content"].encode()) for m in messages[:-1])
                     ids = len(tok.encode_chat(messages[:-1])) * 4
+                    raw, packed, us = compressibility(db) if turn == TURNS else (0, 0, 0.0)
                     rows.append(
                         {
+                            "raw": raw,
+                            "packed": packed,
+                            "us": us,
                             "turn": turn,
                             "calls_bytes": calls,
                             "file_bytes": file_bytes - base_pages,
@@ -189,6 +246,12 @@ def main() -> int:
             f"{turn:>5} | {f['unique'] / 1e6:>9.3f} | {f['calls_bytes'] / 1e6:>8.2f} {f['calls_bytes'] / f['unique']:>8.2f} | "
             f"{s['calls_bytes'] / 1e6:>9.3f} {s['calls_bytes'] / s['unique']:>8.2f} | "
             f"{f['file_bytes'] / 1e6:>9.2f} {s['file_bytes'] / 1e6:>11.3f} | {f['commit_ms']:>14.3f} {s['commit_ms']:>7.3f}"
+        )
+    for layout in ("full", "shared"):
+        last = results[layout][max(results[layout])]
+        print(
+            f"compression per value, {layout} at {TURNS} turns (zlib level 1): {last['raw'] / 1e6:.3f} MB -> "
+            f"{last['packed'] / 1e6:.3f} MB ({last['packed'] / max(last['raw'], 1):.2f}), {last['us']:.0f} us per call incl. reading"
         )
     print(f"load after: {os.getloadavg()}")
     return 0

@@ -123,8 +123,38 @@ impl std::fmt::Debug for Recent {
     }
 }
 
+/// Leading elements `a` and `b` share. Compared a block at a time (slice
+/// equality is a memcmp), then element by element inside the first block
+/// that differs: the writer runs this over whole conversations per call.
 fn common_prefix<T: PartialEq>(a: &[T], b: &[T]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+    const BLOCK: usize = 256;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
+        i += BLOCK;
+    }
+    i + a[i..n]
+        .iter()
+        .zip(&b[i..n])
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
+/// Trailing bytes `a` and `b` share, at most `room`.
+fn common_suffix(a: &[u8], b: &[u8], room: usize) -> usize {
+    const BLOCK: usize = 256;
+    let (la, lb) = (a.len(), b.len());
+    let mut i = 0;
+    while i + BLOCK <= room && a[la - i - BLOCK..la - i] == b[lb - i - BLOCK..lb - i] {
+        i += BLOCK;
+    }
+    i + a[..la - i]
+        .iter()
+        .rev()
+        .zip(b[..lb - i].iter().rev())
+        .take(room - i)
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 /// The cut of `text` against `base`: common head and tail bytes, on char
@@ -136,13 +166,7 @@ pub fn cut(text: &str, base: &str) -> Cut {
         head -= 1;
     }
     let room = t.len().min(b.len()) - head;
-    let mut tail = t
-        .iter()
-        .rev()
-        .zip(b.iter().rev())
-        .take(room)
-        .take_while(|(x, y)| x == y)
-        .count();
+    let mut tail = common_suffix(t, b, room);
     while !text.is_char_boundary(t.len() - tail) {
         tail -= 1;
     }
@@ -170,6 +194,13 @@ impl Recent {
                     base: e.seq,
                     shared,
                 });
+            }
+            // Stop at the newest call this prompt wholly continues (the usual
+            // next turn). An older, longer call shares more only when the
+            // conversation went back to it; a few more stored tokens then,
+            // and the writer compares one conversation per call, not four.
+            if shared == e.full.len() && shared >= MIN_SHARED_IDS {
+                break;
             }
         }
         best
@@ -399,8 +430,13 @@ mod tests {
 
     proptest! {
         #[test]
-        fn cut_and_join_round_trip(text in "[a-cé€]{0,40}", base in "[a-cé€]{0,40}") {
+        fn cut_and_join_round_trip(
+            head in "[a-cé€]{0,700}", x in "[a-cé€]{0,40}", y in "[a-cé€]{0,40}", tail in "[a-cé€]{0,700}",
+        ) {
+            // Long shared heads and tails, so the block compare runs too.
+            let (text, base) = (format!("{head}{x}{tail}"), format!("{head}{y}{tail}"));
             let c = cut(&text, &base);
+            prop_assert!(c.head >= head.len());
             prop_assert!(c.head + c.tail <= text.len().min(base.len()));
             let middle = &text[c.head..text.len() - c.tail];
             prop_assert_eq!(join_text(&base, c, middle).unwrap(), text);
