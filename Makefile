@@ -71,7 +71,7 @@ recipe-bfcl: build
 	$(PY) -m lightning.apps.bfcl recipe --seed $(or $(SEED),0)
 
 # gpu_check.py is a check for one GPU, not a CPU bench: it runs here only where
-# a CUDA device is (its CPU path is tested by tests/test_gpu_check.py).
+# a CUDA device is (its CPU path is tested by tests/sync/test_gpu_check.py).
 bench: build
 	for b in benches/*.py; do \
 	  if [ $$b = benches/gpu_check.py ] && ! $(PY) -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then \

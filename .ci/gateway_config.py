@@ -4,7 +4,7 @@ The Rust ``config!`` table (rust/gateway/src/config.rs) is the one definition of
 the gateway's settings; ``lightning._core.gateway_config_schema()`` describes
 each field (name, Python type, default, doc, bound). This script rewrites the
 block between the markers in the file that defines ``GatewayConfig``;
-tests/test_gateway_config.py fails when that block differs from what it would
+tests/gateway/test_gateway_config.py fails when that block differs from what it would
 write. Run after changing the Rust config (and rebuilding the extension):
 
     python .ci/gateway_config.py

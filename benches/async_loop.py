@@ -20,7 +20,6 @@ push); one-step-off pipelining costs max(G, T) once the pipeline is full.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import statistics
@@ -51,7 +50,6 @@ def run_mode(
 ) -> dict[str, Any]:
     from lightning.config import RunConfig
     from lightning.run.loop import Run
-    from lightning.run.staleness import RolloutPipeline
 
     overrides: dict[str, Any] = {
         "model.builtin": args.model,
@@ -72,12 +70,12 @@ def run_mode(
     steps: list[dict[str, Any]] = []
     with Run(config, quiet=True) as run:
         t0 = time.monotonic()
-        pipeline = RolloutPipeline.for_run(run, 0)
         run.phases.mark()
-        with pipeline or contextlib.nullcontext():
-            while time.monotonic() - t0 < args.budget_s:
-                step = len(steps)
-                m = run.step(step) if pipeline is None else pipeline.step(step)
+        with run.schedule(0) as batches:
+            for batch in batches.batches():
+                step = batch.step
+                m = run.train_on(step, batch.results, t0=batch.t0)
+                batches.published(step + 1)
                 steps.append(m)
                 print(
                     f"  k={k} step {step}: {m['step_time_s']:.1f}s engine idle "
@@ -85,6 +83,8 @@ def run_mode(
                     f"staleness {m['staleness_tokens']}",
                     flush=True,
                 )
+                if time.monotonic() - t0 >= args.budget_s:
+                    break
             elapsed = time.monotonic() - t0
         interval = run.evaluate("after the budget")
     # The report is JSON: the eval's mean and its 95% interval as plain numbers.

@@ -17,7 +17,20 @@ the compute roofline reached (model FLOPs per token x tokens/s / matmul FLOP/s)
 and, for B = 1, the fraction of the memory bound (weight bytes read per token x
 tokens/s / bandwidth): at batch 1 every weight is read once per token.
 
-Run: ``python benches/engine.py [--batch 1 8 32] [--tokens 64]``.
+Prefix cache (``--only group turns``), the engine with its prefix cache on vs
+off (``kv_cache_bytes=0``), in the same run, in-process (no HTTP):
+
+- ``group``: 8 samples of one fresh ~600-token chat prompt submitted together,
+  against one sample of another fresh prompt of the same length: time until
+  every sample has its first token (the group's prefill) and until all finish.
+- ``turns``: a conversation of ``--turns`` turns, each adding ``--turn-tokens``
+  new prompt tokens after the previous turn's completion; the time to first
+  token of each turn (its prefill) against the turn number. The cache-off
+  engine runs only the turns in ``--off-turns`` (each of its turns recomputes
+  the whole context, so all 20 would take many minutes on a small CPU); it gets
+  the same prompt ids the cache-on engine saw.
+
+Run: ``python benches/engine.py [--only decode group turns] [--batch 1 8 32] [--tokens 64]``.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import asyncio
 import os
 import platform
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +48,7 @@ from typing import Any
 import openai
 import torch
 
-from lightning.engine import Engine, SamplingParams
+from lightning.engine import Engine, Event, SamplingParams
 from lightning.engine.server import RunningServer
 from lightning.model_cache import smollm2_dir
 
@@ -170,18 +184,189 @@ def run_variant(
     return rates
 
 
+def timed(engine: Engine, items: list[tuple[list[int], SamplingParams]]) -> tuple[float, float]:
+    """Submit every item at once; (seconds until each has its first token, until all finish)."""
+    lock = threading.Lock()
+    done = threading.Event()
+    first: dict[int, float] = {}
+    finished: dict[int, float] = {}
+    errors: list[str] = []
+
+    def sink_for(i: int) -> Callable[[Event], None]:
+        def sink(ev: Event) -> None:
+            now = time.perf_counter()
+            with lock:
+                if ev.token is not None:
+                    first.setdefault(i, now)
+                if ev.error is not None:
+                    errors.append(ev.error)
+                if ev.finish_reason is not None or ev.error is not None:
+                    finished[i] = now
+                    if len(finished) == len(items):
+                        done.set()
+
+        return sink
+
+    start = time.perf_counter()
+    engine.submit_many([(p, params, sink_for(i)) for i, (p, params) in enumerate(items)])
+    done.wait()
+    if errors:
+        raise RuntimeError(errors[0])
+    return max(first.values()) - start, max(finished.values()) - start
+
+
+def fresh_prompt(engine: Engine, tag: str, words: int) -> list[int]:
+    """A chat prompt whose first tokens differ per ``tag`` (so nothing is cached)."""
+    body = " ".join(f"item {i}: call lookup(id={i}) returns a record." for i in range(words // 8))
+    content = f"Run {tag}. Read these tool docs, then answer.\n{body}"
+    return engine.chat_prompt_ids([{"role": "user", "content": content}])
+
+
+async def http_group(url: str, prompt: list[int], n: int, tokens: int) -> tuple[float, float]:
+    """n concurrent streaming completions of one prompt (own seeds), as a GRPO group
+    sends them; (seconds until every one has its first token, until all finish)."""
+    client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
+    start = time.perf_counter()
+
+    async def one(i: int) -> tuple[float, float]:
+        stream = await client.completions.create(
+            model="",
+            prompt=prompt,
+            max_tokens=tokens,
+            seed=i,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        first = float("nan")
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].model_extra.get("token_ids") and first != first:
+                first = time.perf_counter() - start
+        return first, time.perf_counter() - start
+
+    times = await asyncio.gather(*(one(i) for i in range(n)))
+    await client.close()
+    return max(t for t, _ in times), max(t for _, t in times)
+
+
+def bench_group(engines: dict[str, Engine], args: argparse.Namespace) -> None:
+    print(
+        f"\n# group over HTTP: {args.group} concurrent streaming requests of one fresh prompt vs "
+        f"one request of another; {args.group_tokens} new tokens each; best of {args.repeats}"
+    )
+    print(
+        f"{'cache':>6} {'prompt':>7} {'one TTFT':>9} {'group TTFT':>11} {'ratio':>6}"
+        f" {'one total':>10} {'group total':>12} {'ratio':>6}"
+    )
+    for name, engine in engines.items():
+        best: dict[str, float] = {}
+        with RunningServer(engine) as server:
+            url = server.url + "/v1"
+            asyncio.run(http_group(url, [1, 2, 3], 2, 2))  # warm up
+            for rep in range(args.repeats):
+                one = fresh_prompt(engine, f"{name}-one-{rep}", args.group_words)
+                many = fresh_prompt(engine, f"{name}-many-{rep}", args.group_words)
+                t1, total1 = asyncio.run(http_group(url, one, 1, args.group_tokens))
+                tg, totalg = asyncio.run(http_group(url, many, args.group, args.group_tokens))
+                for key, value in (("t1", t1), ("total1", total1), ("tg", tg), ("totalg", totalg)):
+                    best[key] = min(best.get(key, float("inf")), value)
+        print(
+            f"{name:>6} {len(one):>7} {best['t1']:>8.2f}s {best['tg']:>10.2f}s"
+            f" {best['tg'] / best['t1']:>5.2f}x {best['total1']:>9.2f}s {best['totalg']:>11.2f}s"
+            f" {best['totalg'] / best['total1']:>5.2f}x",
+            flush=True,
+        )
+
+
+def bench_turns(engines: dict[str, Engine], args: argparse.Namespace) -> None:
+    on, off = engines["on"], engines["off"]
+    words = on.tokenizer(
+        " ".join(
+            f"observation {i}: the file src/mod_{i}.py has {i * 7} lines." for i in range(4000)
+        ),
+        add_special_tokens=False,
+    )["input_ids"]
+    params = SamplingParams(max_tokens=args.turn_completion, ignore_eos=True, seed=0)
+    print(
+        f"\n# turns: {args.turns} turns, {args.turn_tokens} new prompt tokens + "
+        f"{args.turn_completion} generated per turn; time to first token = the turn's prefill"
+    )
+    print(
+        f"{'turn':>4} {'context':>8} {'cache on':>9} {'cpu-s':>6} {'computed':>9}"
+        f" {'cache off':>10} {'cpu-s':>6} {'off/on':>7}"
+    )
+    prompt: list[int] = []
+    firsts: dict[int, float] = {}
+    for turn in range(1, args.turns + 1):
+        new = words[(turn - 1) * args.turn_tokens : turn * args.turn_tokens]
+        prompt = prompt + new
+        before = on.stats["prefill_tokens"]
+        cpu = time.process_time()
+        ttft, _ = timed(on, [(prompt, params)])
+        cpu = time.process_time() - cpu  # the whole request: prefill + 8 decode steps
+        computed = on.stats["prefill_tokens"] - before
+        firsts[turn] = ttft
+        off_col = ""
+        if turn in args.off_turns:
+            cpu_off = time.process_time()
+            ttft_off, _ = timed(off, [(prompt, params)])
+            cpu_off = time.process_time() - cpu_off
+            off_col = f" {ttft_off:>9.2f}s {cpu_off:>6.1f} {ttft_off / ttft:>6.1f}x"
+        print(
+            f"{turn:>4} {len(prompt):>8} {ttft:>8.2f}s {cpu:>6.1f} {computed:>9}{off_col}",
+            flush=True,
+        )
+        result = on.generate(prompt, params)  # the same seed: the same completion
+        prompt = prompt + result.token_ids
+    later = [firsts[t] for t in firsts if t >= 2]
+    if later:
+        print(
+            f"cache on: turn {args.turns} prefill / turn 2 = {firsts[args.turns] / firsts[2]:.2f}x "
+            f"(flat = 1.0); {on.status()['kv_cache_bytes'] / 2**20:.0f} MiB cached"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", default=["decode", "group", "turns"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="default: cores")
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--group-words", type=int, default=320, help="~600 prompt tokens")
+    parser.add_argument("--group-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    # SmolLM2 has 8,192 positions: 20 turns of 500 new tokens would not fit.
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--turn-tokens", type=int, default=380)
+    parser.add_argument("--turn-completion", type=int, default=8)
+    parser.add_argument("--off-turns", type=int, nargs="*", default=[1, 2, 10, 20])
     args = parser.parse_args()
     model = smollm2_dir()
+    print(machine())
+    if "group" in args.only or "turns" in args.only:
+        cached = {
+            "on": Engine(model, max_batch=max(args.group, 8), num_threads=args.threads),
+            "off": Engine(
+                model, max_batch=max(args.group, 8), num_threads=args.threads, kv_cache_bytes=0
+            ),
+        }
+        for engine in cached.values():
+            engine.start()
+        try:
+            if "group" in args.only:
+                bench_group(cached, args)
+            if "turns" in args.only:
+                bench_turns(cached, args)
+        finally:
+            for engine in cached.values():
+                engine.close()
+        print(f"after: {machine()}")
+    if "decode" not in args.only:
+        return 0
     engines = {
         "prepacked": Engine(model, max_batch=max(args.batch), num_threads=args.threads),
         "plain": Engine(model, max_batch=max(args.batch), num_threads=args.threads, prepack=False),
     }
-    print(machine())
     lim = limits()
     flops, nbytes = model_cost(engines["plain"], context=30 + args.tokens // 2)
     print(

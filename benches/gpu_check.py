@@ -4,7 +4,7 @@ command that fails loudly (exit 1, a ``FAIL`` line per wrong number).
 
     python benches/gpu_check.py                        # one GPU, SmolLM2-135M (sized for < 10 min; not yet run)
     python benches/gpu_check.py --device cpu --quick   # the same code on a CPU, tiny model
-                                                       # (tests/test_gpu_check.py runs this)
+                                                       # (tests/sync/test_gpu_check.py runs this)
 
 1. **Gradients, exact layouts.** A GRPO-shaped batch (groups sharing a
    prompt) through the fused head with tree batching, float32, against the
@@ -31,6 +31,25 @@ command that fails loudly (exit 1, a ``FAIL`` line per wrong number).
 5. **A short ``lightning train`` on the demo config** (``examples/demo.toml``:
    its tasks, harness and reward; ``compute_dtype = "bfloat16"`` on CUDA): every
    step logged, with finite loss and gradient norm.
+
+6. **Weight sync** (``--only sync``). (a) *A CUDA IPC push opened by SGLang's
+   own code*: the model's weights, cast to bf16 (the engine's dtype) and laid out
+   in flattened buckets on the device, serialized as ``sglang-tensor`` sends them
+   (``lightning.sync.multiprocessing_serializer``: IPC handles keyed by GPU UUID)
+   and opened in another process by SGLang 0.5.23's own
+   ``monkey_patch_torch_reductions``, ``MultiprocessingSerializer.deserialize``
+   and ``FlattenedTensorBucket`` (``--sglang-python``: an interpreter where the
+   pinned ``sglang`` imports; default: the tests' cached environment), every
+   tensor compared bitwise (SHA-256 of its bytes on each side); the receiver's
+   open-and-copy time against the floor of the bytes at this device's own copy
+   bandwidth (measured here). (b) *The embedded engine receives a push and
+   decodes with it*: new weights (the model's, each tensor moved by 10% of its
+   std, seeded) exported as ``EmbeddedSync`` hands them over and loaded by
+   ``Engine.load_weights`` on the device, timed against the floor of the bytes at
+   the measured host-to-device bandwidth; its greedy log-probs then match the new
+   float32 model's (``mean |Δ| <= 0.05`` bf16, ``<= 1e-3`` float32) and not the
+   old one's (``mean |Δ| >= 5x`` that; SmolLM2 with a bf16 engine on a CPU: 0.024 and 0.56). On ``--device cpu`` the same code moves
+   CPU tensors (shared-memory handles, not CUDA IPC).
 
 ``--quick`` shrinks everything (the tiny model, a small batch, one demo step
 with small groups); it is for proving the script runs, not the numbers.
@@ -270,6 +289,203 @@ def demo_train(device: torch.device, quick: bool) -> None:
         )
 
 
+def _sha(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(
+        t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    ).hexdigest()
+
+
+def _copy_bandwidth(src: str, dst: str, nbytes: int = 256 << 20) -> float:
+    """Bytes per second of one large copy from ``src`` to ``dst`` (best of 3)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    if src == "cpu" and dst != "cpu":
+        a = a.pin_memory()
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    best = math.inf
+    for _ in range(3):
+        if dst != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if dst != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def receive_main() -> int:
+    """The engine side of the CUDA IPC check, run under SGLang's interpreter: one
+    JSON line per bucket in (``payload``, ``rank``, ``authkey``), one out (each
+    tensor's name and SHA-256, the seconds to open and copy the bucket). What an
+    SGLang 0.5.23 TP worker runs (``TpModelWorker``: the reductions patch, then
+    ``MultiprocessingSerializer.deserialize``; ``WeightUpdater.
+    _update_weights_from_flattened_bucket``: ``FlattenedTensorBucket``), the copy
+    standing in for the model's ``load_weights``."""
+    import base64
+    import hashlib
+    import multiprocessing
+
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    monkey_patch_torch_reductions()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        multiprocessing.current_process().authkey = bytes.fromhex(cmd["authkey"])
+        t0 = time.perf_counter()
+        obj = MultiprocessingSerializer.deserialize(base64.b64decode(cmd["payload"]))
+        metadata = [
+            FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype,
+                                    start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel)
+            for m in obj["metadata"]
+        ]  # fmt: skip
+        bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=metadata)
+        got = [(n, t.clone()) for n, t in bucket.reconstruct_tensors()]
+        if got and got[0][1].is_cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        device = str(got[0][1].device) if got else "?"
+        shas = {
+            n: hashlib.sha256(
+                t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            ).hexdigest()
+            for n, t in got
+        }
+        del obj, bucket, got
+        print(json.dumps({"sha": shas, "s": wall, "device": device}), flush=True)
+    return 0
+
+
+def _sglang_python(given: str | None) -> str:
+    if given:
+        return given
+    sys.path.insert(0, str(HERE.parent / "tests" / "support"))
+    from engine_envs import engines_python
+
+    return str(engines_python("sglang"))
+
+
+def sync_ipc(model_dir: Path, device: torch.device, quick: bool, sglang_python: str | None) -> None:
+    """6a: a CUDA IPC push opened by SGLang's own deserializer and bucket."""
+    import base64
+    import multiprocessing
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from lightning.sync import (
+        LiveWeights,
+        flatten_bucket,
+        flattened_bucket_payload,
+        multiprocessing_serializer,
+        plan_buckets,
+    )
+
+    try:
+        python = _sglang_python(sglang_python)
+    except Exception as e:
+        check("sync: CUDA IPC push opened by SGLang", False, f"no SGLang interpreter: {e}")
+        return
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    source = LiveWeights.of_module(model, dtype="bfloat16")
+    metas = source.metas()
+    plan = plan_buckets(metas, (4 << 20) if quick else (64 << 20))
+    tensors = source.tensors()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    receiver = subprocess.Popen(
+        [python, str(Path(__file__).resolve()), "--receive"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert receiver.stdin is not None and receiver.stdout is not None
+    wrong: list[str] = []
+    total, opened_s, devices = 0, 0.0, set()
+    try:
+        for bucket in plan:
+            pairs = [next(tensors) for _ in bucket]
+            want = {n: _sha(t) for n, t in pairs}
+            flat = flatten_bucket(bucket, iter(pairs), device.type)
+            payload = multiprocessing_serializer(flattened_bucket_payload(bucket, flat))
+            cmd = {"payload": base64.b64encode(payload).decode(),
+                   "authkey": bytes(multiprocessing.current_process().authkey).hex()}  # fmt: skip
+            receiver.stdin.write(json.dumps(cmd) + "\n")
+            receiver.stdin.flush()
+            line = receiver.stdout.readline()
+            if not line:
+                check("sync: CUDA IPC push opened by SGLang", False, "the receiver exited")
+                return
+            got = json.loads(line)
+            wrong += [n for n in want if got["sha"].get(n) != want[n]]
+            total += flat.numel()
+            opened_s += got["s"]
+            devices.add(got["device"])
+            del flat, pairs  # the receiver has copied it: the handle may die
+    finally:
+        receiver.stdin.close()
+        receiver.wait(60)
+        receiver.stdout.close()
+    bw = _copy_bandwidth(device.type, device.type)
+    floor = total / bw
+    check(
+        "sync: CUDA IPC push opened by SGLang" if device.type == "cuda" else
+        "sync: IPC push opened by SGLang (CPU shared memory)",
+        not wrong and total == sum(m.nbytes for m in metas) and devices == {str(device) if device.type == "cpu" else "cuda:0"},
+        f"{len(metas)} tensors in {len(plan)} buckets, {total / 2**20:.1f} MiB bf16, "
+        f"bitwise: {not wrong} {wrong[:3]}; receiver on {sorted(devices)}; open+copy "
+        f"{opened_s * 1e3:.1f} ms vs floor {floor * 1e3:.1f} ms at {bw / 1e9:.1f} GB/s "
+        f"({opened_s / floor:.1f}x)",
+    )  # fmt: skip
+
+
+def sync_embedded(model_dir: Path, device: torch.device, quick: bool) -> None:
+    """6b: the embedded engine receives a push and decodes with the new weights."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning.engine import Engine, SamplingParams
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    tokens = 16 if quick else 64
+    old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1 * p.float().std().clamp_min(1e-3))
+    eng = Engine(model_dir, device=device.type, dtype=dtype, max_batch=8)
+    prompt = eng.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-push-") as tmp, eng:
+        new.save_pretrained(tmp, safe_serialization=True)
+        nbytes = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
+        t0 = time.perf_counter()
+        version = eng.load_weights(tmp, version=7)
+        load_s = time.perf_counter() - t0
+        greedy = eng.generate(
+            prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+        )
+    ids = torch.tensor([prompt + greedy.token_ids])
+
+    def logprobs(model: Any) -> torch.Tensor:
+        with torch.no_grad():
+            lp = torch.log_softmax(model.to(device)(ids.to(device)).logits[0].float(), -1).cpu()
+        return lp[len(prompt) - 1 : -1].gather(1, ids[0, len(prompt) :, None])[:, 0]
+
+    served = torch.tensor(greedy.logprobs)
+    d_new = float((logprobs(new) - served).abs().mean())
+    d_old = float((logprobs(old) - served).abs().mean())
+    tol = 0.05 if dtype == "bfloat16" else 1e-3
+    bw = _copy_bandwidth("cpu", device.type)
+    floor = nbytes / bw
+    check(
+        "sync: embedded engine decodes with the pushed weights",
+        version == 7 and d_new <= tol and d_old >= 5 * tol,
+        f"version {version}; mean |dlogp| vs new weights {d_new:.2e} (<= {tol}), vs old "
+        f"{d_old:.2e} (>= {5 * tol}); load {load_s * 1e3:.0f} ms for {nbytes / 2**20:.1f} MiB "
+        f"vs floor {floor * 1e3:.1f} ms at {bw / 1e9:.1f} GB/s ({load_s / floor:.1f}x)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -280,10 +496,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         nargs="+",
-        choices=["gradients", "trainer", "engine", "train"],
-        default=["gradients", "trainer", "engine", "train"],
+        choices=["gradients", "trainer", "engine", "train", "sync"],
+        default=["gradients", "trainer", "engine", "train", "sync"],
     )
+    ap.add_argument("--sglang-python", help="an interpreter where sglang==0.5.23 imports")
+    ap.add_argument("--receive", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.receive:
+        return receive_main()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("FAIL no CUDA device (use --device cpu --quick for the CPU path)")
         return 1
@@ -304,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
         "trainer": lambda: trainer_step(model_dir, device, args.quick),
         "engine": lambda: engine(model_dir, device, args.quick),
         "train": lambda: demo_train(device, args.quick),
+        "sync": lambda: (
+            sync_ipc(model_dir, device, args.quick, args.sglang_python),
+            sync_embedded(model_dir, device, args.quick),
+        ),
     }
     for what in args.only:
         steps[what]()

@@ -6,7 +6,7 @@ live sharded model (no disk): time per push, the sender's peak host memory, byte
 For each model the script runs itself under ``torchrun --nproc-per-node 2`` (gloo,
 CPU): every rank holds an FSDP2 shard of a real ``Trainer``; rank 0 drives
 ``SglangDistributedSync`` against the fake SGLang engine of the tests
-(``tests/fake_rl_engines.py``: real HTTP, and an engine process of its own that
+(``tests/support/fake_rl_engines.py``: real HTTP, and an engine process of its own that
 joins the transfer group and receives every byte, then drops it), and rank 1
 follows as under ``lightning train`` (``LeaderTrainer`` / ``follow``). Per step,
 in the same processes, alternating:
@@ -16,7 +16,12 @@ in the same processes, alternating:
   broadcasts one tensor at a time in one call;
 - ``stream``: ``Trainer.live_weights()``, gathered one parameter at a time into
   flattened buckets of ``--bucket-mb``, one ``update_weights_from_distributed``
-  call per bucket, nothing written.
+  call per bucket, nothing written; the float32 masters as they are (what every
+  stream sent before the engine's dtype was read);
+- ``stream-bf16``: the same to an engine that reports ``--dtype bfloat16`` on
+  ``/server_info``: the dtype is read from it (``WeightSync.send_dtype``, as the
+  loop does at setup) and the shards are cast before they are gathered, so the
+  bytes sent must halve (the script exits 1 if they do not).
 
 Peak host memory is rank 0's ``VmHWM`` over the push, reset just before it
 (``/proc/self/clear_refs`` = 5), minus its ``VmRSS`` at the reset: what the push
@@ -46,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent / "tests"
+TESTS = HERE.parent / "tests" / "support"
 
 
 def _status(key: str) -> int:
@@ -89,7 +94,7 @@ def worker(model: str, steps: int, bucket_mb: int, scratch: Path) -> None:
 
     sys.path.insert(0, str(TESTS))
     from fake_rl_engines import FakeSglang
-    from lightning.run.weight_sync import (
+    from lightning.sync import (
         LiveWeights,
         SglangDistributedSync,
         TorchDistTransport,
@@ -103,7 +108,11 @@ def worker(model: str, steps: int, bucket_mb: int, scratch: Path) -> None:
     sync = SglangDistributedSync([engine.root], transport)
     # Global shapes, tied weights once: what either path sends.
     model_bytes = sum(m.nbytes for m in LiveWeights.of_module(trainer.model).metas())
-    rows: dict[str, list[dict[str, float]]] = {"disk": [], "stream": []}
+    rows: dict[str, list[dict[str, float]]] = {"disk": [], "stream": [], "stream-bf16": []}
+    engine.dtype = "bfloat16"  # what the engine's GET /server_info reports
+    config_json = json.loads((_model_dir(model) / "config.json").read_text())
+    bf16 = sync.send_dtype("auto", config_json)
+    assert bf16 == "bfloat16", bf16
 
     def disk(version: int) -> dict[str, float]:
         sync.flatten, sync.bucket_bytes = False, 1 << 62  # one call, tensor by tensor
@@ -121,9 +130,9 @@ def worker(model: str, steps: int, bucket_mb: int, scratch: Path) -> None:
         # metas() and tensors() each read every tensor back
         return {"sent": sent, "written": written, "read": 2 * written, "held": 0}
 
-    def stream(version: int) -> dict[str, float]:
+    def stream(version: int, dtype: str | None = None) -> dict[str, float]:
         sync.flatten, sync.bucket_bytes = True, bucket_mb << 20
-        with leader.live_weights() as source:
+        with leader.live_weights(dtype) as source:
             sync.push(WeightUpdate(version=version, source=source))
         s = source.stats
         return {"sent": s.sent_bytes, "written": 0, "read": 0, "held": s.peak_bytes}
@@ -132,7 +141,12 @@ def worker(model: str, steps: int, bucket_mb: int, scratch: Path) -> None:
         sync.setup()
         version = 0
         for step in range(steps + 1):  # step 0 warms both paths up, unrecorded
-            for mode, push in (("disk", disk), ("stream", stream)):
+            modes = (
+                ("disk", disk),
+                ("stream", stream),
+                ("stream-bf16", lambda v: stream(v, bf16)),
+            )
+            for mode, push in modes:
                 version += 1
                 before = _reset_peak()
                 t0 = time.perf_counter()
@@ -175,22 +189,23 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
-def report(r: dict[str, Any]) -> None:
+def report(r: dict[str, Any]) -> float:
+    """Prints the table; returns bytes sent to the bf16 engine / float32 stream."""
     print(
         f"\n{r['model']}: {_mb(r['model_bytes'])} MiB of weights, 2 FSDP2 ranks, "
         f"bucket {r['bucket_mb']} MiB, {len(r['rows']['disk'])} pushes per mode"
     )
     print(
-        f"  {'mode':<7} {'s/push':>8} {'peak MiB':>9} {'held MiB':>9} {'sent MiB':>9} "
+        f"  {'mode':<11} {'s/push':>8} {'peak MiB':>9} {'held MiB':>9} {'sent MiB':>9} "
         f"{'disk w MiB':>10} {'disk r MiB':>10} {'calls':>6}"
     )
     med: dict[str, dict[str, float]] = {}
-    for mode in ("disk", "stream"):
+    for mode in ("disk", "stream", "stream-bf16"):
         rows = r["rows"][mode]
         m = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
         med[mode] = m
         print(
-            f"  {mode:<7} {m['s']:>8.3f} {_mb(m['peak']):>9} {_mb(m['held']):>9} "
+            f"  {mode:<11} {m['s']:>8.3f} {_mb(m['peak']):>9} {_mb(m['held']):>9} "
             f"{_mb(m['sent']):>9} {_mb(m['written']):>10} {_mb(m['read']):>10} {m['calls']:>6.0f}"
         )
     d, s = med["disk"], med["stream"]
@@ -199,6 +214,13 @@ def report(r: dict[str, Any]) -> None:
         f"peak host memory {d['peak'] / max(s['peak'], 1):.2f}x lower; "
         f"rank 0 ru_maxrss {_mb(r['ru_maxrss'])} MiB"
     )
+    b = med["stream-bf16"]
+    ratio = b["sent"] / s["sent"]
+    print(
+        f"  to a bf16 engine: {_mb(b['sent'])} MiB sent vs {_mb(s['sent'])} MiB of float32 "
+        f"masters ({ratio:.3f}x), {s['s'] / b['s']:.2f}x faster"
+    )
+    return ratio
 
 
 def main() -> None:
@@ -234,7 +256,9 @@ def main() -> None:
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             sys.exit(f"{model}: worker failed\n{proc.stderr[-4000:]}")
-        report(json.loads(lines[-1].removeprefix("RESULT ")))
+        ratio = report(json.loads(lines[-1].removeprefix("RESULT ")))
+        if abs(ratio - 0.5) > 1e-9:
+            sys.exit(f"{model}: a bf16 engine got {ratio:.4f}x the float32 bytes, not 0.5x")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Seeded arithmetic tasks for the demo, cleaned by ``lightning.run.tasks``.
+"""Seeded arithmetic tasks for the demo, cleaned by ``lightning.data``.
 
     python examples/arith_tasks.py --n 400 --seed 0 --out runs/tasks
         → runs/tasks/raw.jsonl, train.jsonl, eval.jsonl, report.json
@@ -92,14 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     args = p.parse_args(argv)
 
-    from lightning.run import tasks as data
+    from lightning import data
+    from lightning.data.cli import main as clean_main
 
     out = Path(args.out)
     tasks = generate(args.n, seed=args.seed, lo=args.lo, hi=args.hi, ops=args.ops, file=args.file)
     data.write_jsonl(out / "raw.jsonl", tasks)
     # The same pipeline as `lightning data raw.jsonl --out DIR`.
     flags = ["--eval-size", str(args.eval_size), "--seed", str(args.seed)]
-    return data.main([str(out / "raw.jsonl"), "--out", str(out), *flags])
+    return clean_main([str(out / "raw.jsonl"), "--out", str(out), *flags])
 
 
 if __name__ == "__main__":

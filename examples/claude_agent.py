@@ -13,7 +13,7 @@ as a final JSON line: 1.0 when the task's ``expect_file`` exists there and holds
 
     [harness]
     command = ["{python}", "claude_agent.py"]
-    env = { CLAUDE = "/path/to/node_modules/.bin/claude", CLAUDE_CODE_MAX_OUTPUT_TOKENS = "512" }
+    env = { CLAUDE = "/path/to/node_modules/.bin/claude", CLAUDE_CODE_MAX_OUTPUT_TOKENS = "512", CLAUDE_CODE_MAX_CONTEXT_TOKENS = "8192" }
 
     task: {"prompt": "Write hello into hello.txt", "expect_file": "hello.txt", "expect_text": "hello"}
 
@@ -23,8 +23,9 @@ directory is disposable. Only its ``Bash`` tool is offered (``CLAUDE_TOOLS``
 overrides: a comma list, or ``default`` for Claude Code's own set); no
 non-essential traffic, no session files, no settings or MCP servers from the
 machine. ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` bounds ``max_tokens`` (Claude Code
-asks for 32000, more than a small model's context holds). Exits with Claude Code's
-status.
+asks for 32000, more than a small model's context holds);
+``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` gives it the engine's context (it assumes 1M
+tokens for a model name it does not know). Exits with Claude Code's status.
 """
 
 from __future__ import annotations

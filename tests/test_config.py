@@ -3,14 +3,17 @@ a message that says what to fix."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from lightning.config import RunConfig, TrainerConfig, TrainerSection, trainer_defaults
+from lightning.gateway.server import GatewayConfig
 from lightning.online.train import OnlineConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -219,3 +222,48 @@ def test_run_values_are_validated_like_the_rest(tmp_path: Path) -> None:
     greedy = RunConfig.load(write(tmp_path, BASE), {"algorithm.train_temperature": 0.0})
     config = greedy.trainer_config("m")
     assert (config.temperature, config.model) == (1.0, "m")
+
+
+def _config_docs() -> typing.Any:
+    path = Path(__file__).resolve().parent.parent / ".ci" / "config_docs.py"
+    spec = importlib.util.spec_from_file_location("config_docs_gen", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("model", [RunConfig, TrainerConfig, GatewayConfig])
+def test_every_field_says_what_it_means(model: type[BaseModel]) -> None:
+    """Each field's meaning is its `description`, declared once on the model: a
+    field added without one fails here (the comment above a field is not enough)."""
+    missing = _config_docs().missing_descriptions(model)
+    assert not missing, f"fields of {model.__name__} without description=...: {missing}"
+
+
+def test_the_reference_in_docs_config_md_is_the_schema() -> None:
+    """docs/config.md's reference is what the schema generates (run
+    `python .ci/config_docs.py` after adding or changing a field)."""
+    gen = _config_docs()
+    text = gen.DOC.read_text()
+    assert gen.current(text) == gen.render(RunConfig), "run: python .ci/config_docs.py"
+    # Every field of every section is in it, with its description.
+    for table, _, section in gen.sections(RunConfig):
+        for name, field in section.model_fields.items():
+            row = f"| `{name}` | "
+            assert any(
+                line.startswith(row) and line.rstrip().endswith(gen.cell(field.description) + " |")
+                for line in text.splitlines()
+            ), f"{table or 'top level'}.{name} is not in docs/config.md"
+
+
+def test_the_missing_description_check_can_fail() -> None:
+    class Section(BaseModel):
+        described: int = Field(0, description="a count")
+        bare: int = 0
+
+    class Root(BaseModel):
+        section: Section = Field(default_factory=Section, description="a section")
+        items: list[Section] = Field(default_factory=list)
+
+    assert _config_docs().missing_descriptions(Root) == ["items", "section.bare", "items.bare"]

@@ -267,3 +267,152 @@ def test_python_in_the_docs_imports() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     bad = json.loads(done.stdout.strip().splitlines()[-1])
     assert not bad, f"imports or names in the docs that do not resolve: {bad}"
+
+
+# --- The code map and the docs the code cites ---------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+# The sections of docs/architecture.md that map a source tree, by the path in
+# their heading, and the files each must name.
+CODE_MAPS = {
+    "rust/core": (ROOT / "rust" / "core" / "src", "*.rs"),
+    "rust/gateway": (ROOT / "rust" / "gateway" / "src", "*.rs"),
+    "rust/python": (ROOT / "rust" / "python" / "src", "*.rs"),
+    "python/lightning": (ROOT / "python" / "lightning", "*.py"),
+}
+# A package's own file: its row in the map stands for it.
+PACKAGE_FILES = {"__init__.py", "mod.rs"}
+# Where code and docs cite other files: comments and docstrings as well as prose.
+CITING = [
+    *(
+        p
+        for d in ("python", "rust", "tests", "benches", "examples", ".ci")
+        for p in (ROOT / d).rglob("*")
+        if p.suffix in {".py", ".rs", ".js", ".html", ".toml"}
+    ),
+    ROOT / "Makefile",
+    *DOCS,
+]
+# `docs/design.md#merge`, `notes/x/README.md`, a bare `DESIGN.md`.
+CITED_DOC = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w.-]+\.md)(?:#([\w-]+))?")
+NOTES = re.compile(r"(?<![\w./-])(notes/[\w./-]*\w)")
+
+
+def map_sections(text: str) -> dict[str, list[str]]:
+    """The table rows of each `### `path` ...` section of the code map."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            spans = SPAN.findall(line)
+            current = out.setdefault(spans[0], []) if line.startswith("### ") and spans else None
+        elif current is not None and line.startswith("| ") and not line.startswith("| module"):
+            current.append(line)
+    return out
+
+
+def unmapped(rows: list[str], parts: tuple[str, ...]) -> bool:
+    """Whether no row names the module at ``parts`` (its path inside the source root):
+    a top-level module in a row's first cell (`trie`, `config.py`); a module in a
+    folder in the folder's row (first cell `store/`), with every folder below and
+    the file itself named in that row (`weight_sync/` and `base.py`, or one
+    `openai_responses/tests.rs`)."""
+    stem = parts[-1].rsplit(".", 1)[0]
+    for row in rows:
+        first = set(SPAN.findall(row.split("|")[1]))
+        spans = set(SPAN.findall(row))
+        if len(parts) == 1:
+            if first & {parts[0], stem}:
+                return False
+            continue
+        if f"{parts[0]}/" not in first:
+            continue
+        rest = parts[1:]
+        if rest[-1] in PACKAGE_FILES:
+            # A sub-package's own file: its folder named in the row stands for it.
+            if all(f"{d}/" in spans for d in rest[:-1]):
+                return False
+            continue
+        if "/".join(rest) in spans:
+            return False
+        dirs_named = all(f"{d}/" in spans for d in rest[:-1])
+        if dirs_named and spans & {rest[-1], rest[-1].rsplit(".", 1)[0]}:
+            return False
+    return True
+
+
+def test_the_code_map_names_every_module() -> None:
+    sections = map_sections(ARCHITECTURE.read_text())
+    missing = []
+    for heading, (root, pattern) in CODE_MAPS.items():
+        assert heading in sections, f"docs/architecture.md has no `### `{heading}`` section"
+        for path in sorted(root.rglob(pattern)):
+            parts = path.relative_to(root).parts
+            if unmapped(sections[heading], parts):
+                missing.append(str(path.relative_to(ROOT)))
+    assert not missing, (
+        f"modules docs/architecture.md does not name (add each to its table, with what it "
+        f"holds): {missing}"
+    )
+
+
+def test_the_code_map_check_can_fail() -> None:
+    rows = [
+        "| `trie` | the merge |",
+        "| `store/` | `mod` (the writer), `secret` |",
+        "| `run/` | `loop.py`, `weight_sync/` (`base.py`) |",
+        "| `protocol/` | `openai_responses/tests.rs` |",
+    ]
+    named = [("trie.rs",), ("store", "secret.rs"), ("store", "mod.rs"), ("run", "loop.py")]
+    named += [("run", "weight_sync", "base.py"), ("protocol", "openai_responses", "tests.rs")]
+    named += [("run", "weight_sync", "__init__.py"), ("run", "__init__.py")]
+    assert not [p for p in named if unmapped(rows, p)]
+    unnamed = [("drift.rs",), ("store", "reader.rs"), ("run", "weight_sync", "vllm.py")]
+    unnamed += [("view", "data.py"), ("run", "sglang", "base.py"), ("run", "x", "__init__.py")]
+    assert [p for p in unnamed if unmapped(rows, p)] == unnamed
+
+
+def cited_docs(text: str) -> list[tuple[str, str | None]]:
+    return [(m.group(1), m.group(2)) for m in CITED_DOC.finditer(text)] + [
+        (m.group(1), None) for m in NOTES.finditer(text)
+    ]
+
+
+def broken_citations(path: Path, text: str) -> list[str]:
+    """Files (and headings) that ``text`` cites but the repository lacks. A path
+    with a folder resolves from the repository root (or, in a doc, beside it); a
+    bare name (`README.md`) must exist somewhere in the tree."""
+    broken = []
+    for cited, anchor in cited_docs(text):
+        if "/" in cited:
+            candidates = [ROOT / cited, path.parent / cited]
+        else:
+            candidates = [path.parent / cited, *ROOT.glob(f"*/{cited}"), ROOT / cited]
+        found = next((c for c in candidates if c.exists()), None)
+        where = f"{path.relative_to(ROOT)}: {cited}"
+        if found is None:
+            broken.append(f"{where} (no such file in the repository)")
+        elif anchor and found.suffix == ".md" and anchor not in anchors(found):
+            broken.append(f"{where}#{anchor} (no such heading)")
+    return broken
+
+
+def test_cited_docs_exist() -> None:
+    """Code and docs cite only files in the repository: `docs/design.md#merge` in a
+    comment names a file and a heading that exist, and nothing points at notes that
+    live outside the tree."""
+    # This file is left out: its own check's examples cite what does not exist.
+    files = [p for p in CITING if p.is_file() and p != Path(__file__).resolve()]
+    broken = [b for p in files for b in broken_citations(p, p.read_text())]
+    assert not broken, f"cited but not in the repository: {broken}"
+
+
+def test_the_citation_check_can_fail() -> None:
+    here = ROOT / "python" / "lightning" / "config.py"
+    outside = "DESIGN" + ".md"
+    text = f"see {outside} §5, docs/design.md#merge, docs/design.md#nowhere, notes/x/run4"
+    assert broken_citations(here, text) == [
+        f"python/lightning/config.py: {outside} (no such file in the repository)",
+        "python/lightning/config.py: docs/design.md#nowhere (no such heading)",
+        "python/lightning/config.py: notes/x/run4 (no such file in the repository)",
+    ]

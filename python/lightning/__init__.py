@@ -3,13 +3,18 @@
 The harness talks to the gateway exactly as it talks to its model in production;
 every call becomes exact training data (prompt ids, completion ids, logprobs),
 merged into training samples by a radix trie and trained on with PPO-family
-losses. This module never imports torch: trainer modules do that themselves.
+losses. This module never imports torch: trainer modules do that themselves,
+and the training names (``Trainer``, ``TrainerConfig``, ``RunConfig``,
+``train``) load on first use.
 
 Note: the import name ``lightning`` is also used by Lightning AI's package; the
 two cannot be installed in one environment.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from lightning import _core
 from lightning._core import (
@@ -44,6 +49,30 @@ from lightning.gateway.server import Gateway, GatewayConfig, GatewayHandle, Upst
 from lightning.gateway.store import Store
 
 __version__: str = _core.__version__
+
+# The training side's front door, loaded on first use (PEP 562) so that
+# `import lightning` stays torch-free: `from lightning import Trainer` imports
+# torch then, and only then. Names here, modules by their dotted path.
+_LAZY = {
+    "RunConfig": "lightning.config",
+    "Trainer": "lightning.rl.trainer",
+    "TrainerConfig": "lightning.config",
+    "train": "lightning.run.loop",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "AppKey",

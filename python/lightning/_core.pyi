@@ -372,7 +372,7 @@ class StoreReader:
     def requests(self, rollout_id: str) -> list[tuple[int, str, str | None]]:
         """Each call's ``(seq, engine_request, harness_request)`` in seq order, whole."""
     def trace(self, rollout_id: str) -> list[Call]: ...
-    def step(
+    def read_step(
         self,
         rollout_ids: Sequence[str] | None = None,
         *,

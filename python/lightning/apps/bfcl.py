@@ -160,9 +160,9 @@ def decontaminate_cases(
     train: Sequence[dict[str, Any]], held_out: Sequence[dict[str, Any]], *, n: int = 8
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Train cases that share no word ``n``-gram with any held-out case, by
-    ``lightning data``'s own stage (:func:`lightning.run.tasks.decontaminate`), and
+    ``lightning data``'s own stage (:func:`lightning.data.clean.decontaminate`), and
     what it removed: each dropped train id with the held-out ids it overlaps."""
-    from lightning.run.tasks import decontaminate, word_ngrams
+    from lightning.data.clean import decontaminate, word_ngrams
 
     as_task = [{"id": c["id"], "prompt": case_text(c)} for c in train]
     held_tasks = [{"id": c["id"], "prompt": case_text(c)} for c in held_out]
@@ -178,7 +178,7 @@ def decontaminate_cases(
         shared = min(grams & next(g for hid, g in held_grams if hid == hits[0]))
         removed.append({"id": t["id"], "held_out": hits, "shared": " ".join(shared)})
     report = {
-        "stage": "lightning.run.tasks.decontaminate",
+        "stage": "lightning.data.clean.decontaminate",
         "ngram": n,
         "train_in": stage.n_in,
         "train_out": stage.n_out,

@@ -55,6 +55,37 @@ def _fmt(e: dict[str, Any]) -> str:
     return f"{e['reward']:.3f} ({e['low']:.3f}–{e['high']:.3f})"
 
 
+def ending(record: dict[str, Any], out: Path, run_dir: Path, report: str | None) -> list[str]:
+    """The demo's last lines: the held-out reward before, during and after
+    training, then where to look next. The full record is in ``demo.json``."""
+    rows = [(e["label"], f"{e['reward']:.3f}", _interval(e)) for e in record["evals"]]
+    if record["evals"]:
+        gain = record["evals"][-1]["reward"] - record["evals"][0]["reward"]
+        rows = [*rows[:-1], (*rows[-1], f"{gain:+.3f} vs before")]
+    head = ("held-out reward", "mean", "95% interval")
+    width = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+    # The gain, a fourth cell on the last row only, needs no column width.
+    lines = [
+        "  ".join([*(c.ljust(w) for c, w in zip(row[:3], width, strict=True)), *row[3:]]).rstrip()
+        for row in [head, *rows]
+    ]
+    lines.append(
+        f"ended on the final weights (after step {record['steps']}) in "
+        f"{record['wall_s'] / 60:.1f} min"
+    )
+    if report is not None:
+        lines.append(f"report: {report}")
+    lines.append(f"view:   lightning view {run_dir}")
+    lines.append(f"record: {out / 'demo.json'}")
+    return lines
+
+
+def _interval(e: dict[str, Any]) -> str:
+    if e["low"] is None or e["high"] is None:
+        return "–"
+    return f"{e['low']:.3f}–{e['high']:.3f}"
+
+
 def table(run_dirs: list[str]) -> str:
     """README's demo table from the ``demo.json`` of finished demo runs."""
     records = [json.loads((Path(d) / "demo.json").read_text()) for d in run_dirs]
@@ -152,7 +183,6 @@ def main(argv: list[str]) -> int:
     config = RunConfig.load(config_path, overrides)
     print(f"[lightning] watch it live: lightning view {out / 'run'}", flush=True)
     summary = train(config)
-    print(json.dumps(summary, indent=2))
     record = {
         "seed": args.seed,
         "steps": config.steps,
@@ -164,19 +194,9 @@ def main(argv: list[str]) -> int:
     if "eval_matrix" in summary:
         record["eval_matrix"] = summary["eval_matrix"]
     (out / "demo.json").write_text(json.dumps(record, indent=2))
-    for e in record["evals"]:
-        print(f"[lightning] held-out reward, {e['label']}: {_fmt(e)}  (95% interval)")
-    if "eval_matrix" in record:
-        from lightning.run.harnesses import matrix_table, transfer_lines
-
-        print("[lightning] held-out reward per harness (95% intervals):")
-        print(matrix_table(record["eval_matrix"]))
-        for line in transfer_lines(record["eval_matrix"]):
-            print(f"[lightning] {line}")
-    print(
-        f"[lightning] the demo ends on the final weights (after step {config.steps}); "
-        f"{record['wall_s']:.0f} s wall clock; summary in {out / 'demo.json'}"
-    )
-    if "report" in summary:
-        print(f"[lightning] report: {summary['report']}")
+    # The run printed the per-harness matrix as it ended (--harnesses); this
+    # is the pooled result and where everything else is, not a dump of it.
+    print()
+    for line in ending(record, out, Path(config.output_dir), summary.get("report")):
+        print(f"[lightning] {line}")
     return 0

@@ -134,13 +134,8 @@ def main(argv: list[str]) -> int:
     from lightning import Gateway, GatewayClient, GatewayConfig, UpstreamConfig
     from lightning.apps.examples import examples_dir, load_example
     from lightning.config import ModelSection, TrainerSection
-    from lightning.online.train import (
-        GroupingSection,
-        OnlineConfig,
-        SourceSection,
-        WeightSyncSection,
-        train_online,
-    )
+    from lightning.online.select import GroupingSection, SourceSection
+    from lightning.online.train import OnlineConfig, WeightSyncSection, train_online
     from lightning.run.loop import SERVED_MODEL_NAME, EmbeddedEngine, read_tasks, sampling_seed
 
     p = argparse.ArgumentParser(prog="lightning demo --online", description=__doc__.split("\n")[0])

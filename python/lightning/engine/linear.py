@@ -13,7 +13,7 @@ inductor takes for frozen CPU linears, without compiling anything.
 The result is the same product in float32 with a different summation order
 (measured max abs difference to a float64 reference about 5e-6 per matmul, as
 for ``F.linear``), so logprobs still match a plain transformers forward within
-the engine's 1e-4 contract (tests/test_engine_smollm2.py).
+the engine's 1e-4 contract (tests/engine/test_engine_smollm2.py).
 
 The packed copy is derived state: after the weights change in place
 (``load_state_dict``), call :func:`repack`.

@@ -53,7 +53,13 @@ from starlette.routing import Route
 
 from lightning._core import LightningError
 from lightning.engine import tools
-from lightning.engine.core import Engine, EngineError, Event
+from lightning.engine.core import (
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_PREFILL_CHUNK,
+    Engine,
+    EngineError,
+    Event,
+)
 from lightning.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 log = logging.getLogger("lightning.engine")
@@ -550,11 +556,15 @@ class Api:
         for key in (
             "weight_version",
             "running",
+            "prefilling",
             "waiting",
             "steps",
             "generated_tokens",
             "requests",
             "prefill_tokens",
+            "prefill_cached_tokens",
+            "prefill_forwards",
+            *(k for k in status if k.startswith("kv_cache_")),
         ):
             lines.append(f"lightning_engine_{key} {status[key]}")
         return PlainTextResponse("\n".join(lines) + "\n")
@@ -968,6 +978,21 @@ def serve(argv: list[str]) -> int:
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
+        "--kv-cache-bytes",
+        type=_byte_size,
+        default=DEFAULT_KV_CACHE_BYTES,
+        help="byte budget of the prefix KV cache (keys/values of computed prompts and "
+        "completions, reused by later requests); accepts 512M, 2G; 0 turns it off "
+        f"(default: {DEFAULT_KV_CACHE_BYTES >> 20} MiB)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help="prompt tokens prefilled per scheduler step, so running sequences keep "
+        f"decoding while a long prompt is admitted (default: {DEFAULT_PREFILL_CHUNK})",
+    )
+    parser.add_argument(
         "--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"]
     )
     parser.add_argument(
@@ -1009,7 +1034,8 @@ def serve(argv: list[str]) -> int:
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info(
-        "serving %s on http://%s:%d (device=%s dtype=%s max_batch=%d weight_version=%d)",
+        "serving %s on http://%s:%d (device=%s dtype=%s max_batch=%d weight_version=%d "
+        "kv_cache_bytes=%d prefill_chunk=%d)",
         engine.model_name,
         host,
         port,
@@ -1017,6 +1043,8 @@ def serve(argv: list[str]) -> int:
         args.dtype,
         args.max_batch,
         engine.weight_version,
+        args.kv_cache_bytes,
+        args.prefill_chunk,
     )
     config = uvicorn.Config(
         build_app(engine, admin_key=args.admin_key), log_level="warning", lifespan="off"
@@ -1041,4 +1069,25 @@ def _engine_from_args(args: argparse.Namespace) -> Engine:
         max_model_len=args.max_model_len,
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser,
+        kv_cache_bytes=args.kv_cache_bytes,
+        prefill_chunk=args.prefill_chunk,
     ).start()
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """``1073741824``, ``512M``, ``2G``, ``1.5GiB`` -> bytes (binary units)."""
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = raw[-1:] if raw[-1:] in _UNITS else ""
+    number = raw[: len(raw) - len(unit)]
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a byte size; write e.g. 1073741824, 512M or 2G"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; 0 turns the cache off")
+    return int(value)

@@ -173,7 +173,7 @@ class GatewayClient:
                 out.append(rec.to_call())
         return out
 
-    def step(
+    def read_step(
         self,
         rollout_ids: Sequence[str],
         *,
@@ -182,11 +182,11 @@ class GatewayClient:
     ) -> MergeResult:
         """A training step's batch: the rollouts (group, mode, status, latest
         reward) and their trainable calls, merged. From the store file in one
-        read when the client has one (see ``Store.step``); else over HTTP (two
+        read when the client has one (see ``Store.read_step``); else over HTTP (two
         requests per rollout: its record and its columnar trace), returning the
         same ``MergeResult``."""
         if self.store is not None:
-            return self.store.step(rollout_ids, max_tokens=max_tokens, tokenizer=tokenizer)
+            return self.store.read_step(rollout_ids, max_tokens=max_tokens, tokenizer=tokenizer)
         infos, calls = [], []
         for rid in rollout_ids:
             d = self.get_rollout(rid)

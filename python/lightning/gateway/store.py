@@ -5,13 +5,14 @@ GIL released), the same code the HTTP trace route uses. The gateway writes in
 WAL mode, so reading while it runs is safe and sees every committed call.
 
     store = Store("lightning.db")
-    batch = store.step(rollout_ids)       # one read + merge: samples, rewards, groups
+    batch = store.read_step(rollout_ids)       # one read + merge: samples, rewards, groups
     calls = store.trace(rid)              # list[lightning.Call]
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ class Store:
         """The calls the harness saw whole, with exact ids, as ``lightning.Call``."""
         return self._reader.trace(rollout_id)
 
-    def step(
+    def read_step(
         self,
         rollout_ids: Sequence[str] | None = None,
         *,
@@ -81,9 +82,19 @@ class Store:
         mode, status and latest reward, in ``rollouts``) and their trainable calls,
         read in one transaction and merged (drift classified with ``tokenizer``)."""
         ids = list(rollout_ids) if rollout_ids is not None else None
-        return self._reader.step(
+        return self._reader.read_step(
             ids, group=group, status=status, mode=mode, max_tokens=max_tokens, tokenizer=tokenizer
         )
+
+    def step(self, *args: Any, **kwargs: Any) -> MergeResult:
+        """Deprecated name of :meth:`read_step` (it only reads; ``step`` was
+        easy to mistake for the trainer's)."""
+        warnings.warn(
+            "Store.step is deprecated: it only reads a batch; call Store.read_step",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.read_step(*args, **kwargs)
 
     def events(self, rollout_id: str) -> list[dict[str, Any]]:
         return [

@@ -1,6 +1,6 @@
 """Advantage estimators for group-based policy gradients.
 
-Methods (DESIGN.md §6), all computed within a *group* (the rollouts of one task
+Methods (docs/design.md#advantages), all computed within a *group* (the rollouts of one task
 in one step):
 
 - ``grpo``: GRPO (Shao et al. 2024, DeepSeekMath): ``(R - mean_g) / (std_g + eps)``.

@@ -1,6 +1,6 @@
 """PPO-family per-token losses and split-invariant aggregation.
 
-Methods (DESIGN.md §6):
+Methods (docs/design.md#loss-normalizers):
 
 - PPO clip (Schulman et al. 2017) with decoupled ``clip_low`` / ``clip_high``
   (DAPO's clip-higher, Yu et al. 2025); dual clip (Ye et al. 2020) bounding the
@@ -190,7 +190,7 @@ def aggregate(
     mode: AggregationMode,
     max_len: float | None = None,
 ) -> torch.Tensor:
-    """The step's scalar loss for ``mode`` (DESIGN.md §6), differentiable in ``token_losses``.
+    """The step's scalar loss for ``mode`` (docs/design.md#loss-normalizers), differentiable in ``token_losses``.
 
     All arguments are 1-D per-token tensors over the generated tokens of one
     optimizer step: ``weights`` from the merge, integer ``sample_index`` /

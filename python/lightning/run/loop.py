@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -54,7 +54,10 @@ from lightning.run.harnesses import (
 )
 from lightning.run.runner import RolloutResult, Runner, load_callable
 from lightning.run.stats import Interval
-from lightning.run.weight_sync import WeightSync, WeightUpdate, make_weight_sync
+from lightning.sync import EngineLayout, WeightSync, WeightUpdate, make_weight_sync
+
+if TYPE_CHECKING:
+    from lightning.run.staleness import Schedule
 
 log = logging.getLogger("lightning.run.loop")
 
@@ -65,8 +68,8 @@ SERVED_MODEL_NAME = "policy"
 
 
 def read_tasks(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Tasks from JSONL, Parquet or a saved HF dataset (see `lightning.run.tasks`)."""
-    from lightning.run.tasks import load_records
+    """Tasks from JSONL, Parquet or a saved HF dataset (see `lightning.data.files`)."""
+    from lightning.data.files import load_records
 
     tasks = load_records(path)
     if not tasks:
@@ -97,6 +100,8 @@ class EmbeddedEngine:
         chat_template: str | None = None,
         tool_call_parser: str = "auto",
         max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.host = host
         self.port = port or _free_port(host)
@@ -131,6 +136,10 @@ class EmbeddedEngine:
         if max_model_len is not None:
             argv += ["--max-model-len", str(max_model_len)]
         argv += ["--tool-call-parser", tool_call_parser]
+        if kv_cache_bytes is not None:
+            argv += ["--kv-cache-bytes", str(kv_cache_bytes)]
+        if prefill_chunk is not None:
+            argv += ["--prefill-chunk", str(prefill_chunk)]
         self.log_file = open(log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT)
 
@@ -184,15 +193,15 @@ def _make_launcher(h: HarnessSection) -> Any:
 
 
 def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
-    """The engines' own weight-update API (lightning.run.weight_sync, DESIGN.md §7)."""
+    """The engines' own weight-update API (lightning.sync, docs/design.md#weight-sync)."""
     e = cfg.engine
-    kind = "embedded" if e.kind == "embedded" else e.weight_sync
     return make_weight_sync(
-        "sglang-disk" if kind == "sglang" else kind,
+        "embedded" if e.kind == "embedded" else e.weight_sync,
         upstreams,
         master_address=e.sync_master_address,
         master_port=e.sync_master_port,
         world_sizes=e.sync_world_sizes or None,
+        layouts=[EngineLayout(p.tp, p.pp, p.dp) for p in e.sync_parallel] or None,
         pause_mode=e.sync_pause,
         bucket_bytes=e.sync_bucket_mb << 20,
         colocate=e.colocate,
@@ -272,6 +281,11 @@ class Run:
         self.weight_sync = _make_weight_sync(cfg, upstreams)
         self._stack.callback(self.weight_sync.close)
         self.weight_sync.setup()
+        # The dtype streamed weights leave in: the engines' own unless configured.
+        self.sync_dtype: str | None = None
+        if self.weight_sync.streams:
+            model_config = json.loads((self.model_dir / "config.json").read_text())
+            self.sync_dtype = self.weight_sync.send_dtype(cfg.engine.sync_dtype, model_config)
         self._start_gateway(upstreams)
         self.runner = self._make_runner()
 
@@ -324,6 +338,8 @@ class Run:
             chat_template=cfg.engine.chat_template,
             tool_call_parser=cfg.engine.tool_call_parser,
             max_model_len=cfg.engine.max_model_len,
+            kv_cache_bytes=cfg.engine.kv_cache_bytes,
+            prefill_chunk=cfg.engine.prefill_chunk,
         )
         self._stack.callback(engine.stop)
         self._say(f"starting embedded engine on {engine.url} (log: {self.out / 'engine.log'})")
@@ -456,7 +472,9 @@ class Run:
                 )
             # What each harness cost at this eval (the only costs an eval_only one has).
             try:
-                merged = self.client.step([r.rollout_id for r in results], tokenizer=self.tokenizer)
+                merged = self.client.read_step(
+                    [r.rollout_id for r in results], tokenizer=self.tokenizer
+                )
                 costs = harness_costs(results, merged, tokenizer=self.tokenizer)
                 for name, c in costs.items():
                     cells[name]["costs"] = c
@@ -471,8 +489,26 @@ class Run:
             row["eval_harnesses"] = cells
         return row
 
-    def _rollouts(self, step: int) -> list[RolloutResult]:
+    def generate(self, step: int) -> list[RolloutResult]:
+        """Run the rollouts of ``step`` to completion (the schedule decides when)."""
         return self.runner.run(self._jobs(step), mode="train")
+
+    def schedule(self, start: int) -> Schedule:
+        """When the rollouts of steps ``start, start+1, …`` are generated: each
+        when its step is due, or ahead within ``max_staleness`` (the
+        configuration decides, ``lightning.run.staleness.schedule``)."""
+        from lightning.run.staleness import schedule
+
+        cfg = self.config
+        return schedule(
+            cfg.algorithm,
+            self.generate,
+            self.phases,
+            start=start,
+            steps=cfg.steps,
+            version=int(self.state["weight_version"]),
+            timeout_s=max(h.timeout_s for h in cfg.all_harnesses()),
+        )
 
     def _jobs(self, step: int) -> list[tuple[dict[str, Any], str]]:
         """The rollouts of one step: ``group_size`` per sampled task (one group each).
@@ -520,14 +556,14 @@ class Run:
             self.client.resume()
 
     def _sync_weights(self, version: int) -> None:
-        """Pause the gateway, drain in-flight calls, push weights, resume (DESIGN.md §7).
+        """Pause the gateway, drain in-flight calls, push weights, resume (docs/design.md#weight-sync).
 
         Asynchronous runs skip the gateway drain: calls in flight finish on the old
         weights (each engine's own update waits for them) and keep the version the
         gateway recorded when they started; the version is bumped only after the
         engines hold the new weights, so a recorded version is never newer than the
         weights that served the call."""
-        drain = self.config.algorithm.max_staleness == 0
+        drain = not self.config.algorithm.asynchronous
         if drain:
             self.client.pause(drain=True, timeout_s=120.0)
         try:
@@ -536,7 +572,7 @@ class Run:
                 # on disk, never the whole model on one host. Leaving the block
                 # runs any gathers a failed push skipped, so every rank's
                 # collectives still line up.
-                with self.trainer.live_weights() as source:
+                with self.trainer.live_weights(self.sync_dtype) as source:
                     self.weight_sync.push(WeightUpdate(version=version, source=source))
             else:
                 path = self.out / "weights" / f"v{version}"
@@ -555,21 +591,20 @@ class Run:
     def _write_traces(
         self, step: int, results: Sequence[RolloutResult], merged: Any, rewards: dict[str, float]
     ) -> None:
-        from lightning.run.report import decode_pieces
+        """The first sample of a few rollouts, decoded, to ``traces.jsonl`` (the
+        report's traces and ``lightning show --run``) and to the trackers."""
+        from lightning.traces import divergence_rows, sample_row, trace_record
 
         n = self.config.traces_per_step
         if n <= 0:
             return
-        by_rollout: dict[str, list[Any]] = {}
+        first: dict[str, Any] = {}
         for sample in merged.samples:
-            by_rollout.setdefault(sample.rollout_id, []).append(sample)
-        divs: dict[str, list[dict[str, Any]]] = {}
-        for d in merged.divergences:
-            divs.setdefault(d.rollout_id, []).append({"position": int(d.position), "kind": d.kind})
+            first.setdefault(sample.rollout_id, sample)
         tasks = {r.rollout_id: r.task for r in results}
         # Round-robin over harnesses, so each harness of the step shows.
         per_harness: dict[str, list[str]] = {}
-        for rid in by_rollout:
+        for rid in first:
             per_harness.setdefault(harness_of(tasks.get(rid)), []).append(rid)
         order = [
             rid
@@ -580,28 +615,19 @@ class Run:
         rows = []
         with open(self.out / "traces.jsonl", "a") as f:
             for rid in order[:n]:
-                sample = by_rollout[rid][0]
-                pieces = decode_pieces([int(t) for t in sample.tokens], self.tokenizer.decode)
                 rows.append(
-                    {
-                        "step": step,
-                        "rollout_id": rid,
-                        "reward": rewards.get(rid),
-                        "pieces": pieces,
-                        "weights": [float(w) for w in sample.weights],
-                        "divergences": divs.get(rid, []),
-                        "task": tasks.get(rid),
-                        "harness": harness_of(tasks.get(rid)),
-                    }
+                    trace_record(
+                        sample_row(first[rid], self.tokenizer),
+                        divergence_rows(merged, rid),
+                        step=step,
+                        rollout_id=rid,
+                        reward=rewards.get(rid),
+                        task=tasks.get(rid),
+                        harness=harness_of(tasks.get(rid)),
+                    )
                 )
                 f.write(json.dumps(rows[-1]) + "\n")
         self.tracking.traces(step, rows)
-
-    def step(self, step: int) -> dict[str, Any]:
-        t0 = time.monotonic()
-        results = self._rollouts(step)
-        self.phases.record("generate", t0, time.monotonic())
-        return self.train_on(step, results, t0=t0)
 
     def train_on(self, step: int, results: list[RolloutResult], *, t0: float) -> dict[str, Any]:
         """Merge, train and push the weights of one step from its finished rollouts."""
@@ -615,7 +641,7 @@ class Run:
         ]
         # One read of the store: calls, rewards and groups as they are on disk
         # (what trains is what was recorded), merged with drift classified.
-        merged = self.client.step(usable, tokenizer=self.tokenizer)
+        merged = self.client.read_step(usable, tokenizer=self.tokenizer)
         # Asynchronous hook: the staleness bound, checked again at use.
         merged, stale = enforce_at_use(self, step, merged, results)
         unrewarded = sum(r.reward is None for r in merged.rollouts)
@@ -681,13 +707,13 @@ class Run:
             self._append_metrics({"step": -1, **before})
         else:
             self._say(f"resuming at step {start}")
-        from lightning.run.staleness import RolloutPipeline
-
-        pipeline = RolloutPipeline.for_run(self, start)  # None when max_staleness = 0
+        batches = self.schedule(start)
         self.phases.mark()
-        with _progress(cfg.steps, start, quiet=self.quiet) as tick, pipeline or _nothing():
-            for step in range(start, cfg.steps):
-                metrics = self.step(step) if pipeline is None else pipeline.step(step)
+        with _progress(cfg.steps, start, quiet=self.quiet) as tick, batches:
+            for batch in batches.batches():
+                step = batch.step
+                metrics = self.train_on(step, batch.results, t0=batch.t0)
+                batches.published(step + 1)
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                     metrics.update(self._eval_row(f"after step {step + 1}"))
                 self._append_metrics(metrics)
@@ -710,9 +736,11 @@ class Run:
                 name: [{k: v for k, v in c.items() if k != "costs"} for c in cells]
                 for name, cells in matrix.items()
             }
-            self._say("held-out reward per harness (95% intervals):\n" + matrix_table(matrix))
-            for line in transfer_lines(matrix):
-                self._say(line)
+            # With one harness the matrix is the eval line above, said again.
+            if len(matrix) > 1:
+                self._say("held-out reward per harness (95% intervals):\n" + matrix_table(matrix))
+                for line in transfer_lines(matrix):
+                    self._say(line)
         self._checkpoint()
         self.state_path.write_text(json.dumps(self.state))
         try:
@@ -730,11 +758,6 @@ class Run:
         final = self.out / "checkpoints" / "latest"
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @contextlib.contextmanager

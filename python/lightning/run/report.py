@@ -1,4 +1,4 @@
-"""Run report: ``lightning report RUN_DIR`` and ``lightning show``.
+"""Run report: ``lightning report RUN_DIR``.
 
 Inputs (written by the training loop):
 
@@ -38,10 +38,12 @@ import io
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lightning.traces import fmt_value, render_trace_html
 
 # ----------------------------------------------------------------- reading
 
@@ -320,7 +322,7 @@ def _costs_table(costs: Mapping[str, Mapping[str, Any]]) -> str:
     head = "".join(f"<th>{html.escape(t)}</th>" for _, t in _COST_COLUMNS)
     body = []
     for name, c in costs.items():
-        cells = "".join(f"<td>{_fmt(c.get(k))}</td>" for k, _ in _COST_COLUMNS)
+        cells = "".join(f"<td>{fmt_value(c.get(k))}</td>" for k, _ in _COST_COLUMNS)
         kinds = c.get("divergences") or {}
         drift = ", ".join(f"{k} ×{n}" for k, n in kinds.items()) or "none"
         body.append(f"<tr><td>{html.escape(name)}</td>{cells}<td>{html.escape(drift)}</td></tr>")
@@ -398,127 +400,6 @@ def _harness_section(rows: Sequence[Mapping[str, Any]], png_dir: Path) -> tuple[
 # ----------------------------------------------------------------- traces
 
 
-def _check_trace(pieces: Sequence[str], weights: Sequence[float]) -> None:
-    if len(pieces) != len(weights):
-        raise ValueError(
-            f"trace has {len(pieces)} pieces but {len(weights)} weights; they must be per token"
-        )
-
-
-def _marks(divergences: Iterable[Mapping[str, Any]]) -> dict[int, list[str]]:
-    marks: dict[int, list[str]] = {}
-    for d in divergences:
-        pos = d.get("position")
-        if isinstance(pos, int) and not isinstance(pos, bool):
-            marks.setdefault(pos, []).append(str(d.get("kind", "unclassified")))
-    return marks
-
-
-def _runs(
-    pieces: Sequence[str], weights: Sequence[float], marks: Mapping[int, list[str]]
-) -> Iterable[tuple[str, Any]]:
-    """Yield ("mark", kinds) at divergence positions and ("text", (generated,
-    text, weight)) for maximal runs of tokens with the same weight."""
-    run: list[str] = []
-    run_w: float | None = None
-    for i, (piece, w) in enumerate(zip(pieces, weights, strict=True)):
-        w = float(w)
-        if i in marks or (run_w is not None and w != run_w):
-            if run:
-                yield "text", (run_w is not None and run_w > 0, "".join(run), run_w)
-            run, run_w = [], None
-        if i in marks:
-            yield "mark", marks[i]
-        run.append(piece)
-        run_w = w
-    if run:
-        yield "text", (run_w is not None and run_w > 0, "".join(run), run_w)
-    tail = [k for pos, kinds in sorted(marks.items()) if pos >= len(pieces) for k in kinds]
-    if tail:
-        yield "mark", tail
-
-
-ANSI_RESET = "\x1b[0m"
-ANSI_GENERATED = "\x1b[1;32m"  # bold green: trained tokens
-ANSI_CONTEXT = "\x1b[2m"  # dim: prompt, tool output, template
-ANSI_DIVERGENCE = "\x1b[1;37;41m"  # white on red: a later call left this path here
-
-
-def render_trace_terminal(
-    pieces: Sequence[str],
-    weights: Sequence[float],
-    divergences: Iterable[Mapping[str, Any]] = (),
-    *,
-    color: bool = True,
-) -> str:
-    """A merged trace for the terminal: generated tokens (weight > 0) bold green,
-    context dim, and a ``[↪ kind]`` marker before each divergence position.
-
-    With ``color=False`` generated runs are wrapped in ``«…»`` instead."""
-    _check_trace(pieces, weights)
-    out: list[str] = []
-    for what, value in _runs(pieces, weights, _marks(divergences)):
-        if what == "mark":
-            label = f"[↪ {', '.join(value)}]"
-            out.append(f"{ANSI_DIVERGENCE}{label}{ANSI_RESET}" if color else label)
-            continue
-        generated, text, _ = value
-        if color:
-            style = ANSI_GENERATED if generated else ANSI_CONTEXT
-            # Re-open the style after each newline so pagers that reset per line keep it.
-            text = text.replace("\n", f"{ANSI_RESET}\n{style}")
-            out.append(f"{style}{text}{ANSI_RESET}")
-        else:
-            out.append(f"«{text}»" if generated else text)
-    return "".join(out)
-
-
-def render_trace_html(
-    pieces: Sequence[str], weights: Sequence[float], divergences: Iterable[Mapping[str, Any]] = ()
-) -> str:
-    """The trace body as HTML (every piece escaped)."""
-    _check_trace(pieces, weights)
-    out: list[str] = []
-    for what, value in _runs(pieces, weights, _marks(divergences)):
-        if what == "mark":
-            kinds = html.escape(", ".join(value))
-            out.append(f'<span class="div" title="divergence: {kinds}">↪ {kinds}</span>')
-            continue
-        generated, text, w = value
-        if generated:
-            title = f"generated (weight {w:g})"
-            out.append(f'<span class="gen" title="{title}">{html.escape(text)}</span>')
-        else:
-            out.append(f'<span class="ctx">{html.escape(text)}</span>')
-    return "".join(out)
-
-
-def decode_pieces(ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[str]:
-    """Per-token text whose concatenation is ``decode(ids)``, for traces.
-
-    A token that ends inside a multi-byte character gets ``""`` and the character
-    goes to the token that completes it. Each token is decoded together with a few
-    tokens before it, so tokenizers that drop a leading space on a lone token
-    (SentencePiece) still get their spaces right; cost is O(n), not O(n²)."""
-    ids = [int(i) for i in ids]
-    pieces: list[str] = []
-    base = 0  # window start
-    committed = ""  # text of ids[base:i] already handed out
-    for i in range(len(ids)):
-        text = decode(ids[base : i + 1])
-        if text.endswith("\ufffd"):
-            pieces.append("")  # incomplete character: wait for the next token
-            continue
-        pieces.append(text[len(committed) :] if text.startswith(committed) else text)
-        committed = text
-        if i + 1 - base > 8:
-            new_base = i + 1 - 4
-            window = decode(ids[new_base : i + 1])
-            if not window.startswith("\ufffd"):
-                base, committed = new_base, window
-    return pieces
-
-
 def pick_traces(traces: Sequence[Mapping[str, Any]], limit: int) -> list[Mapping[str, Any]]:
     """A few informative traces: ones with divergences, then the best and worst
     of the last step, then the first step's, then the rest by step (latest first)."""
@@ -593,31 +474,26 @@ td:first-child, th:first-child { text-align: left; }
 """
 
 
-def _fmt(value: Any) -> str:
-    v = _num(value)
-    if v is None:
-        return "–"
-    if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
-        return f"{v:.3g}"
-    return f"{v:.4g}"
-
-
 def _summary_cards(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
     _, rewards = series(rows, "reward_mean")
     # Eval-only rows (before/after training) are not training steps.
     cards = [("training steps", str(len(rewards) if rewards else len(rows)))]
     if rewards:
-        cards.append(("train reward first → last", f"{_fmt(rewards[0])} → {_fmt(rewards[-1])}"))
+        cards.append(
+            ("train reward first → last", f"{fmt_value(rewards[0])} → {fmt_value(rewards[-1])}")
+        )
     _, evals = series(rows, "eval_reward")
     if evals:
-        cards.append(("eval reward first → last", f"{_fmt(evals[0])} → {_fmt(evals[-1])}"))
-        cards.append(("best eval reward", _fmt(max(evals))))
+        cards.append(
+            ("eval reward first → last", f"{fmt_value(evals[0])} → {fmt_value(evals[-1])}")
+        )
+        cards.append(("best eval reward", fmt_value(max(evals))))
     _, times = series(rows, "step_time_s")
     if times:
         cards.append(("time in steps", f"{sum(times) / 60:.1f} min"))
     _, tps = series(rows, "tokens_per_s")
     if tps:
-        cards.append(("mean tokens/s", _fmt(sum(tps) / len(tps))))
+        cards.append(("mean tokens/s", fmt_value(sum(tps) / len(tps))))
     return cards
 
 
@@ -634,7 +510,7 @@ def _last_values_table(rows: Sequence[Mapping[str, Any]]) -> str:
         _, ys = series(rows, k)
         if not ys:
             continue
-        cells = "".join(f"<td>{_fmt(v)}</td>" for v in (ys[0], ys[-1], min(ys), max(ys)))
+        cells = "".join(f"<td>{fmt_value(v)}</td>" for v in (ys[0], ys[-1], min(ys), max(ys)))
         body.append(f"<tr><td><code>{html.escape(k)}</code></td>{cells}</tr>")
     head = "<tr><th>metric</th><th>first</th><th>last</th><th>min</th><th>max</th></tr>"
     return f"<table>{head}{''.join(body)}</table>"
@@ -656,7 +532,7 @@ def _trace_block(t: Mapping[str, Any]) -> str:
         f"step <b>{html.escape(str(t.get('step', '?')))}</b>",
         *([f"harness <b>{html.escape(str(t['harness']))}</b>"] if t.get("harness") else []),
         f"rollout <code>{html.escape(str(t.get('rollout_id', '?')))}</code>",
-        f"reward <b>{_fmt(t.get('reward'))}</b>",
+        f"reward <b>{fmt_value(t.get('reward'))}</b>",
         f"{len(pieces)} tokens, {n_gen} generated",
         f"{len(divergences)} divergence{'s' if len(divergences) != 1 else ''}",
     ]
@@ -767,123 +643,4 @@ def main(argv: list[str]) -> int:
         print(f"lightning report: {e}", file=sys.stderr)
         return 2
     print(f"wrote {result.html_path} ({len(result.png_paths)} plots)")
-    return 0
-
-
-def _model_dir_for(db: Path) -> str | None:
-    """The policy's directory for a store inside a run dir (RUN_DIR/config.json);
-    None for a standalone gateway's store, which names no model."""
-    config = db.parent / "config.json"
-    if not config.exists():
-        return None
-    from lightning.config import RunConfig
-
-    return str(RunConfig.model_validate_json(config.read_text()).model.resolve())
-
-
-def trace_records_from_store(
-    db: str, rollout_id: str, model_dir: str | None = None
-) -> list[dict[str, Any]]:
-    """One rollout's merged samples from the gateway store, as ``traces.jsonl`` records.
-
-    Reads the calls straight from the SQLite file, merges them with the radix trie
-    (divergences classified with the policy's tokenizer) and decodes each token.
-    Without a tokenizer (a standalone gateway's store and no ``model_dir``) the
-    samples are still merged and shown, each token as its id (``⟨id⟩``), and
-    divergences are unclassified.
-    """
-    from lightning import Store, Tokenizer, merge_calls
-
-    path = Path(db)
-    if not path.exists():
-        raise FileNotFoundError(f"store {db} does not exist")
-    with Store(path) as store:
-        calls = store.trace(rollout_id)
-        reward = store.rewards().get(rollout_id)
-        info = next((r for r in store.rollouts() if r["rollout_id"] == rollout_id), None)
-    if info is None:
-        raise LookupError(f"rollout {rollout_id!r} is not in {db}")
-    if not calls:
-        return []
-    model_dir = model_dir or _model_dir_for(path)
-    tokenizer = Tokenizer.from_dir(model_dir) if model_dir else None
-    merged = merge_calls(calls, tokenizer=tokenizer)
-
-    def by_id(ids: list[int]) -> list[str]:
-        return [f"⟨{i}⟩" for i in ids]
-
-    divergences = [{"position": int(d.position), "kind": d.kind} for d in merged.divergences]
-    from lightning.run.harnesses import harness_of
-
-    records = []
-    for sample in merged.samples:
-        ids = [int(t) for t in sample.tokens]
-        records.append(
-            {
-                "rollout_id": rollout_id,
-                "reward": reward,
-                "task": info["task"],
-                "harness": harness_of(info["task"]),
-                "pieces": decode_pieces(ids, tokenizer.decode) if tokenizer else by_id(ids),
-                "decoded": tokenizer is not None,
-                "weights": [float(w) for w in sample.weights],
-                "divergences": [d for d in divergences if d["position"] < len(ids)],
-            }
-        )
-    return records
-
-
-def show_main(argv: list[str]) -> int:
-    """``lightning show ROLLOUT_ID (--db PATH | --run RUN_DIR)``: one rollout's
-    merged trace in the terminal, generated tokens coloured."""
-    p = argparse.ArgumentParser(
-        prog="lightning show", description="Print one rollout's merged trace, coloured."
-    )
-    p.add_argument("rollout_id")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--db", help="gateway store (SQLite file)")
-    src.add_argument("--run", help="run directory with traces.jsonl")
-    p.add_argument("--model", help="model dir for the tokenizer (default: from the run's config)")
-    p.add_argument(
-        "--color",
-        choices=("auto", "always", "never"),
-        default="auto",
-        help="ANSI colours (auto: when stdout is a terminal); never: generated text in «…»",
-    )
-    args = p.parse_args(argv)
-    if args.db:
-        try:
-            records = trace_records_from_store(args.db, args.rollout_id, args.model)
-        except FileNotFoundError as e:
-            print(f"lightning show: {e}", file=sys.stderr)
-            return 2
-        except LookupError as e:
-            print(f"lightning show: {e}", file=sys.stderr)
-            return 1
-    else:
-        records = [
-            t
-            for t in read_jsonl(Path(args.run) / "traces.jsonl")
-            if str(t.get("rollout_id")) == args.rollout_id
-        ]
-    if not records:
-        print(f"lightning show: no trace for rollout {args.rollout_id!r}", file=sys.stderr)
-        return 1
-    if any(t.get("decoded") is False for t in records):
-        print(
-            "lightning show: no tokenizer for this store (no run config next to it): "
-            "tokens are shown as ids; pass --model DIR to decode them",
-            file=sys.stderr,
-        )
-    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    for i, t in enumerate(records):
-        divs = t.get("divergences") or []
-        harness = f" · harness {t['harness']}" if t.get("harness") else ""
-        print(
-            f"— rollout {t.get('rollout_id')}{harness} · step {t.get('step', '?')} · sample {i} · "
-            f"reward {_fmt(t.get('reward'))} · {len(divs)} divergences"
-        )
-        print(
-            render_trace_terminal(t.get("pieces") or [], t.get("weights") or [], divs, color=color)
-        )
     return 0

@@ -36,19 +36,19 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from lightning import GatewayClient, MergeResult, Tokenizer
-    from lightning.config import RunConfig
+    from lightning.config import AlgorithmSection, RunConfig
     from lightning.run.harnesses import HarnessRunner
     from lightning.run.runner import RolloutResult
 
 
 class Run(Protocol):
-    """What this module reads of the loop (``lightning.run.loop.Run``, which
+    """What the bound at use reads of the loop (``lightning.run.loop.Run``, which
     imports this module: the loop depends on the staleness bound, not back)."""
 
     config: RunConfig
@@ -58,11 +58,6 @@ class Run(Protocol):
     runner: HarnessRunner
     tokenizer: Tokenizer
     phases: PhaseLog
-    state: dict[str, Any]
-
-    def _rollouts(self, step: int) -> list[RolloutResult]: ...
-
-    def train_on(self, step: int, results: list[RolloutResult], *, t0: float) -> dict[str, Any]: ...
 
 
 def may_dispatch(step: int, live_version: int, max_staleness: int) -> bool:
@@ -145,7 +140,7 @@ def enforce_at_use(
     what trains is still exactly what is on disk."""
     alg = run.config.algorithm
     counts = {"dropped_stale": 0, "regenerated_stale": 0}
-    if alg.max_staleness == 0:
+    if not alg.asynchronous:
         return merged, counts
     versions: dict[str, list[int]] = {r.rollout_id: [] for r in merged.rollouts}
     for c in merged.calls:
@@ -167,7 +162,7 @@ def enforce_at_use(
         kept += [
             r.rollout_id for r in again if r.status == "succeeded" or not alg.drop_failed_rollouts
         ]
-    return run.client.step(kept, tokenizer=run.tokenizer), counts
+    return run.client.read_step(kept, tokenizer=run.tokenizer), counts
 
 
 def step_metrics(
@@ -187,26 +182,119 @@ def step_metrics(
     }
 
 
+@dataclass(frozen=True)
+class Batch:
+    """The finished rollouts of one step, and when their generation began."""
+
+    step: int
+    t0: float
+    results: list[RolloutResult]
+
+
+class Schedule(Protocol):
+    """When each step's rollouts are generated relative to training.
+
+    The loop trains every batch of :meth:`batches` in order and calls
+    :meth:`published` once the engines serve the weights that step produced."""
+
+    def __enter__(self) -> Schedule: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def batches(self) -> Iterator[Batch]: ...
+
+    def published(self, version: int) -> None: ...
+
+
+def schedule(
+    algorithm: AlgorithmSection,
+    generate: Callable[[int], list[RolloutResult]],
+    phases: PhaseLog,
+    *,
+    start: int,
+    steps: int,
+    version: int,
+    timeout_s: float,
+) -> Schedule:
+    """The run's schedule: synchronous, or the asynchronous pipeline
+    (``AlgorithmSection.asynchronous`` decides). ``generate(step)`` runs a
+    step's rollouts; ``version`` is the weight version the engines serve now."""
+    if algorithm.asynchronous:
+        return RolloutPipeline(
+            generate,
+            phases,
+            k=algorithm.max_staleness,
+            start=start,
+            steps=steps,
+            version=version,
+            timeout_s=timeout_s,
+        )
+    return SynchronousSchedule(generate, phases, start=start, steps=steps)
+
+
+class SynchronousSchedule:
+    """Each step's rollouts are generated when the step is due, on the weights
+    they will train; the engines idle while the trainer works."""
+
+    def __init__(
+        self,
+        generate: Callable[[int], list[RolloutResult]],
+        phases: PhaseLog,
+        *,
+        start: int,
+        steps: int,
+    ) -> None:
+        self.generate = generate
+        self.phases = phases
+        self.start = start
+        self.steps = steps
+
+    def __enter__(self) -> SynchronousSchedule:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def batches(self) -> Iterator[Batch]:
+        for step in range(self.start, self.steps):
+            t0 = time.monotonic()
+            results = self.generate(step)
+            self.phases.record("generate", t0, time.monotonic())
+            yield Batch(step, t0, results)
+
+    def published(self, version: int) -> None:
+        pass  # the next batch starts only when asked for, on these weights
+
+
 class RolloutPipeline:
     """Generates the rollouts of steps ``start, start+1, …`` in a background thread,
-    each step's batch dispatched only within the staleness bound."""
+    each step's batch dispatched only within the staleness bound ``k``."""
 
-    def __init__(self, run: Run, start: int) -> None:
-        self.run = run
-        self.k = run.config.algorithm.max_staleness
-        self.steps = run.config.steps
-        self.next_step = start
-        self.version = int(run.state["weight_version"])
+    def __init__(
+        self,
+        generate: Callable[[int], list[RolloutResult]],
+        phases: PhaseLog,
+        *,
+        k: int,
+        start: int,
+        steps: int,
+        version: int,
+        timeout_s: float,
+    ) -> None:
+        self.generate = generate
+        self.phases = phases
+        self.k = k
+        self.start = start
+        self.steps = steps
+        self.version = version
+        # How long a batch in flight may take to finish once the loop stops.
+        self.timeout_s = timeout_s
         self.cond = threading.Condition()
         self.closed = False
-        self.batches: queue.Queue[tuple[int, float, list[RolloutResult] | BaseException]] = (
+        self.queue: queue.Queue[tuple[int, float, list[RolloutResult] | BaseException]] = (
             queue.Queue()
         )
         self.thread = threading.Thread(target=self._produce, name="rollouts", daemon=True)
-
-    @classmethod
-    def for_run(cls, run: Run, start: int) -> RolloutPipeline | None:
-        return cls(run, start) if run.config.algorithm.max_staleness > 0 else None
 
     def __enter__(self) -> RolloutPipeline:
         self.thread.start()
@@ -217,11 +305,10 @@ class RolloutPipeline:
             self.closed = True
             self.cond.notify_all()
         # A batch in flight finishes on its own (its rollouts have timeouts).
-        timeout = max(h.timeout_s for h in self.run.config.all_harnesses())
-        self.thread.join(timeout=timeout + 60)
+        self.thread.join(timeout=self.timeout_s + 60)
 
     def _produce(self) -> None:
-        for step in range(self.next_step, self.steps):
+        for step in range(self.start, self.steps):
             with self.cond:
                 self.cond.wait_for(
                     lambda s=step: self.closed or may_dispatch(s, self.version, self.k)
@@ -230,22 +317,25 @@ class RolloutPipeline:
                     return
             t0 = time.monotonic()
             try:
-                results: list[RolloutResult] | BaseException = self.run._rollouts(step)
+                results: list[RolloutResult] | BaseException = self.generate(step)
             except BaseException as e:  # handed to the trainer thread, which raises it
                 results = e
-            self.run.phases.record("generate", t0, time.monotonic())
-            self.batches.put((step, t0, results))
+            self.phases.record("generate", t0, time.monotonic())
+            self.queue.put((step, t0, results))
             if isinstance(results, BaseException):
                 return
 
-    def step(self, step: int) -> dict[str, Any]:
-        """Train step ``step`` on its batch (waiting for it), then publish the version."""
-        got, t0, results = self.batches.get()
-        assert got == step, f"rollout batches out of order: {got} != {step}"
-        if isinstance(results, BaseException):
-            raise results
-        metrics = self.run.train_on(step, results, t0=t0)
+    def batches(self) -> Iterator[Batch]:
+        """Each step's batch in order, waiting for it; a failed generation raises here."""
+        for step in range(self.start, self.steps):
+            got, t0, results = self.queue.get()
+            assert got == step, f"rollout batches out of order: {got} != {step}"
+            if isinstance(results, BaseException):
+                raise results
+            yield Batch(step, t0, results)
+
+    def published(self, version: int) -> None:
+        """The engines serve ``version``: later steps may dispatch within the bound."""
         with self.cond:
-            self.version = step + 1
+            self.version = version
             self.cond.notify_all()
-        return metrics

@@ -12,19 +12,15 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lightning._core import StoreReader, Tokenizer
 from lightning.gateway.store import Store
-from lightning.run.report import decode_pieces
+from lightning.traces import Decoder, divergence_rows, finite, sample_row, token_pieces
 
 PAGE_MAX = 200  # rollouts (or sessions) per page at most
 RATE_WINDOW_S = 600.0  # the calls chart: the last ten minutes of activity...
 RATE_BUCKET_S = 5.0  # ...in five-second buckets
-
-
-class Decoder(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
 
 
 def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
@@ -100,12 +96,6 @@ class View:
                 self._store = (Store(self.db), StoreReader(self.db))
             return fn(*self._store)
 
-    def _pieces(self, ids: Sequence[int]) -> list[str]:
-        ids = [int(i) for i in ids]
-        if self.tokenizer is None:
-            return [f"⟨{i}⟩" for i in ids]
-        return decode_pieces(ids, self.tokenizer.decode)
-
     # ------------------------------------------------------------ run-level
 
     def metrics(self, offset: int) -> dict[str, Any]:
@@ -178,7 +168,8 @@ class View:
         """One page of online sessions, newest activity first: key, tags, number of
         signals, the reward ``lightning train --online`` computes from them by
         default (mean of the latest signal per name and target), trained or not."""
-        from lightning.online.train import BadReward, OnlineRewardSection, session_reward, signals
+        from lightning.online.rewards import BadReward, OnlineRewardSection, session_reward
+        from lightning.online.sessions import signals
 
         limit = max(1, min(limit, PAGE_MAX))
 
@@ -221,13 +212,9 @@ class View:
         the response id the client was given, the messages the harness sent that
         turn (as chat messages, whatever the protocol) and the answer, decoded
         from the exact ids; its feedback signals and computed reward."""
-        from lightning.online.train import (
-            BadReward,
-            OnlineRewardSection,
-            _sent_messages,
-            session_reward,
-            signals,
-        )
+        from lightning.online.export import sent_messages
+        from lightning.online.rewards import BadReward, OnlineRewardSection, session_reward
+        from lightning.online.sessions import signals
 
         def read(_: Store, r: StoreReader) -> Any:
             return r.call_bodies(session_id), signals(r, [session_id]).get(session_id, [])
@@ -244,7 +231,7 @@ class View:
             call["protocol"], call["response_id"] = proto, resp
             try:
                 body = json.loads(harness) if harness else {}
-                sent = _sent_messages(body, before) if isinstance(body, dict) else None
+                sent = sent_messages(body, before) if isinstance(body, dict) else None
             except ValueError:
                 sent = None
             if sent is None:  # a later choice of a request, or a redacted call
@@ -277,7 +264,7 @@ class View:
             records = s.records(rollout_id)
             # Drift causes need the policy's own tokenizer (a plain decoder leaves them unclassified).
             tok = self.tokenizer if isinstance(self.tokenizer, Tokenizer) else None
-            merged = s.step([rollout_id], tokenizer=tok)
+            merged = s.read_step([rollout_id], tokenizer=tok)
             events = reader.events(rollout_id)
             return info[0], records, merged, events
 
@@ -288,7 +275,7 @@ class View:
         calls = []
         for r in records:
             completion = [] if r.completion_ids is None else [int(t) for t in r.completion_ids]
-            lps = [] if r.logprobs is None else [_num(x) for x in r.logprobs]
+            lps = [] if r.logprobs is None else [finite(x) for x in r.logprobs]
             calls.append(
                 {
                     "seq": r.seq,
@@ -302,43 +289,24 @@ class View:
                     "latency_ms": r.latency_ms,
                     "trainable": r.trainable,
                     "text": r.text,
-                    "prompt": self._pieces([] if r.prompt_ids is None else r.prompt_ids),
+                    "prompt": token_pieces(
+                        [] if r.prompt_ids is None else r.prompt_ids, self.tokenizer
+                    ),
                     "prompt_ids": [] if r.prompt_ids is None else [int(t) for t in r.prompt_ids],
-                    "completion": self._pieces(completion),
+                    "completion": token_pieces(completion, self.tokenizer),
                     "completion_ids": completion,
                     "logprobs": lps,
                 }
             )
-        samples = []
-        for smp in merged.samples:
-            if smp.rollout_id != rollout_id:
-                continue
-            tokens = [int(t) for t in smp.tokens]
-            samples.append(
-                {
-                    "tokens": tokens,
-                    "pieces": self._pieces(tokens),
-                    "weights": [float(w) for w in smp.weights],
-                    "logprobs": [_num(x) for x in smp.logprobs],
-                    "call_index": [int(c) for c in smp.call_index],
-                    "weight_version": [int(v) for v in smp.weight_version],
-                }
-            )
-        divergences = [
-            {
-                "call_index": d.call_index,
-                "left_call_index": d.left_call_index,
-                "position": d.position,
-                "kind": d.kind,
-            }
-            for d in merged.divergences
-            if d.rollout_id == rollout_id
-        ]
         return {
             "rollout": _rollout_row(info),
             "calls": calls,
-            "samples": samples,
-            "divergences": divergences,
+            "samples": [
+                sample_row(smp, self.tokenizer)
+                for smp in merged.samples
+                if smp.rollout_id == rollout_id
+            ],
+            "divergences": divergence_rows(merged, rollout_id),
             "stats": merged.stats.as_dict(),
             "events": [
                 {"seq": seq, "type": kind, "data": _json(data), "created": created}
@@ -377,7 +345,7 @@ def _rollout_row(r: dict[str, Any]) -> dict[str, Any]:
     row = {k: v for k, v in r.items() if k != "task_json"}
     if "task_json" in r:
         row["task"] = _json(r["task_json"])
-    row["reward"] = _num(row.get("reward"))
+    row["reward"] = finite(row.get("reward"))
     return _finite(row)
 
 
@@ -388,10 +356,3 @@ def _json(text: Any) -> Any:
         return json.loads(text)
     except ValueError:
         return text
-
-
-def _num(x: Any) -> float | None:
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None

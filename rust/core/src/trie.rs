@@ -1,4 +1,4 @@
-//! Radix-trie merge of a rollout's calls into training samples (DESIGN.md §5).
+//! Radix-trie merge of a rollout's calls into training samples (docs/design.md#merge).
 //!
 //! Every call's full sequence `S = prompt ++ completion` is inserted into a radix
 //! trie whose edges are ranges of the inserted sequences (no token is copied

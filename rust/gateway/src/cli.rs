@@ -6,11 +6,13 @@ use std::path::PathBuf;
 
 use crate::config::{Config, UpstreamConfig};
 
-/// The recording gateway: harnesses call `/rollouts/{id}/v1/...` (OpenAI chat,
-/// completions, Responses) and every call is stored with exact token ids.
+/// The recording gateway: harnesses call `/rollouts/{id}/v1/...` (OpenAI chat
+/// completions, completions, Responses, Anthropic Messages) and every call is
+/// stored with exact token ids.
 ///
-/// The flags here are the ones that are not config fields; every config field
-/// is a flag too (`Config`'s clap derive, added in `command`).
+/// Every config field is also a flag; flags override the `--config` file.
+// The flags declared here are the ones that are not config fields; the config
+// fields come from `Config`'s clap derive, added in `command`.
 #[derive(Debug, Parser)]
 #[command(
     name = "lightning-gateway",

@@ -133,6 +133,16 @@ async fn records_json_and_streamed_calls_exactly() {
     let r: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
     let id = r["rollout_id"].as_str().unwrap_or_default().to_string();
     let token = r["token"].as_str().unwrap_or_default().to_string();
+    // One URL per client family: OpenAI clients take `.../v1`, Anthropic
+    // clients append `/v1/messages` themselves.
+    assert_eq!(
+        r["base_url"],
+        json!(format!("http://{addr}/rollouts/{id}/v1"))
+    );
+    assert_eq!(
+        r["anthropic_base_url"],
+        json!(format!("http://{addr}/rollouts/{id}"))
+    );
 
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let path = format!("/rollouts/{id}/v1/chat/completions");

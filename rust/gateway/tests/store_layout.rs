@@ -284,7 +284,7 @@ fn reads(path: &Path, ids: &[String]) -> Vec<String> {
         ));
     }
     let step = r
-        .step(&Selection::default())
+        .read_step(&Selection::default())
         .unwrap_or_else(|e| panic!("{e}"));
     // Rollout rows are the same in both (creation times aside, which differ
     // between the two writes); the calls must be identical.

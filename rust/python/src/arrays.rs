@@ -132,12 +132,19 @@ pub fn freeze<T: Element>(arr: Bound<'_, PyArray1<T>>) -> PyResult<Py<PyArray1<T
     Ok(arr.unbind())
 }
 
-/// Token ids as a uint32 numpy array; `Err(String)` describes bad input (the
-/// caller raises it as its own error). The one place ids cross from Python:
-/// a C-contiguous uint32 array is kept as is (no copy, like `np.asarray`),
-/// another integer array is converted in one typed pass with each value
-/// range-checked, and only a list (or an exotic dtype) is read per element.
-pub fn to_ids(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Py<PyArray1<u32>>, String>> {
+/// Token ids as they came from Python: the caller's own uint32 array, or ids
+/// converted into a fresh vector.
+enum Ids<'py> {
+    Shared(Bound<'py, PyArray1<u32>>),
+    Converted(Vec<u32>),
+}
+
+/// The one place token ids cross from Python; `Err(String)` describes bad
+/// input (each caller raises it as its own error). A C-contiguous uint32 array
+/// is kept as is (no copy, like `np.asarray`), another integer array is
+/// converted in one typed pass with each value range-checked, and only a list
+/// (or an exotic dtype) is read per element.
+fn parse_ids<'py>(obj: &Bound<'py, PyAny>, field: &str) -> PyResult<Result<Ids<'py>, String>> {
     let py = obj.py();
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
         if arr.ndim() != 1 {
@@ -148,9 +155,7 @@ pub fn to_ids(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Py<PyArray
         }
         let dt = arr.dtype();
         if dt.is_equiv_to(&dtype::<u32>(py)) && arr.is_c_contiguous() {
-            // Zero copy: the Call shares the caller's buffer (like np.asarray).
-            let a = obj.cast::<PyArray1<u32>>()?;
-            return Ok(Ok(a.clone().unbind()));
+            return Ok(Ok(Ids::Shared(obj.cast::<PyArray1<u32>>()?.clone())));
         }
         if !matches!(dt.kind(), b'i' | b'u') {
             return Ok(Err(format!(
@@ -161,7 +166,7 @@ pub fn to_ids(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Py<PyArray
         macro_rules! try_type {
             ($($t:ty),*) => {$(
                 match ids_from_typed::<$t>(obj, field) {
-                    Ok(Some(v)) => return Ok(Ok(freeze(v.into_pyarray(py))?)),
+                    Ok(Some(v)) => return Ok(Ok(Ids::Converted(v))),
                     Ok(None) => {}
                     Err(e) => return Ok(Err(e)),
                 }
@@ -170,11 +175,32 @@ pub fn to_ids(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Py<PyArray
         try_type!(i64, i32, u32, u64, u16, u8, i16, i8);
         // Non-native byte order or an exotic integer type: go through Python ints.
         let list = obj.call_method0("tolist")?;
-        return ids_from_sequence(&list, field)
-            .map(|r| r.and_then(|v| freeze(v.into_pyarray(py)).map_err(|e| e.to_string())));
+        return Ok(ids_from_sequence(&list, field)?.map(Ids::Converted));
     }
-    Ok(match ids_from_sequence(obj, field)? {
-        Ok(v) => Ok(freeze(v.into_pyarray(py))?),
+    Ok(ids_from_sequence(obj, field)?.map(Ids::Converted))
+}
+
+/// Token ids as a uint32 numpy array (what a `Call` keeps): the caller's own
+/// array when it already is one (zero copy: the `Call` shares its buffer),
+/// else a fresh read-only one.
+pub fn to_ids(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Py<PyArray1<u32>>, String>> {
+    Ok(match parse_ids(obj, field)? {
+        Ok(Ids::Shared(a)) => Ok(a.unbind()),
+        Ok(Ids::Converted(v)) => Ok(freeze(v.into_pyarray(obj.py()))?),
+        Err(e) => Err(e),
+    })
+}
+
+/// Token ids as a vector, for calls that only read them (decode, splice,
+/// drift): the same conversion and messages as [`to_ids`].
+pub fn ids_vec(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Result<Vec<u32>, String>> {
+    Ok(match parse_ids(obj, field)? {
+        Ok(Ids::Shared(a)) => match a.try_readonly() {
+            // Shared only when C-contiguous, so the slice always exists.
+            Ok(ro) => Ok(ro.as_array().iter().copied().collect()),
+            Err(e) => Err(format!("{field} cannot be read: {e}")),
+        },
+        Ok(Ids::Converted(v)) => Ok(v),
         Err(e) => Err(e),
     })
 }

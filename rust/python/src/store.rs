@@ -328,7 +328,7 @@ impl PyStoreReader {
     /// calls, merged as `merge_calls` does.
     #[pyo3(signature = (rollout_ids=None, *, group=None, status=None, mode=None, max_tokens=None, tokenizer=None))]
     #[allow(clippy::too_many_arguments)]
-    fn step(
+    fn read_step(
         &self,
         py: Python<'_>,
         rollout_ids: Option<Vec<String>>,
@@ -347,7 +347,7 @@ impl PyStoreReader {
             ..Selection::default()
         };
         let data = py
-            .detach(|| self.inner.step(&sel))
+            .detach(|| self.inner.read_step(&sel))
             .map_err(|e| gateway_error(py, e))?;
         let rollouts = data
             .rollouts

@@ -11,11 +11,13 @@ use lightning_core::drift::classify_drift as core_classify;
 use lightning_core::retokenize::{ChatInput, Generation};
 use lightning_core::tokenizer::{Tokenizer as CoreTokenizer, TokenizerConfig};
 use lightning_core::CoreError;
-use numpy::{PyArray1, PyArrayMethods};
+use numpy::PyArray1;
 use pyo3::exceptions::{PyFileNotFoundError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::{Map, Number, Value as Json};
+
+use crate::arrays::ids_vec;
 
 fn to_py(err: CoreError) -> PyErr {
     Python::attach(|py| crate::errors::core_error(py, err))
@@ -101,26 +103,10 @@ fn kwargs_json(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Map<String, Json>
     }
 }
 
-/// Token ids from a numpy uint32 array (no element-wise Python objects) or any
-/// sequence of ints.
+/// Token ids from Python through the one converter (`arrays::ids_vec`); bad
+/// input is a `TypeError` naming the argument.
 pub fn ids_arg(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<u32>> {
-    if let Ok(a) = obj.cast::<PyArray1<u32>>() {
-        if let Ok(ro) = a.try_readonly() {
-            if let Ok(s) = ro.as_slice() {
-                return Ok(s.to_vec());
-            }
-            return Ok(ro.as_array().iter().copied().collect());
-        }
-    }
-    obj.extract::<Vec<u32>>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{field} must be a 1-D array or list of token ids in [0, 2**32), got {}",
-            obj.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
-        ))
-    })
+    ids_vec(obj, field)?.map_err(PyTypeError::new_err)
 }
 
 fn read(path: &Path) -> PyResult<Vec<u8>> {

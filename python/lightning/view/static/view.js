@@ -59,6 +59,23 @@ function drawCharts() {
     drawChart(card, spec, keys, rows);
   }
 }
+// Axis ticks at round values, steps of 1, 2 or 5 x 10^k: a reader takes a value
+// off the axis without arithmetic. The smallest such step that gives at most
+// `n` ticks in [lo, hi] (at least 1 for whole-number steps), so the axis keeps
+// the data's range and the ticks fall inside it.
+function niceTicks(lo, hi, n, minStep) {
+  const mag = Math.pow(10, Math.floor(Math.log10((hi - lo) / n)) - 1);
+  let step = mag;
+  for (let i = 0; ; i++) {
+    step = [1, 2, 5][i % 3] * mag * Math.pow(10, Math.floor(i / 3));
+    if (step >= (minStep || 0) && Math.floor(hi / step + 1e-9) - Math.ceil(lo / step - 1e-9) + 1 <= n) break;
+  }
+  // The step's decimals, so labels read 0.3, not 0.30000000000000004.
+  const dec = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+  const values = [];
+  for (let i = Math.ceil(lo / step - 1e-9); i <= Math.floor(hi / step + 1e-9); i++) values.push(+(i * step).toFixed(dec));
+  return { values, label: (v) => v.toFixed(dec) };
+}
 function drawChart(card, spec, keys, rows) {
   const W = 340, H = 170, L = 42, R = 8, T = 8, B = 22;
   const plot = card.querySelector("svg");
@@ -73,14 +90,19 @@ function drawChart(card, spec, keys, rows) {
   if (x0 === x1) { x0 -= 1; x1 += 1; }
   if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
   const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
+  const yt = niceTicks(y0, y1, 5);
+  const xt = niceTicks(x0, x1, 6, xs.every((x) => Number.isInteger(x)) ? 1 : 0);
   const X = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
   const Y = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
   plot.append(svg("line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B }), svg("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }));
-  for (let i = 0; i <= 3; i++) {
-    const yv = y0 + ((y1 - y0) * i) / 3, xv = x0 + ((x1 - x0) * i) / 3;
-    const ty = svg("text", { class: "tick", x: 2, y: Y(yv) + 3 }); ty.textContent = fmt(yv); plot.append(ty);
-    const tx = svg("text", { class: "tick", x: X(xv) - 6, y: H - 6 }); tx.textContent = fmt(xv); plot.append(tx);
+  for (const v of yt.values) {
+    const ty = svg("text", { class: "tick", x: 2, y: Y(v) + 3 }); ty.textContent = yt.label(v); plot.append(ty);
   }
+  for (const v of xt.values) {
+    const tx = svg("text", { class: "tick", x: X(v) - 6, y: H - 6 }); tx.textContent = xt.label(v); plot.append(tx);
+  }
+  card.dataset.yticks = yt.values.map(yt.label).join(" ");
+  card.dataset.xticks = xt.values.map(xt.label).join(" ");
   let n = 0;
   const legend = card.querySelector(".legend");
   legend.replaceChildren();
@@ -301,7 +323,9 @@ async function route() {
     else if (parts[0] === "rollout") await showRollout(parts.slice(1).join("/"));
     else if (parts[0] === "group") await showGroup(parts.slice(1).join("/"));
     else if (parts[0] === "compare") await showCompare(parts[1], parts[2]);
-    if (parts[0] && parts[0] !== "sessions") detail.scrollIntoView();
+    // The detail is the page's first section (index.html): a link to a rollout,
+    // group, session or comparison opens on it, the lists below.
+    if (parts[0] && parts[0] !== "sessions") window.scrollTo(0, 0);
   } catch (e) {
     detail.replaceChildren(el("p", { class: "status-failed" }, String(e)));
   }

@@ -1,4 +1,4 @@
-//! Online mode: deployed harnesses recorded session by session (DESIGN.md §9).
+//! Online mode: deployed harnesses recorded session by session (docs/design.md#online-sessions).
 //!
 //! A production harness calls `/v1/...` with an *application key* (`lk-…`,
 //! created through `POST /admin/keys`, stored as SHA-256 like rollout tokens).

@@ -1,12 +1,12 @@
 //! Anthropic Messages (`POST /v1/messages`, `POST /v1/messages/count_tokens`):
 //! what Claude Code and the `anthropic` SDKs speak, translated to and from the
-//! engine's vLLM-wire chat completions (DESIGN.md §9).
+//! engine's vLLM-wire chat completions (docs/design.md#protocols).
 //!
 //! Sources: the API reference (platform.claude.com/docs/en/api/messages,
 //! .../messages-streaming, .../errors, .../messages-count-tokens) and the
 //! official Python SDK `anthropic` 2.16.0, whose types are cited by file
 //! (`anthropic/types/...`). What the real Claude Code 2.1.332 sends was
-//! recorded (notes/claude_requests/README.md) and every field of it is
+//! recorded (docs/harnesses.md#what-claude-code-sends) and every field of it is
 //! handled below.
 //!
 //! Request (`MessageCreateParamsBase`, `types/message_create_params.py`):

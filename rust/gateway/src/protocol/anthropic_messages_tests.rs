@@ -29,7 +29,7 @@ fn refused(body: Value) -> ApiError {
     }
 }
 
-/// The shape of Claude Code 2.1.332's second call (notes/claude_requests/run4).
+/// The shape of Claude Code 2.1.332's second call (docs/harnesses.md#what-claude-code-sends).
 fn claude_code_call() -> Value {
     json!({
         "model": "lightning",

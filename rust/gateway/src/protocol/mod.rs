@@ -1,5 +1,5 @@
 //! Protocol adapters: how a harness's API maps onto the one engine dialect that
-//! returns exact token ids (DESIGN.md §9).
+//! returns exact token ids (docs/design.md#protocols).
 //!
 //! Engines are always asked in vLLM-wire chat completions (or completions)
 //! with `return_token_ids` and `logprobs` on; a harness may speak OpenAI chat

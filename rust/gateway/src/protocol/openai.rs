@@ -2,7 +2,7 @@
 //! (`POST /v1/completions`): the engine's own dialects, so one adapter serves
 //! both. It only switches ids and logprobs on (`logprobs` as chat's boolean or
 //! completions' count) and passes the engine's answer through unchanged (extra
-//! fields such as `token_ids` are harmless to OpenAI clients; DESIGN.md §3).
+//! fields such as `token_ids` are harmless to OpenAI clients; docs/design.md#wire-format).
 
 use bytes::Bytes;
 use hyper::StatusCode;
@@ -137,7 +137,7 @@ impl Unasked {
         })
     }
 
-    /// Removes them from an answer or a stream chunk (vLLM's field names, DESIGN.md §3).
+    /// Removes them from an answer or a stream chunk (vLLM's field names, docs/design.md#wire-format).
     fn strip(self, v: &mut Value) {
         let Some(top) = v.as_object_mut() else { return };
         top.remove("kv_transfer_params");

@@ -1,6 +1,6 @@
 //! The proxy pipeline: harness request → protocol adapter → forward → record
 //! → protocol answer, streamed event by event, with the call committed before
-//! the answer's final frame leaves the gateway (DESIGN.md §4).
+//! the answer's final frame leaves the gateway (docs/design.md#durability).
 //!
 //! The pipeline knows no protocol: it parses the harness's JSON, asks the
 //! adapter (`crate::protocol`) for the engine request, forwards it

@@ -113,9 +113,14 @@ async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>
     };
     match (&method, segs.as_slice()) {
         (&Method::GET, ["healthz"] | ["health"]) => Ok(health(st)),
-        // Harnesses probe the base URL (Claude Code sends `HEAD /`): a
-        // reachable gateway, not a routing error.
-        (&Method::HEAD | &Method::GET, [""]) => Ok(json_response(200, &json!({"status": "ok"}))),
+        // Harnesses probe the base URL they were given: Claude Code sends
+        // `HEAD` to its ANTHROPIC_BASE_URL (`HEAD /`, or `HEAD /rollouts/{id}`
+        // for a rollout's URL, 2.1.197). A reachable gateway, not a routing
+        // error: 200 without authentication, the same for any id, so the
+        // probe says nothing about which rollouts exist.
+        (&Method::HEAD | &Method::GET, [""]) | (&Method::HEAD, ["rollouts", _]) => {
+            Ok(json_response(200, &json!({"status": "ok"})))
+        }
         (&Method::GET, ["metrics"]) => {
             let text = st.metrics.render(
                 &st.store.stats,

@@ -280,6 +280,9 @@ async fn create_rollout(st: &Arc<State>, v: Value) -> Result<Response<Body>, Api
             "rollout_id": id,
             "token": token,
             "base_url": format!("{}/rollouts/{}/v1", st.public_url, id),
+            // Anthropic clients append `/v1/messages` themselves (Claude Code's
+            // ANTHROPIC_BASE_URL, the `anthropic` SDKs' base_url).
+            "anthropic_base_url": format!("{}/rollouts/{}", st.public_url, id),
             "group": row.group,
             "mode": row.mode,
             "status": row.status,

@@ -1,7 +1,7 @@
 //! The durable trace store: SQLite in WAL mode, one writer thread with group
 //! commit, a few reader connections.
 //!
-//! Durability contract (DESIGN.md §4): every write API returns only after the
+//! Durability contract (docs/design.md#durability): every write API returns only after the
 //! transaction holding it has committed, so a caller that acknowledges after
 //! `await`ing a write never acknowledges something that is not on disk. The
 //! writer drains everything queued while the previous commit ran into one

@@ -4,7 +4,7 @@
 //!
 //! [`Reader`] opens the SQLite file read-only beside a running gateway (WAL mode
 //! lets it see every committed call without blocking the writer). A training
-//! step's batch comes out in one read transaction ([`Reader::step`]): the
+//! step's batch comes out in one read transaction ([`Reader::read_step`]): the
 //! selected rollouts with group, mode, status and latest reward, and their
 //! trainable calls with exact ids, logprobs and weight versions, so what trains
 //! is a consistent snapshot of what is on disk.
@@ -834,11 +834,11 @@ impl Reader {
             rollout_ids: Some(vec![rollout_id.to_string()]),
             ..Selection::default()
         };
-        Ok(self.step(&sel)?.calls)
+        Ok(self.read_step(&sel)?.calls)
     }
 
     /// The selected rollouts and their trainable calls, in one read transaction.
-    pub fn step(&self, sel: &Selection) -> Result<StepData, GatewayError> {
+    pub fn read_step(&self, sel: &Selection) -> Result<StepData, GatewayError> {
         self.with(|conn| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
             let mut out = StepData {
@@ -935,7 +935,7 @@ mod tests {
             rollout_ids: Some(vec!["b".into(), "a".into(), "missing".into()]),
             ..Selection::default()
         };
-        let step = reader.step(&sel).unwrap();
+        let step = reader.read_step(&sel).unwrap();
         let ids: Vec<_> = step
             .rollouts
             .iter()

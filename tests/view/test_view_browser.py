@@ -1,0 +1,282 @@
+"""`lightning view` in a real browser: Debian's chromium, driven by Playwright
+(never a downloaded browser), against a store written by a real gateway. The
+page loads, its charts follow metrics lines as they land, a rollout opens with
+its tokens, a group and a comparison render; screenshots are kept in
+``$LIGHTNING_ARTIFACTS/view`` (else the test's tmp dir), printed."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from fake_vllm import FakeEngine
+from gateways import wait_until
+from lightning.view.data import View
+from lightning.view.server import create_app
+from view_run import ByteDecoder, append_metrics, record_online, record_run
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium on PATH (.ci/run installs Debian's chromium)"
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Any]]:
+    """The view of a fresh run, served by uvicorn on a loopback port."""
+    engine = FakeEngine("S")
+    run_dir = tmp_path_factory.mktemp("view-browser") / "run"
+    try:
+        ids = record_run(engine.url, run_dir)
+    finally:
+        engine.stop()
+    view = View(run_dir / "lightning.db", run_dir / "metrics.jsonl", ByteDecoder())
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(view), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the view's server to start")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}/", run_dir, ids
+    server.should_exit = True
+    thread.join(10)
+
+
+def serve(view: View) -> tuple[uvicorn.Server, threading.Thread, str]:
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(view), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the view's server to start")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}/"
+
+
+@pytest.fixture(scope="module")
+def served_online(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
+    """The view of an online-mode store written by a gateway process."""
+    engine = FakeEngine("W", unique_ids=True)
+    db = tmp_path_factory.mktemp("view-browser-online") / "online.db"
+    try:
+        got = record_online(engine, db)
+    finally:
+        engine.stop()
+    server, thread, url = serve(View(db, tokenizer=ByteDecoder()))
+    yield url, got
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = os.environ.get("LIGHTNING_ARTIFACTS")
+    out = Path(root) / "view" if root else tmp_path_factory.mktemp("view-screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"\n[view] screenshots in {out}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def page(served: Any) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.errors = errors
+        yield page
+        browser.close()
+
+
+def points(page: Any, chart: str) -> int:
+    return int(page.get_attribute(f"#chart-{chart}", "data-points") or 0)
+
+
+def test_charts_update_live_as_steps_land(page: Any, served: Any, artifacts: Path) -> None:
+    url, run_dir, _ = served
+    page.goto(url)
+    page.wait_for_selector("#chart-reward[data-points]")
+    for chart in ("reward", "loss", "kl", "entropy", "staleness", "idle"):
+        assert page.is_visible(f"#chart-{chart}"), chart
+    before = points(page, "loss")
+    assert before == 3
+    assert page.locator("#chart-reward line.ci").count() == 1  # step 2's eval interval
+    page.screenshot(path=str(artifacts / "1-run-3-steps.png"), full_page=True)
+    append_metrics(run_dir, range(4, 8))
+    page.wait_for_function("document.querySelector('#chart-loss').dataset.points === '7'")
+    assert page.locator("#chart-reward line.ci").count() == 3
+    page.wait_for_function("document.querySelector('#live').dataset.steps === '7'")
+    assert page.locator("#rollouts tbody tr").count() == 4
+    assert "in flight" in page.inner_text("#counts")
+    # Calls per second and errors, from the store: 8 calls, none failed.
+    page.wait_for_selector("#chart-rate[data-calls]")
+    assert page.get_attribute("#chart-rate", "data-calls") == "8"
+    assert page.get_attribute("#chart-rate", "data-errors") == "0"
+    page.screenshot(path=str(artifacts / "2-run-7-steps.png"), full_page=True)
+    assert page.errors == []
+
+
+def test_a_rollout_opens_with_its_tokens(page: Any, served: Any, artifacts: Path) -> None:
+    url, _, ids = served
+    page.goto(url)
+    rid = ids["g0"][1]
+    page.click(f'tr.rollout[data-id="{rid}"]')
+    page.wait_for_selector("#samples .tok.gen")
+    assert rid in page.inner_text("#detail h2")
+    # The first call's completion, decoded from its exact ids, is in the DOM as tokens.
+    from starlette.testclient import TestClient
+
+    view = View(served[1] / "lightning.db", tokenizer=ByteDecoder())
+    with TestClient(create_app(view)) as c:
+        completion = c.get(f"/api/rollouts/{rid}").json()["calls"][0]["completion"]
+    tokens = page.locator("#calls .call").first.locator(".tokens").last.locator(".tok")
+    assert tokens.all_inner_texts() == completion
+    assert tokens.first.get_attribute("style").startswith("background:hsl(")
+    assert "logprob" in (tokens.first.get_attribute("title") or "")
+    assert page.locator("#samples .split-label").count() == 2  # one split, in each sample
+    assert "unclassified" in page.inner_text("#samples")
+    page.screenshot(path=str(artifacts / "3-rollout.png"), full_page=True)
+    assert page.errors == []
+
+
+def round_ticks(text: str) -> bool:
+    """Whether axis tick labels are evenly spaced by 1, 2 or 5 x 10^k."""
+    values = [float(v) for v in text.split()]
+    steps = {round(b - a, 12) for a, b in itertools.pairwise(values)}
+    if len(values) < 2 or len(steps) != 1:
+        return False
+    (step,) = steps
+    mantissa = step / 10 ** math.floor(math.log10(step) + 1e-9)
+    on_grid = all(abs(v / step - round(v / step)) < 1e-6 for v in values)
+    return on_grid and any(abs(mantissa - m) < 1e-6 for m in (1, 2, 5))
+
+
+def test_round_ticks_check_can_fail() -> None:
+    assert round_ticks("0.0 0.5 1.0") and round_ticks("-400 -300 -200") and round_ticks("0 2 4")
+    assert not round_ticks("-0.6 2.67 6.33") and not round_ticks("0 3 6") and not round_ticks("1")
+    assert not round_ticks("0.1 0.6 1.1")  # 0.5 apart, but off the grid of 0.5
+
+
+def test_chart_axes_tick_at_round_values(page: Any, served: Any, artifacts: Path) -> None:
+    url, _, _ = served
+    page.goto(url)
+    page.wait_for_selector("#chart-loss[data-yticks]")
+    for chart in ("reward", "loss", "kl", "entropy"):
+        for axis in ("yticks", "xticks"):
+            ticks = page.get_attribute(f"#chart-{chart}", f"data-{axis}") or ""
+            assert round_ticks(ticks), f"{chart} {axis}: {ticks!r}"
+    # What the reader sees is those labels.
+    labels = page.locator("#chart-loss text.tick").all_text_contents()
+    ticks = (
+        page.get_attribute("#chart-loss", "data-yticks")
+        + " "
+        + page.get_attribute("#chart-loss", "data-xticks")
+    )
+    assert labels == ticks.split()
+    page.locator("#charts").screenshot(path=str(artifacts / "8-charts-round-ticks.png"))
+    assert page.errors == []
+
+
+@pytest.mark.parametrize("kind", ["rollout", "group", "compare"])
+def test_a_link_opens_with_its_detail_first(
+    page: Any, served: Any, artifacts: Path, kind: str
+) -> None:
+    """A link to a rollout, a group or a comparison (pasted, or opened from a report)
+    shows that detail at the top of the page, above the charts and the rollout list."""
+    url, _, ids = served
+    a, b = ids["g0"][0], ids["g0"][1]
+    link = {"rollout": f"#/rollout/{a}", "group": "#/group/g0", "compare": f"#/compare/{a}/{b}"}
+    page.goto("about:blank")
+    page.goto(url + link[kind])
+    page.wait_for_selector("#detail .tok")
+    page.wait_for_selector("#rollouts tbody tr")  # the list has loaded too, below
+    detail = page.locator("#detail").bounding_box()
+    for below in ("#charts", "#rollouts"):
+        assert page.locator(below).bounding_box()["y"] >= detail["y"] + detail["height"], below
+    assert page.evaluate("window.scrollY") == 0
+    assert detail["y"] < 900  # in the first screen
+    page.screenshot(path=str(artifacts / f"9-link-{kind}.png"))
+    assert page.errors == []
+
+
+def test_a_session_link_opens_with_its_conversation_first(
+    page: Any, served_online: Any, artifacts: Path
+) -> None:
+    url, got = served_online
+    page.goto("about:blank")
+    page.goto(url + f"#/session/{got['sessions']['conv-1']}")
+    page.wait_for_selector("#conversation .turn")
+    page.wait_for_selector("#session-list tbody tr.session")  # the list loaded, below
+    detail = page.locator("#detail").bounding_box()
+    below = page.locator("#session-list").bounding_box()
+    assert below["y"] >= detail["y"] + detail["height"]
+    assert page.evaluate("window.scrollY") == 0
+    page.screenshot(path=str(artifacts / "9-link-session.png"))
+    assert page.errors == []
+
+
+def test_group_and_compare_render(page: Any, served: Any, artifacts: Path) -> None:
+    url, _, ids = served
+    page.goto(url + "#/group/g0")
+    page.wait_for_selector("#group-cols .col .tok")
+    heads = page.locator("#group-cols .col h3").all_inner_texts()
+    assert [h.split("reward ")[1] for h in heads] == ["1", "0.5", "0"]
+    page.screenshot(path=str(artifacts / "4-group.png"), full_page=True)
+    a, b = ids["g0"][0], ids["g0"][1]
+    page.goto(url + f"#/compare/{a}/{b}")
+    page.wait_for_selector(".tok.diff")
+    assert page.locator(".tok.diff").count() == 2
+    assert "first diverging token" in page.inner_text("#first-diff")
+    page.screenshot(path=str(artifacts / "5-compare.png"), full_page=True)
+    assert page.errors == []
+
+
+def test_sessions_page_and_a_sessions_conversation(
+    page: Any, served_online: Any, artifacts: Path
+) -> None:
+    url, got = served_online
+    page.goto(url + "#/sessions")
+    page.wait_for_selector("#session-list tbody tr.session")
+    assert page.locator("#session-list tbody tr").count() == 3
+    assert page.is_hidden("#run")
+    row = page.locator(f'tr.session[data-id="{got["sessions"]["conv-1"]}"]')
+    cells = row.locator("td").all_inner_texts()
+    assert cells[1:6] == ["support-bot", "support", "3", "2", "0.75"]
+    page.select_option("#s-feedback", "0")
+    page.wait_for_function("document.querySelectorAll('#session-list tbody tr').length === 1")
+    assert "other-bot" in page.inner_text("#session-list tbody")
+    page.screenshot(path=str(artifacts / "6-sessions-filtered.png"), full_page=True)
+    page.select_option("#s-feedback", "")
+    page.wait_for_function("document.querySelectorAll('#session-list tbody tr').length === 3")
+    page.screenshot(path=str(artifacts / "6-sessions.png"), full_page=True)
+    row.click()
+    page.wait_for_selector("#conversation .turn")
+    turns = page.locator("#conversation .turn")
+    assert [turns.nth(i).get_attribute("data-protocol") for i in range(3)] == [
+        "openai_chat",
+        "openai_responses",
+        "anthropic_messages",
+    ]
+    assert "second, via responses" in turns.nth(1).inner_text()
+    assert turns.nth(2).locator(".tok").count() > 0
+    assert "reward 0.75" in page.inner_text("#detail")
+    assert page.locator("#feedback tbody tr").count() == 2
+    page.screenshot(path=str(artifacts / "7-session.png"), full_page=True)
+    page.goto(url)
+    page.wait_for_selector("#chart-rate[data-errors]")
+    assert page.get_attribute("#chart-rate", "data-errors") == "1"
+    page.screenshot(path=str(artifacts / "8-online-calls-chart.png"), full_page=True)
+    assert page.errors == []
