@@ -35,9 +35,9 @@ import tempfile
 import threading
 import time
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,9 @@ def system_prompt() -> str:
 
 
 def tool_output(turn: int) -> str:
-    lines = [f"tests/test_{turn}_{k}.py::case_{k} {'PASSED' if k % 5 else 'FAILED'}" for k in range(40)]
+    lines = [
+        f"tests/test_{turn}_{k}.py::case_{k} {'PASSED' if k % 5 else 'FAILED'}" for k in range(40)
+    ]
     return "\n".join(lines)[:2048]
 
 
@@ -195,7 +197,9 @@ def run(layout: str, engine_url: str, tok: lightning.Tokenizer, tmp: Path) -> li
                     headers={"Authorization": f"Bearer {r.token}"},
                 )
                 a.raise_for_status()
-                messages.append({"role": "assistant", "content": a.json()["choices"][0]["message"]["content"]})
+                messages.append(
+                    {"role": "assistant", "content": a.json()["choices"][0]["message"]["content"]}
+                )
                 messages.append({"role": "user", "content": tool_output(turn)})
                 if turn in MARKS or turn % 10 == 0:
                     # Mean commit over the calls since the last mark.
@@ -222,11 +226,15 @@ def run(layout: str, engine_url: str, tok: lightning.Tokenizer, tmp: Path) -> li
 
 
 def main() -> int:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs; load: {os.getloadavg()}")
     print(f"commit:  {commit}")
     tok = lightning.Tokenizer.from_dir(smollm2_dir())
-    print(f"tokenizer: SmolLM2-135M-Instruct; system prompt {len(tok.encode(system_prompt()))} tokens")
+    print(
+        f"tokenizer: SmolLM2-135M-Instruct; system prompt {len(tok.encode(system_prompt()))} tokens"
+    )
     Engine.tok = tok
     Engine.answer = [int(i) for i in tok.encode(ANSWER)]
     server = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
@@ -239,7 +247,9 @@ def main() -> int:
             results[layout] = {row["turn"]: row for row in run(layout, engine_url, tok, Path(d))}
             print(f"{layout}: {TURNS} turns in {time.monotonic() - t0:.1f} s")
     server.shutdown()
-    print(f"\n{'turns':>5} | {'unique MB':>9} | {'full MB':>8} {'x unique':>8} | {'shared MB':>9} {'x unique':>8} | {'file full':>9} {'file shared':>11} | {'commit ms full':>14} {'shared':>7}")
+    print(
+        f"\n{'turns':>5} | {'unique MB':>9} | {'full MB':>8} {'x unique':>8} | {'shared MB':>9} {'x unique':>8} | {'file full':>9} {'file shared':>11} | {'commit ms full':>14} {'shared':>7}"
+    )
     for turn in sorted(results["full"]):
         f, s = results["full"][turn], results["shared"][turn]
         print(
