@@ -97,7 +97,7 @@ def main() -> int:
 
     # Time to first page: a fresh View, the summary and the first page, over HTTP.
     def first() -> tuple[dict[str, Any], dict[str, Any]]:
-        with TestClient(create_app(View(db))) as c:
+        with TestClient(create_app(View(db)), base_url="http://127.0.0.1") as c:
             s = c.get("/api/summary").json()
             page = c.get("/api/rollouts?limit=50").json()
         return s, page
@@ -108,7 +108,7 @@ def main() -> int:
     print(f"time to first page (open + summary + 50 rollouts): {ms(t_first)}")
     assert len(page["rollouts"]) == 50 and page["next"]
 
-    with TestClient(create_app(View(db))) as c:
+    with TestClient(create_app(View(db)), base_url="http://127.0.0.1") as c:
         t_summary = min(timed(lambda: c.get("/api/summary"))[0] for _ in range(5))
         print(f"summary alone (best of 5): {ms(t_summary)}")
         per_page: list[float] = []

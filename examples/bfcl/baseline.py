@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -61,7 +62,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     db = Path(tempfile.mkdtemp(prefix="bfcl-baseline-")) / "lightning.db"
     config = GatewayConfig(
-        listen="127.0.0.1:0", upstreams=[{"url": args.engine_url, "weight_version": 1}], db=str(db)
+        listen="127.0.0.1:0",
+        upstreams=[{"url": args.engine_url, "weight_version": 1}],
+        db=str(db),
+        # `lightning serve` needs its key: export LIGHTNING_ENGINE_KEY for both.
+        upstream_api_key=os.environ.get("LIGHTNING_ENGINE_KEY"),
     )
     handle = Gateway(config).start()
     client = handle.client()

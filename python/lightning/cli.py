@@ -16,6 +16,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "lightning.run.loop:train_main",
         "run RL training from a TOML config (see examples/)",
     ),
+    "sft": (
+        "lightning.run.loop:sft_main",
+        "supervised fine-tuning from JSONL conversations or a store (see docs/sft.md)",
+    ),
     "demo": (
         "lightning.apps.demo:main",
         "the offline CPU demo: an arithmetic agent improves by RL",

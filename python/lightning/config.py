@@ -850,6 +850,123 @@ _RUN_SETS = {
 }
 
 
+class SftSection(_Section):
+    """``[sft]``: a supervised stage (``lightning sft``; in ``lightning train`` a
+    warm start before RL). The loss is the negative log-likelihood of the trained
+    tokens, averaged over every trained token of an optimizer step; everything
+    else (batching, LoRA, precision, optimizer, checkpoints) is ``[trainer]``'s.
+    See docs/sft.md for what each source trains on."""
+
+    source: Literal["dataset", "store", "expert_iteration"] = Field(
+        "dataset",
+        description="dataset: OpenAI-format conversations from JSONL, rendered by the "
+        "model's chat template, loss on assistant tokens only; store: rollouts or online "
+        "sessions of a gateway store, filtered by reward, trained on the exact tokens the "
+        "model produced; expert_iteration: sample the run's [tasks] through its [harness], "
+        "keep the best, fine-tune, push, repeat (needs a full `lightning train` config)",
+    )
+    dataset: str | None = Field(
+        None, description="JSONL file: one {messages, tools?} conversation per line"
+    )
+    validation: str | None = Field(
+        None,
+        description="JSONL of held-out conversations for validation (default: "
+        "val_fraction of the training data, split off by the seed)",
+    )
+    val_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="share of the data held out when no validation file"
+    )
+    db: str | None = Field(
+        None, description="source = 'store': the gateway store (default: the run's own)"
+    )
+    select: Literal["rollouts", "sessions"] = Field(
+        "rollouts",
+        description="store: train-mode rollouts (rewards posted by the runner), or online "
+        "sessions (reward: mean of the latest feedback value per name and target)",
+    )
+    min_reward: float | None = Field(
+        None, description="store / expert iteration: keep only rollouts with reward >= this"
+    )
+    top_fraction: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="store / expert iteration: keep the best ceil(fraction x n) rollouts "
+        "of each group by reward (ties at the cut: earlier rollouts first)",
+    )
+    rated_only: bool = Field(
+        True, description="select = 'sessions': only sessions that received feedback"
+    )
+    epochs: float = Field(
+        1.0, gt=0.0, description="passes over the training data (a fraction stops early)"
+    )
+    batch_size: int = Field(8, ge=1, description="conversations (samples) per optimizer step")
+    max_len: int | None = Field(
+        None,
+        gt=0,
+        description="longest sample in tokens; a longer one is an error naming its line "
+        "(default: the model's max_position_embeddings)",
+    )
+    eval_every: int = Field(
+        0, ge=0, description="validate every N optimizer steps (0: once per epoch)"
+    )
+    metric: str = Field(
+        "val_loss",
+        description="early stopping watches this validation metric: val_loss, or a key "
+        "that `callback` returns",
+    )
+    metric_mode: Literal["min", "max"] = Field(
+        "min", description="whether a lower or a higher `metric` is better"
+    )
+    patience: int | None = Field(
+        None,
+        ge=1,
+        description="stop after this many validations without improvement (None: never); "
+        "the best weights are restored at the end",
+    )
+    callback: str | None = Field(
+        None,
+        description="'module:function(trainer, step) -> dict[str, float]' run at each "
+        "validation, e.g. a parse rate or reward on held-out prompts",
+    )
+    max_wall_s: float | None = Field(
+        None,
+        gt=0,
+        description="stop after this many seconds of training (with epochs as the upper "
+        "bound): a compute-matched control trains for another stage's wall clock",
+    )
+    iterations: int = Field(
+        2, ge=1, description="expert iteration: rounds of sample -> keep best -> fine-tune"
+    )
+    chat_template: str | None = Field(
+        None,
+        description="dataset: a Jinja chat template file used instead of the model's, for "
+        "conversations with tools on a model whose template ignores them; must be the one "
+        "the engine serves with (in `lightning train` the default is [engine] chat_template)",
+    )
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> SftSection:
+        if self.source == "dataset" and self.dataset is None:
+            raise ValueError("[sft] source = 'dataset' needs `dataset` (a JSONL file)")
+        if self.source != "dataset" and self.dataset is not None:
+            raise ValueError(
+                f"[sft] `dataset` is read only with source = 'dataset' (is {self.source!r})"
+            )
+        if self.validation is not None and self.source != "dataset":
+            raise ValueError("[sft] `validation` (a JSONL file) goes with source = 'dataset'")
+        return self
+
+    def resolved_against(self, base: Path) -> SftSection:
+        """File paths made relative to ``base`` (the config file's directory)."""
+        fix = {
+            k: str((base / v).resolve())
+            for k in ("dataset", "validation", "db", "chat_template")
+            if (v := getattr(self, k)) is not None and not Path(v).is_absolute()
+        }
+        return self.model_copy(update=fix)
+
+
 class RunConfig(_Section):
     """A run of `lightning train RUN.toml`: the policy, where it generates, the
     harnesses and tasks, the reward, the algorithm and the trainer."""
@@ -886,6 +1003,11 @@ class RunConfig(_Section):
     trainer: TrainerSection = Field(
         default_factory=TrainerSection,
         description="Optimizer, loss and batching of the policy update ([trainer]).",
+    )
+    sft: SftSection | None = Field(
+        None,
+        description="A supervised warm start that `lightning train` runs before RL "
+        "([sft]; docs/sft.md).",
     )
     steps: int = Field(10, ge=0, description="Training steps; 0 only evaluates.")
     eval_every: int = Field(
@@ -1042,6 +1164,8 @@ class RunConfig(_Section):
         if data.model.path is not None:
             data.model.path = fix(data.model.path)
         data.engine.chat_template = fix(data.engine.chat_template)
+        if data.sft is not None:
+            data.sft = data.sft.resolved_against(base)
         for harness in data.all_harnesses():
             if harness.callable is not None:
                 # "agent.py:run" names a file next to the config, like every other path.
@@ -1052,4 +1176,50 @@ class RunConfig(_Section):
                 harness.cwd = fix(harness.cwd)
             else:
                 harness.cwd = str(base.resolve())
+        return data
+
+
+class SftConfig(_Section):
+    """``lightning sft CONFIG`` from a dataset or a store: the policy, ``[trainer]``
+    and ``[sft]`` (no harness, tasks or engine; expert iteration takes a full
+    :class:`RunConfig` with an ``[sft]`` section instead)."""
+
+    model: ModelSection
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    sft: SftSection
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    output_dir: str = Field("runs/sft", description="metrics.jsonl, checkpoints/, weights/")
+    seed: int = Field(0, description="shuffling, the validation split and the trainer's init")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trainer_leaves_run_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            refuse_run_set(data.get("trainer"), {"seed": "the top-level seed"})
+        return data
+
+    def trainer_config(self, model: str | Path) -> TrainerConfig:
+        """The trainer of the supervised stage (temperature 1: the NLL is of the
+        model's own distribution)."""
+        return TrainerConfig.for_run(
+            self.trainer, model=model, estimator="grpo", temperature=1.0, seed=self.seed,
+            defaults={},
+        )  # fmt: skip
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> SftConfig:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+        raw.update(overrides or {})
+        cfg = cls.model_validate(raw)
+        base = path.parent
+        data = cfg.model_copy(deep=True)
+        data.sft = data.sft.resolved_against(base)
+        if data.model.path is not None and not Path(data.model.path).is_absolute():
+            data.model.path = str((base / data.model.path).resolve())
         return data

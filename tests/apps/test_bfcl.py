@@ -178,3 +178,149 @@ def test_decontamination_drops_train_cases_near_held_out_ones() -> None:
     # n above the 14 words the questions share keeps the paraphrase (not the function)
     kept, _ = bfcl.decontaminate_cases(train, held, n=15)
     assert [c["id"] for c in kept] == ["t1", "t2"]
+
+
+# ------------------------------------------------------------------ recipe v2
+
+
+def _held(n: int) -> list[dict[str, object]]:
+    return [
+        _case(f"simple_python_{i}", f"Compute thing number {i}.", f"fn_{i}", "d") for i in range(n)
+    ]
+
+
+def test_split_drops_by_name_question_and_ngram_and_hashes_the_ids() -> None:
+    held = {"simple_python": _held(100), "irrelevance": [_case("irrelevance_0", "Hi?", "x", "y")]}
+    weather = "Get the current weather forecast for a city given by its name, in degrees Celsius."
+    held["simple_python"][0] = _case("simple_python_0", "Weather in Paris?", "get_weather", weather)
+    train = {
+        "live_simple": [
+            _case("ls_0", "Is it raining in Rome?", "get_weather", "other words entirely"),
+            _case("ls_1", "  COMPUTE thing   number 5. ", "other_fn", "o"),
+            _case("ls_2", "Tell me", "new_fn", weather),
+            _case("ls_3", "Convert 3 miles to kilometers.", "convert_units", "Unit conversion."),
+        ]
+    }
+    m = bfcl.split_cases(held, train, ngram=8)
+    assert m["train_pool"] == {"live_simple": ["ls_3"]}
+    assert {d["id"]: d["reason"] for d in m["dropped"]} == {
+        "ls_0": "function_name",
+        "ls_1": "question_text",
+        "ls_2": "ngram",
+    }
+    assert m["overlap"] == {
+        "function_name": 1, "question_text": 1, "ngram": 1, "dropped": 3, "train_in": 4
+    }  # fmt: skip
+    assert m["held_out"]["simple_python"][:2] == ["simple_python_0", "simple_python_1"]
+    assert m["never_trained"] == [bfcl.NEVER_TRAIN] and "8-gram" in m["rule"]
+    # The hash is over the ids: the same split hashes the same, another one differently.
+    assert bfcl.split_cases(held, train, ngram=8)["sha256"] == m["sha256"]
+    train["live_simple"].pop()
+    assert bfcl.split_cases(held, train, ngram=8)["sha256"] != m["sha256"]
+
+
+def test_split_refuses_too_few_held_out_cases_and_the_chatable_file() -> None:
+    with pytest.raises(ValueError, match="99 held-out simple_python cases; the recipe needs"):
+        bfcl.split_cases({"simple_python": _held(99)}, {"live_simple": []})
+    with pytest.raises(ValueError, match="never train on unused_datasets"):
+        bfcl.split_cases({"simple_python": _held(100)}, {"chatable": []})
+
+
+def test_paired_difference_and_mcnemar() -> None:
+    # 10 cases: a right on 3, b right on 7; b wins 5 discordant pairs, a wins 1.
+    a = [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    b = [1, 1, 0, 1, 1, 1, 1, 1, 0, 0]
+    d = bfcl.paired_difference(a, b, seed=1)
+    assert d["diff"] == pytest.approx(0.4) and d["n"] == 10
+    assert (d["a_wins"], d["b_wins"]) == (1, 5)
+    # Exact two-sided binomial: 2 * P(X <= 1 | n=6, p=1/2) = 2 * 7/64.
+    assert d["p_value"] == pytest.approx(14 / 64)
+    assert d["low"] <= 0.4 <= d["high"] and d["low"] > -0.2
+    same = bfcl.paired_difference(a, a)
+    assert (same["diff"], same["low"], same["high"], same["p_value"]) == (0.0, 0.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="equal lengths"):
+        bfcl.mcnemar([1], [1, 0])
+
+
+def test_sft_examples_are_bfcl_prompts_with_gold_answers_it_accepts(
+    bfcl_env: Path, tmp_path: Path
+) -> None:
+    script = HARNESS.parent / "sft_data.py"
+    ids = {
+        "simple_python": ["simple_python_0", "simple_python_2"],
+        "live_simple": ["live_simple_0-0-0"],
+    }
+    info = bfcl.sft_examples(ids, tmp_path / "sft.jsonl", script)
+    assert info == {"examples": 3, "gold_rejected": []}
+    rows = [json.loads(x) for x in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    by_id = {r["id"]: r["messages"] for r in rows}
+    # BFCL's prompt-mode system prompt (its own text, with the function docs), the
+    # question as BFCL ships it, and the gold answer in the format the prompt asks for.
+    system, user, answer = by_id["simple_python_0"]
+    assert (
+        system["role"] == "system" and "[func_name1(params_name1=params_value1" in system["content"]
+    )
+    assert '"name": "calculate_triangle_area"' in system["content"]
+    assert user == {
+        "role": "user",
+        "content": bfcl.category_cases("simple_python")[0]["question"][0][0]["content"],
+    }
+    assert answer == {
+        "role": "assistant",
+        "content": "[calculate_triangle_area(base=10, height=5, unit='units')]",
+    }
+    # An optional parameter BFCL lets the answer omit ("" or 0) gets its value.
+    assert by_id["simple_python_2"][-1]["content"] == "[math.hypot(x=4, y=5, z=0)]"
+
+
+def _scored(rewards: dict[str, tuple[str, float, str | None]]) -> dict[str, object]:
+    return {
+        "per_id": {
+            t: {
+                "category": cat,
+                "rewards": [r],
+                "calls": [bfcl.made_call(cat, v, r)],
+                "verdicts": [v],
+            }
+            for t, (cat, r, v) in rewards.items()
+        }
+    }
+
+
+def test_arms_table_paired_rows_and_report() -> None:
+    assert bfcl.made_call("simple_python", None, 1.0)
+    assert bfcl.made_call("simple_python", "value_error:others", 0.0)
+    assert not bfcl.made_call("simple_python", "ast_decoder:decoder_failed", 0.0)
+    assert not bfcl.made_call("simple_python", None, 0.0)  # a harness failure: no verdict
+    assert bfcl.made_call("irrelevance", "irrelevance_error:decoder_success", 0.0)
+    assert not bfcl.made_call("irrelevance", None, 1.0)
+    sp = "simple_python"
+    sft = _scored({"a": (sp, 1.0, None), "b": (sp, 0.0, "value_error:x"), "c": (sp, 0.0, "ast_decoder:d"),
+                   "i": ("irrelevance", 1.0, None)})  # fmt: skip
+    rl = _scored({"a": (sp, 1.0, None), "b": (sp, 1.0, None), "c": (sp, 1.0, None),
+                  "i": ("irrelevance", 0.0, "irrelevance_error:decoder_success")})  # fmt: skip
+    arms = {"sft": sft, "sft+rl": rl}
+    table = bfcl.arm_table(arms)
+    assert table["sft"][sp]["n"] == 3 and table["sft"][sp]["accuracy"] == pytest.approx(1 / 3)
+    assert table["sft"][sp]["call_rate"] == pytest.approx(2 / 3)
+    assert table["sft+rl"]["irrelevance"]["call_rate"] == 1.0
+    paired = bfcl.paired_rows(arms, [("sft", "sft+rl"), ("control", "sft+rl")], sp)
+    assert list(paired) == ["sft+rl - sft"]  # no control arm: no control row
+    assert paired["sft+rl - sft"]["diff"] == pytest.approx(2 / 3)
+    md = bfcl.report_v2(
+        {"seed": 0, "max_tokens": 96, "table": table, "paired": paired, "phases": {"sft": 1.5},
+         "learnability": {"prompts": 10, "kept": 4, "samples": 8}}
+    )  # fmt: skip
+    assert bfcl.HELD_OUT_SENTENCE in md
+    assert "| sft+rl | irrelevance | 1 | 0.000" in md
+    assert "sft+rl - sft: +0.667" in md and "4 of 10 training prompts" in md
+
+
+def test_recipe_configs_load() -> None:
+    from lightning.config import RunConfig, SftConfig
+
+    here = HARNESS.parent
+    for name in ("sft.toml", "gpu_sft.toml"):
+        cfg = SftConfig.load(here / name)
+        assert cfg.sft.source == "dataset" and cfg.sft.epochs == 1.0
+    assert RunConfig.load(here / "recipe.toml").algorithm.estimator == "grpo"

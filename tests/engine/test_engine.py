@@ -241,7 +241,11 @@ def test_errors_are_openai_shaped(server: RunningServer, client: openai.OpenAI) 
     assert long.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="", messages=MESSAGES, top_p=0)
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json")
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "code"}
 
 
@@ -367,6 +371,7 @@ def test_serve_cli(model_dir: Path) -> None:
                 break
             if " on http://" in line:
                 url = line.split(" on ")[1].split()[0]
+                key = line.split(" with key ")[1].split()[0]
         assert url, "the server never logged its URL"
         for _ in range(200):
             try:
@@ -375,11 +380,25 @@ def test_serve_cli(model_dir: Path) -> None:
             except httpx.TransportError:
                 time.sleep(0.05)
         assert health["status"] == "ok" and health["weight_version"] == 0
-        r = httpx.post(
-            url + "/v1/completions",
-            json={"prompt": [1, 2], "max_tokens": 2, "return_token_ids": True},
-        )
+        body = {"prompt": [1, 2], "max_tokens": 2, "return_token_ids": True}
+        # A random key per start (issue 39): nothing but /health answers without it.
+        assert len(key) >= 16
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+        assert httpx.post(url + "/admin/load_weights", json={"path": "/x"}).status_code == 401
+        auth = {"Authorization": f"bearer {key}"}  # the scheme in any case
+        r = httpx.post(url + "/v1/completions", json=body, headers=auth)
         assert len(json.loads(r.text)["choices"][0]["token_ids"]) == 2
+        # A cross-site text/plain POST and a DNS-rebinding Host: refused before the route.
+        plain = httpx.post(
+            url + "/admin/load_weights",
+            content=json.dumps({"path": "/x"}),
+            headers={**auth, "Content-Type": "text/plain"},
+        )
+        assert plain.status_code == 415, plain.text
+        rebound = httpx.post(
+            url + "/v1/completions", json=body, headers={**auth, "Host": "attacker.example"}
+        )
+        assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -210,9 +210,13 @@ def test_auth_and_errors(client: GatewayClient, gw: lightning.GatewayHandle) -> 
     url = f"{gw.url}/rollouts/{a.id}/v1/chat/completions"
     body = {"model": "m", "messages": MESSAGES}
 
-    def post(u: str, token: str | None, **kw: Any) -> httpx.Response:
+    def post(
+        u: str, token: str | None, headers: dict[str, str] | None = None, **kw: Any
+    ) -> httpx.Response:
         h = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.post(u, headers=h, **kw)
+        return httpx.post(u, headers={**h, **(headers or {})}, **kw)
+
+    JSON = {"Content-Type": "application/json"}
 
     cases = [
         (post(url, None, json=body), 401, "invalid_api_key"),
@@ -224,7 +228,7 @@ def test_auth_and_errors(client: GatewayClient, gw: lightning.GatewayHandle) -> 
             403,
             "wrong_rollout",
         ),
-        (post(url, a.token, content=b"{not json"), 400, "invalid_json"),
+        (post(url, a.token, content=b"{not json", headers=JSON), 400, "invalid_json"),
         (
             post(f"{gw.url}/rollouts/{a.id}/reward", b.token, json={"value": 1}),
             403,

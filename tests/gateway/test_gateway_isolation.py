@@ -162,8 +162,8 @@ ADMIN_ROUTES = [
     ("GET", "/admin/state", None),
     ("GET", "/admin/upstreams", None),
     ("GET", "/admin/keys", None),
-    ("POST", "/admin/pause", None),
-    ("POST", "/admin/resume", None),
+    ("POST", "/admin/pause", {}),  # every POST is JSON (415 otherwise)
+    ("POST", "/admin/resume", {}),
 ]
 
 

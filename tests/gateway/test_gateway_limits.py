@@ -158,15 +158,15 @@ def test_header_read_timeout_closes_slow_and_idle_connections(
 ) -> None:
     with start(engine, tmp_path, header_read_timeout_s=0.5) as h:
         with connect(h.url) as s:  # a head that never ends
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")
             assert 0.3 < closed_after(s) < 8
         with connect(h.url) as s:  # a keep-alive connection left idle after an answer
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
             assert s.recv(65536).startswith(b"HTTP/1.1 200")
             assert 0.3 < closed_after(s) < 8
     # The default (30 s) keeps the same idle connection open.
     with start(engine, tmp_path) as h, connect(h.url) as s:
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
         s.settimeout(1.0)
         with pytest.raises(TimeoutError):
@@ -179,7 +179,7 @@ def test_idle_client_mid_body_gets_408(engine: FakeEngine, tmp_path: Path) -> No
         path = r.base_url.removeprefix(h.url) + "/chat/completions"
         with connect(h.url) as s:
             head = (
-                f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {r.token}\r\n"
+                f"POST {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {r.token}\r\n"
                 "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
             )
             s.sendall(head.encode() + b'{"model": "m",')

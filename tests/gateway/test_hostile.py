@@ -130,7 +130,7 @@ def test_bad_requests_are_400_in_their_protocol_and_reach_nothing(
         raw = httpx.post(
             url + path,
             content=b"{not json",
-            headers={"Authorization": f"Bearer {r.token}"},
+            headers={"Authorization": f"Bearer {r.token}", "Content-Type": "application/json"},
             timeout=30,
         )
         assert_protocol_error(path, raw, 400)
@@ -194,7 +194,7 @@ def test_a_trickled_body_meets_the_total_deadline(
     host, port = gw.url.removeprefix("http://").split(":")
     body = json.dumps(GOOD[MESSAGES]).encode()
     head = (
-        f"POST /rollouts/{r.id}/v1/messages HTTP/1.1\r\nHost: x\r\n"
+        f"POST /rollouts/{r.id}/v1/messages HTTP/1.1\r\nHost: localhost\r\n"
         f"Authorization: Bearer {r.token}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()

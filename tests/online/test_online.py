@@ -7,6 +7,7 @@ and ``lightning train --online`` on the tiny model."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -412,7 +413,16 @@ def test_redaction_retention_export(engine: FakeEngine, tmp_path: Path) -> None:
             else:  # no text, and no ids that decode to it unless asked for
                 assert x["messages"] == [] and call["text"] is None and x["redacted"]
                 assert call["prompt_ids"] is None and call["completion_ids"] is None
-        export_sessions(str(db), tmp_path / "ids.jsonl", with_ids=True)
+        # Issue 39: the files are private whatever the umask, an old 0644 file too.
+        (tmp_path / "ids.jsonl").write_text("")
+        (tmp_path / "ids.jsonl").chmod(0o644)
+        old_umask = os.umask(0o022)
+        try:
+            export_sessions(str(db), tmp_path / "ids.jsonl", with_ids=True)
+        finally:
+            os.umask(old_umask)
+        for name in ("out.jsonl", "ids.jsonl"):
+            assert (tmp_path / name).stat().st_mode & 0o777 == 0o600, name
         for x in map(json.loads, (tmp_path / "ids.jsonl").read_text().splitlines()):
             assert x["calls"][0]["prompt_ids"] and x["calls"][0]["completion_ids"]
         # Retention: ~1.7 s. Open sessions are never deleted; closed, expired ones are.

@@ -314,3 +314,42 @@ def test_every_online_argument_has_help(
         and not (i + 1 < len(options) and re.match(r"\s{8,}\S", options[i + 1]))
     ]
     assert len(flags) >= 2 and bare == [], text
+
+
+def test_train_online_checks_it_can_mark_before_it_trains(
+    engine: FakeEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39: without ``gateway = URL`` on a store a gateway is writing, the
+    pass fails before a step is trained or a weight written (it used to train,
+    write weights, then die at marking, leaving the sessions to train again);
+    with a wrong admin key for the gateway, the same."""
+    from lightning import LightningError
+    from lightning.online.train import OnlineConfig, train_online
+
+    db = tmp_path / "mark.db"
+    gw = Gw(db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600")
+    try:
+        key = new_key(gw, "bot")
+        with sdk_clients(gw.url, key) as (oa, an):
+            turn = turn_for("chat", oa, an, stream=False)
+            answer, _ = turn([{"role": "user", "content": "2+2? [[len:6]]"}], "s0")
+        gw.api.feedback(key, "f0", name="thumbs", value=1.0, response_id=answer)
+        assert gw.api.sweep(idle_timeout_s=0)["closed"] == 1
+        out = tmp_path / "run"
+        base = {"output_dir": str(out), "model": {"builtin": "tiny"}}
+        cfg = OnlineConfig.model_validate({**base, "source": {"db": str(db)}})
+        with pytest.raises(LightningError, match="gateway = URL") as err:
+            train_online(cfg, quiet=True)
+        assert f"pid {gw.proc.pid}" in str(err.value)
+        assert not (out / "metrics.jsonl").exists() and not (out / "weights").exists()
+        monkeypatch.setenv("WRONG_KEY", "not-the-admin-key")
+        through = {"db": str(db), "gateway": gw.url, "admin_key_env": "WRONG_KEY"}
+        cfg = OnlineConfig.model_validate({**base, "source": through})
+        with pytest.raises(LightningError):
+            train_online(cfg, quiet=True)
+        assert not (out / "metrics.jsonl").exists()
+        assert db_rows(db, "SELECT COUNT(*) FROM online_sessions WHERE trained IS NOT NULL") == [
+            (0,)
+        ]
+    finally:
+        gw.stop()

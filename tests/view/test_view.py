@@ -16,9 +16,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from fake_vllm import FakeEngine
+from lightning.gateway.local_http import is_loopback
 from lightning.view.data import View, first_difference, read_metrics
-from lightning.view.server import create_app, is_loopback, main
+from lightning.view.server import create_app, main
 from view_run import ByteDecoder, append_metrics, record_online, record_run
+
+LOCAL = "http://127.0.0.1:8765"  # TestClient's own default Host, `testserver`, is refused
+KEY = "view-key-0123456789"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,7 @@ def online(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
 
 @pytest.fixture()
 def oclient(online: Any) -> Iterator[TestClient]:
-    with TestClient(create_app(View(online[0], tokenizer=ByteDecoder()))) as c:
+    with TestClient(create_app(View(online[0], tokenizer=ByteDecoder())), base_url=LOCAL) as c:
         yield c
 
 
@@ -52,7 +56,7 @@ def oclient(online: Any) -> Iterator[TestClient]:
 def client(run: Any) -> Iterator[TestClient]:
     run_dir, _ = run
     view = View(run_dir / "lightning.db", run_dir / "metrics.jsonl", ByteDecoder())
-    with TestClient(create_app(view)) as c:
+    with TestClient(create_app(view), base_url=LOCAL) as c:
         yield c
 
 
@@ -147,7 +151,7 @@ def test_a_rollout_decodes_its_calls_and_shows_samples_and_splits(
 
 def test_without_a_tokenizer_ids_are_shown(run: Any) -> None:
     run_dir, ids = run
-    with TestClient(create_app(View(run_dir / "lightning.db"))) as c:
+    with TestClient(create_app(View(run_dir / "lightning.db")), base_url=LOCAL) as c:
         d = c.get(f"/api/rollouts/{ids['g0'][0]}").json()
         assert d["decoded"] is False
         call = d["calls"][0]
@@ -176,37 +180,46 @@ def test_no_route_writes_and_the_store_is_unchanged(client: TestClient, run: Any
     rid = run[1]["g0"][0]
     for path in ("/api/rollouts", f"/api/rollouts/{rid}", "/api/summary", "/api/metrics"):
         for method in ("POST", "PUT", "DELETE", "PATCH"):
-            assert client.request(method, path).status_code == 405, (method, path)
+            # JSON, so the route (not the content-type door) is what refuses.
+            assert client.request(method, path, json={}).status_code == 405, (method, path)
     client.get(f"/api/rollouts/{rid}")
     assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
 
 
 def test_admin_key_is_checked_on_every_request(run: Any) -> None:
     run_dir, _ = run
-    app = create_app(View(run_dir / "lightning.db", run_dir / "metrics.jsonl"), admin_key="s3cret")
-    with TestClient(app) as c:
+    app = create_app(View(run_dir / "lightning.db", run_dir / "metrics.jsonl"), admin_key=KEY)
+    with TestClient(app, base_url=LOCAL) as c:
         for path in ("/", "/static/view.js", "/api/summary", "/api/rollouts"):
             assert c.get(path).status_code == 401
             assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert c.get("/api/summary", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert c.get("/api/summary", headers={"x-api-key": "s3cret"}).status_code == 200
-        assert c.get("/?key=s3cret").status_code == 200
+        assert c.get("/api/summary", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        # The scheme is case-insensitive (RFC 9110 §11.1).
+        assert c.get("/api/summary", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+        assert c.get("/api/summary", headers={"x-api-key": KEY}).status_code == 200
+        assert c.get(f"/?key={KEY}").status_code == 200
+    # A short key is refused where it is given.
+    with pytest.raises(ValueError, match="at least 16"):
+        create_app(View(run_dir / "lightning.db"), admin_key="s3cret")
 
 
 def test_a_store_not_yet_written_is_waited_for(tmp_path: Path) -> None:
-    with TestClient(create_app(View(tmp_path / "later.db", tmp_path / "m.jsonl"))) as c:
+    with TestClient(
+        create_app(View(tmp_path / "later.db", tmp_path / "m.jsonl")), base_url=LOCAL
+    ) as c:
         s = c.get("/api/summary").json()
         assert s["store"] is False and s["rollouts"] == 0
         assert c.get("/api/rollouts").json() == {"rollouts": [], "next": None}
     assert not (tmp_path / "later.db").exists()
 
 
-def test_cli_refuses_a_public_host_without_a_key(
+def test_cli_refuses_a_short_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("LIGHTNING_VIEW_KEY", raising=False)
+    monkeypatch.setenv("LIGHTNING_VIEW_KEY", "short")
     assert main([str(tmp_path), "--host", "0.0.0.0"]) == 2
-    assert "--admin-key" in capsys.readouterr().err
+    assert "LIGHTNING_VIEW_KEY" in capsys.readouterr().err
+    monkeypatch.delenv("LIGHTNING_VIEW_KEY")
     assert main([str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
@@ -230,11 +243,26 @@ def check_served(proc: subprocess.Popen[str], ids: dict[str, list[str]]) -> None
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        url = re.search(r"http://\S+/", line)
+        url = re.search(r"(http://\S+/)\?key=(\S+)", line)
         assert url, line
-        s = httpx.get(url.group(0) + "api/summary", timeout=10).json()
+        root, key = url.group(1), url.group(2)
+        # A random key per start, printed in the URL: nothing answers without it.
+        assert len(key) >= 16
+        assert httpx.get(root + "api/summary", timeout=10).status_code == 401
+        assert httpx.get(root, timeout=10).status_code == 401
+        assert httpx.get(f"{root}?key={key}", timeout=10).status_code == 200
+        # DNS rebinding: the right key, but the attacker's name in Host.
+        port = root.rsplit(":", 1)[1].rstrip("/")
+        rebound = httpx.get(
+            root + "api/summary",
+            headers={"Authorization": f"Bearer {key}", "Host": f"attacker.example:{port}"},
+            timeout=10,
+        )
+        assert rebound.status_code == 403 and rebound.json()["code"] == "host_not_allowed"
+        auth = {"Authorization": f"Bearer {key}"}
+        s = httpx.get(root + "api/summary", headers=auth, timeout=10).json()
         assert s["rollouts"] == 4 and s["decoded"] is False and s["metrics"] is None
-        page = httpx.get(url.group(0) + f"api/rollouts/{ids['g0'][0]}", timeout=10).json()
+        page = httpx.get(root + f"api/rollouts/{ids['g0'][0]}", headers=auth, timeout=10).json()
         assert page["calls"][0]["completion"][0].startswith("⟨")
     finally:
         proc.terminate()
@@ -377,3 +405,93 @@ def test_a_session_shows_its_conversation_across_protocols(
     assert sorted(f["name"] for f in d["feedback"]) == ["rating", "thumbs"]
     assert d["reward"] == 0.75 and d["rollout"]["task"]["app_key"] == "support-bot"
     assert oclient.get("/api/sessions/nope").status_code == 404
+
+
+# ---------------------------------------------------------------- issue 39: closed doors
+
+
+def test_a_page_under_another_name_is_refused_before_the_key(run: Any) -> None:
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 sends that name."""
+    view = View(run[0] / "lightning.db")
+    with TestClient(create_app(view, KEY), base_url="http://attacker.example:8765") as c:
+        r = c.get(f"/api/summary?key={KEY}")
+        assert r.status_code == 403 and r.json()["code"] == "host_not_allowed"
+    for base in ("http://localhost:1", "http://[::1]:1", "http://127.0.0.1"):
+        with TestClient(create_app(view, KEY), base_url=base) as c:
+            assert c.get(f"/api/summary?key={KEY}").status_code == 200, base
+    # A non-loopback listener serves any name (the key is what guards it).
+    with TestClient(create_app(view, KEY, listen_host="0.0.0.0"), base_url="http://box") as c:
+        assert c.get(f"/api/summary?key={KEY}").status_code == 200
+
+
+def test_rate_parameters_outside_the_range_are_a_400(client: TestClient) -> None:
+    for q in ("window=1e-300&bucket=1e-300", "bucket=1e-300", "window=1e300", "bucket=0.0001"):
+        r = client.get("/api/rate?" + q)
+        assert r.status_code == 400, (q, r.text)
+        assert "outside" in r.json()["error"]
+    assert client.get("/api/rate?window=60&bucket=0.5").status_code == 200
+
+
+def test_online_sessions_are_counted_as_online_in_the_summary(oclient: TestClient) -> None:
+    s = oclient.get("/api/summary").json()
+    assert s["by_mode"] == {"online": {"open": 3}}, s
+    assert s["rollouts"] == 3
+
+
+def test_detail_routes_page_their_calls(oclient: TestClient, online: Any) -> None:
+    sid = online[1]["sessions"]["conv-1"]
+    whole = oclient.get(f"/api/rollouts/{sid}").json()
+    assert whole["calls_total"] == 3 and whole["next_offset"] is None
+    seqs = []
+    offset: int | None = 0
+    while offset is not None:
+        page = oclient.get(f"/api/sessions/{sid}?offset={offset}&limit=1").json()
+        assert len(page["calls"]) == 1
+        seqs.append(page["calls"][0]["seq"])
+        # Each page still knows what its turn sent (earlier turns are walked, not sent).
+        assert page["calls"][0]["sent"], page["calls"][0]
+        offset = page["next_offset"]
+    assert seqs == [c["seq"] for c in whole["calls"]]
+    big = oclient.get(f"/api/rollouts/{sid}?limit=100000").json()
+    assert len(big["calls"]) == 3  # capped at CALLS_PAGE_MAX, never unbounded
+    assert "_turns" not in big
+
+
+def test_a_redacted_session_shows_no_ids_or_decoded_text_unless_with_ids(
+    tmp_path: Path,
+) -> None:
+    """As `lightning online export`: a redacting key's ids decode to the removed text."""
+    import openai
+    from online_gateway import Gw, new_key
+
+    engine = FakeEngine("R", unique_ids=True)
+    db = tmp_path / "redact.db"
+    gw = Gw(db, engine.url, "idle_timeout_s = 600")
+    try:
+        key = new_key(gw, "private-bot", redact=True)
+        with openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0) as oa:
+            oa.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "my card is 4111-SECRET [[len:5]]"}],
+                extra_headers={"x-session-id": "private"},
+            )
+        sid = gw.api.sessions()[0].session_id
+    finally:
+        gw.stop()
+        engine.stop()
+    with TestClient(create_app(View(db, tokenizer=ByteDecoder())), base_url=LOCAL) as c:
+        for path in (f"/api/sessions/{sid}", f"/api/rollouts/{sid}"):
+            r = c.get(path)
+            assert r.status_code == 200
+            assert "4111-SECRET" not in r.text, path
+            d = r.json()
+            assert d["redacted"] is True and d["ids_hidden"] is True
+            call = d["calls"][0]
+            assert call["prompt_ids"] == [] and call["completion_ids"] == []
+            assert call["prompt"] == [] and d["samples"] == []
+    with TestClient(
+        create_app(View(db, tokenizer=ByteDecoder(), with_ids=True)), base_url=LOCAL
+    ) as c:
+        d = c.get(f"/api/rollouts/{sid}").json()
+        assert d["ids_hidden"] is False and d["calls"][0]["prompt_ids"]
+        assert "4111-SECRET" in "".join(d["calls"][0]["prompt"])

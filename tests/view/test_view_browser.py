@@ -140,7 +140,7 @@ def test_a_rollout_opens_with_its_tokens(page: Any, served: Any, artifacts: Path
     from starlette.testclient import TestClient
 
     view = View(served[1] / "lightning.db", tokenizer=ByteDecoder())
-    with TestClient(create_app(view)) as c:
+    with TestClient(create_app(view), base_url="http://127.0.0.1") as c:
         completion = c.get(f"/api/rollouts/{rid}").json()["calls"][0]["completion"]
     tokens = page.locator("#calls .call").first.locator(".tokens").last.locator(".tok")
     assert tokens.all_inner_texts() == completion

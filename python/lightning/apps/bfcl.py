@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
+import math
 import os
 import random
 import subprocess
@@ -30,6 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from lightning.model_cache import cache_dir
 
@@ -186,6 +190,194 @@ def decontaminate_cases(
         "removed": removed,
     }
     return [c for c in train if c["id"] in kept_ids], report
+
+
+# ------------------------------------------------------------------ recipe v2
+
+# Never trained on: it repeats 195 simple_python questions (the held-out set).
+NEVER_TRAIN = "unused_datasets/question/BFCL_v4_chatable.json"
+SPLIT_RULE = (
+    "held out: a seeded sample of each held-out category; train pool: every case of the "
+    "train categories except those that (1) declare a function whose name a held-out case "
+    "declares, (2) ask a user question whose text (lowercased, whitespace collapsed) a "
+    "held-out case asks, or (3) share a word {n}-gram of question + function docs with a "
+    "held-out case (lightning.data.clean.decontaminate); never " + NEVER_TRAIN
+)
+MIN_PRIMARY = 100  # fewer held-out simple_python cases cannot tell arms apart
+
+
+def function_names(case: dict[str, Any]) -> set[str]:
+    return {str(f.get("name", "")) for f in case.get("function") or []}
+
+
+def question_texts(case: dict[str, Any]) -> set[str]:
+    turns = case.get("question") or []
+    return {
+        " ".join(str(m.get("content", "")).lower().split())
+        for turn in turns
+        for m in turn
+        if m.get("role") == "user"
+    }
+
+
+def split_cases(
+    held_out: dict[str, list[dict[str, Any]]],
+    train: dict[str, list[dict[str, Any]]],
+    *,
+    primary: str = "simple_python",
+    ngram: int = 8,
+) -> dict[str, Any]:
+    """The v2 split of given cases (``SPLIT_RULE``): which train cases stay, which
+    go and why (the first rule that applies), overlap counts per rule, and a
+    sha256 over the ids. Raises ``ValueError`` with fewer than ``MIN_PRIMARY``
+    held-out ``primary`` cases or a category on both sides."""
+    if set(held_out) & set(train):
+        raise ValueError(f"categories both trained and held out: {set(held_out) & set(train)}")
+    if any("chatable" in c for c in train):
+        raise ValueError(f"never train on {NEVER_TRAIN}: it repeats simple_python questions")
+    if len(held_out.get(primary, [])) < MIN_PRIMARY:
+        raise ValueError(
+            f"{len(held_out.get(primary, []))} held-out {primary} cases; the recipe needs at "
+            f"least {MIN_PRIMARY} (the same ids for every arm)"
+        )
+    held = [c for cases in held_out.values() for c in cases]
+    held_names = set().union(*(function_names(c) for c in held)) - {""}
+    held_questions = set().union(*(question_texts(c) for c in held)) - {""}
+    pool = [c for cases in train.values() for c in cases]
+    _, ngram_report = decontaminate_cases(pool, held, n=ngram) if ngram > 0 else ([], None)
+    ngram_hits = {r["id"]: r["held_out"] for r in (ngram_report or {}).get("removed", [])}
+    counts = {"function_name": 0, "question_text": 0, "ngram": 0}
+    dropped, kept = [], {cat: [] for cat in train}
+    for cat, cases in train.items():
+        for c in cases:
+            names = function_names(c) & held_names
+            questions = question_texts(c) & held_questions
+            hits = {
+                "function_name": bool(names),
+                "question_text": bool(questions),
+                "ngram": c["id"] in ngram_hits,
+            }
+            for rule, hit in hits.items():
+                counts[rule] += hit
+            reason = next((rule for rule, hit in hits.items() if hit), None)
+            if reason is None:
+                kept[cat].append(c["id"])
+            else:
+                dropped.append(
+                    {
+                        "id": c["id"],
+                        "reason": reason,
+                        "functions": sorted(names),
+                        "held_out": ngram_hits.get(c["id"], [])[:3],
+                    }
+                )
+    ids = {
+        "held_out": {cat: [c["id"] for c in cases] for cat, cases in held_out.items()},
+        "train_pool": kept,
+    }
+    digest = hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()
+    return {
+        **ids,
+        "rule": SPLIT_RULE.format(n=ngram),
+        "overlap": {**counts, "dropped": len(dropped), "train_in": len(pool)},
+        "dropped": dropped,
+        "never_trained": [NEVER_TRAIN],
+        "sha256": digest,
+    }
+
+
+def write_split(
+    out: Path,
+    *,
+    held_out: dict[str, int],
+    train: Sequence[str],
+    seed: int,
+    ngram: int = 8,
+) -> dict[str, Any]:
+    """``split.json`` (the manifest, with BFCL's version and the seed) for held-out
+    categories sampled to the given sizes (0: all) and whole train categories."""
+    rng = random.Random(seed)
+    held_cases = {}
+    for cat, n in held_out.items():
+        cases = category_cases(cat)
+        picks = (
+            sorted(rng.sample(range(len(cases)), n)) if 0 < n < len(cases) else range(len(cases))
+        )
+        held_cases[cat] = [cases[i] for i in picks]
+    manifest = split_cases(held_cases, {cat: category_cases(cat) for cat in train}, ngram=ngram)
+    manifest = {"bfcl_eval": BFCL_EVAL, "seed": seed, **manifest}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "split.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def sft_examples(ids: dict[str, list[str]], out: Path, script: Path) -> dict[str, Any]:
+    """``out`` (JSONL for ``lightning sft``): BFCL's own prompts for ``ids`` with the
+    gold answer as the assistant turn (``examples/bfcl/sft_data.py`` in BFCL's
+    environment); targets BFCL's checker would not accept are left out and counted."""
+    raw = out.with_suffix(".bfcl.jsonl")
+    ids_file = out.with_suffix(".ids.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ids_file.write_text(json.dumps(ids))
+    done = subprocess.run(
+        [str(bfcl_python(quiet=True)), str(script), str(ids_file), str(raw)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"building SFT data in BFCL's environment failed:\n{done.stderr[-3000:]}"
+        )
+    rows = [json.loads(line) for line in raw.read_text().splitlines()]
+    good = [r for r in rows if r["gold_valid"]]
+    out.write_text(
+        "".join(json.dumps({"messages": r["messages"], "id": r["id"]}) + "\n" for r in good)
+    )
+    return {
+        "examples": len(good),
+        "gold_rejected": [(r["id"], r["gold_error"]) for r in rows if not r["gold_valid"]],
+    }
+
+
+def mcnemar(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
+    """Exact McNemar test of paired 0/1 outcomes (the same cases under two arms):
+    the discordant pairs (``a`` wrong, ``b`` right: ``b_wins``; the reverse:
+    ``a_wins``) and the two-sided binomial p-value under "either is equally likely"."""
+    if len(a) != len(b):
+        raise ValueError(f"paired outcomes need equal lengths, got {len(a)} and {len(b)}")
+    b_wins = sum(1 for x, y in zip(a, b, strict=True) if x < 0.5 <= y)
+    a_wins = sum(1 for x, y in zip(a, b, strict=True) if y < 0.5 <= x)
+    n, k = a_wins + b_wins, min(a_wins, b_wins)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n if n else 1.0
+    return {"a_wins": a_wins, "b_wins": b_wins, "p_value": min(1.0, 2 * tail)}
+
+
+def paired_difference(
+    a: Sequence[float],
+    b: Sequence[float],
+    *,
+    confidence: float = 0.95,
+    resamples: int = 4000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """mean(b) − mean(a) over the same cases, with a paired bootstrap interval
+    (cases resampled with replacement, each keeping both its outcomes) and
+    McNemar's exact test."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)  # [N]
+    if x.shape != y.shape or not len(x):
+        raise ValueError("paired outcomes need the same, non-zero number of cases")
+    d = y - x  # [N]
+    picks = np.random.default_rng(seed).integers(0, len(d), size=(resamples, len(d)))  # [R, N]
+    means = d[picks].mean(axis=1)  # [R]
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return {
+        "diff": float(d.mean()),
+        "low": float(low),
+        "high": float(high),
+        "n": len(d),
+        **mcnemar(a, b),
+    }
 
 
 def write_tasks(
@@ -397,11 +589,354 @@ def recipe(args: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------- recipe v2: the flow
+
+HELD_OUT_SENTENCE = "held-out BFCL categories, not BFCL overall, not leaderboard-comparable"
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    for line in reversed(text.splitlines()):
+        try:
+            out = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(out, dict):
+            return out
+    return {}
+
+
+def made_call(category: str, error_type: str | None, reward: float) -> bool:
+    """Whether BFCL's decoder read the answer as calls: on an AST category any
+    verdict but ``ast_decoder:*`` (None = right); on ``irrelevance`` the one
+    verdict that says a call was decoded (there, a call is the mistake)."""
+    if "irrelevance" in category:
+        return error_type == "irrelevance_error:decoder_success"
+    return reward >= 1.0 or not (error_type or "ast_decoder:").startswith("ast_decoder:")
+
+
+def score_model(
+    model_dir: Path,
+    tasks: Sequence[dict[str, Any]],
+    out: Path,
+    *,
+    harness: Path,
+    samples: int = 1,
+    concurrency: int = 2,
+    max_model_len: int = 4096,
+    max_batch: int = 8,
+) -> dict[str, Any]:
+    """Every task ``samples`` times through BFCL's harness (``bfcl generate`` +
+    ``bfcl evaluate`` per case) on the embedded engine serving ``model_dir``,
+    behind a recording gateway (its store in ``out``). Per test id: the rewards
+    (BFCL's 0/1), its checker's verdicts, whether each answer was a call."""
+    from lightning import Gateway, GatewayConfig
+    from lightning.run.loop import EmbeddedEngine
+    from lightning.run.runner import Runner
+
+    out.mkdir(parents=True, exist_ok=True)
+    engine = EmbeddedEngine(
+        model_dir, host="127.0.0.1", port=0, max_batch=max_batch, dtype="float32",
+        threads=None, log_path=out / "engine.log", max_model_len=max_model_len,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        engine.wait_ready(600)
+        config = GatewayConfig(
+            listen="127.0.0.1:0",
+            upstreams=[{"url": engine.url, "weight_version": 0}],
+            db=str(out / "lightning.db"),
+        )
+        handle = Gateway(config).start()
+        client = handle.client()
+        try:
+            runner = Runner(
+                client, ["sh", str(harness)], reward_source="stdout", timeout_s=900,
+                concurrency=concurrency,
+            )  # fmt: skip
+            jobs = [(t, f"{t['id']}") for t in tasks for _ in range(samples)]
+            results = runner.run(jobs, mode="eval")
+        finally:
+            client.close()
+            handle.stop()
+    finally:
+        engine.stop()
+    per_id: dict[str, dict[str, Any]] = {}
+    for (task, _), r in zip(jobs, results, strict=True):
+        verdict = _last_json(r.stdout_tail).get("bfcl", {}).get("error_type")
+        reward = float(r.reward) if r.reward is not None else 0.0
+        row = per_id.setdefault(
+            task["id"], {"category": task["category"], "rewards": [], "calls": [], "verdicts": []}
+        )
+        row["rewards"].append(reward)
+        row["calls"].append(made_call(task["category"], verdict, reward))
+        row["verdicts"].append(verdict if r.status == "succeeded" else f"harness:{r.status}")
+    return {
+        "per_id": per_id,
+        "rollout_ids": [r.rollout_id for r in results],
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def arm_table(arms: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per arm and held-out category: n, accuracy with its 95% bootstrap interval
+    over cases, and the rate of answers BFCL's decoder read as calls."""
+    from lightning.run.stats import reward_interval
+
+    out: dict[str, dict[str, Any]] = {}
+    for arm, scored in arms.items():
+        by_cat: dict[str, dict[str, Any]] = {}
+        for tid, row in scored["per_id"].items():
+            by_cat.setdefault(row["category"], {})[tid] = row
+        out[arm] = {}
+        for cat, rows in sorted(by_cat.items()):
+            iv = reward_interval({t: r["rewards"] for t, r in rows.items()})
+            calls = [c for r in rows.values() for c in r["calls"]]
+            out[arm][cat] = {
+                "n": len(rows), "accuracy": iv.mean, "ci_low": iv.low, "ci_high": iv.high,
+                "call_rate": sum(calls) / len(calls),
+            }  # fmt: skip
+    return out
+
+
+def paired_rows(
+    arms: dict[str, dict[str, Any]], pairs: Sequence[tuple[str, str]], category: str
+) -> dict[str, Any]:
+    """``b − a`` on ``category``'s cases both arms scored (greedy: one sample each)."""
+    out = {}
+    for a, b in pairs:
+        if a not in arms or b not in arms:
+            continue
+        pa, pb = arms[a]["per_id"], arms[b]["per_id"]
+        ids = sorted(t for t in pa if pa[t]["category"] == category and t in pb)
+        if ids:
+            out[f"{b} - {a}"] = paired_difference(
+                [pa[t]["rewards"][0] for t in ids], [pb[t]["rewards"][0] for t in ids]
+            )
+    return out
+
+
+def report_v2(summary: dict[str, Any]) -> str:
+    """The recipe's page: the arms' held-out scores, the paired differences, the
+    learnable fraction, what each phase cost, and the sentence that bounds it."""
+    lines = [
+        f"# BFCL recipe v2, seed {summary['seed']}",
+        "",
+        f"Scores on {HELD_OUT_SENTENCE}; greedy, answers capped at "
+        f"{summary['max_tokens']} tokens, BFCL's own checker.",
+        "",
+        "| arm | category | n | accuracy (95% CI) | call rate |",
+        "|---|---|---|---|---|",
+    ]
+    for arm, cats in summary.get("table", {}).items():
+        for cat, r in cats.items():
+            lines.append(
+                f"| {arm} | {cat} | {r['n']} | {r['accuracy']:.3f} "
+                f"({r['ci_low']:.3f}-{r['ci_high']:.3f}) | {r['call_rate']:.3f} |"
+            )
+    lines += ["", "Paired differences (same cases; bootstrap 95% CI; exact McNemar):", ""]
+    for name, d in summary.get("paired", {}).items():
+        zero = " (interval includes 0)" if d["low"] <= 0 <= d["high"] else ""
+        lines.append(
+            f"- {name}: {d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}], n={d['n']}, "
+            f"wins {d['b_wins']} vs {d['a_wins']}, p={d['p_value']:.3g}{zero}"
+        )
+    learn = summary.get("learnability")
+    if learn:
+        lines += [
+            "",
+            f"Learnability filter: {learn['kept']} of {learn['prompts']} training prompts had "
+            f"0 < correct < {learn['samples']} ({learn['kept'] / max(1, learn['prompts']):.2f}).",
+        ]
+    lines += ["", "| phase | wall clock (s) |", "|---|---|"]
+    for phase, secs in summary.get("phases", {}).items():
+        lines.append(f"| {phase} | {secs} |")
+    return "\n".join(lines) + "\n"
+
+
+def recipe_v2(args: argparse.Namespace) -> int:
+    """Split → SFT data → SFT → learnability filter → GRPO → compute-matched
+    control → the four arms scored → report (docs/bfcl.md). ``--phases`` runs a
+    prefix of it; each phase's output lands in ``OUT`` and later phases read it."""
+    from lightning.config import RunConfig, SftConfig
+    from lightning.run.loop import train
+    from lightning.run.sft import run_standalone
+
+    here = Path(args.config).resolve().parent
+    harness = here / "harness.sh"
+    out = Path(args.output_dir or f"runs/bfcl-v2-seed{args.seed}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    phases = args.phases.split(",")
+    summary: dict[str, Any] = _read_json(out / "bfcl.json") or {"phases": {}}
+    summary.update(seed=args.seed, max_tokens=args.max_tokens)
+
+    def timed(name: str, fn: Any) -> Any:
+        t0 = time.monotonic()
+        result = fn()
+        summary["phases"][name] = round(time.monotonic() - t0, 1)
+        (out / "bfcl.json").write_text(json.dumps(summary, indent=2, default=str))
+        print(f"[bfcl] {name}: {summary['phases'][name]} s", flush=True)
+        return result
+
+    task_extra = {"max_tokens": args.max_tokens}
+    if "split" in phases:
+        held = {"simple_python": args.held_out_n, "irrelevance": args.irrelevance_n}
+        manifest = timed(
+            "split", lambda: write_split(out, held_out=held, train=[args.train], seed=args.seed)
+        )
+        summary["split"] = {"sha256": manifest["sha256"], "overlap": manifest["overlap"]}
+    manifest = json.loads((out / "split.json").read_text())
+    pool = manifest["train_pool"][args.train]
+    rng = random.Random(args.seed)
+    rl_prompts = rng.sample(pool, min(args.filter_prompts, len(pool)))
+    if "sft-data" in phases:
+        summary["sft_data"] = timed(
+            "sft-data",
+            lambda: sft_examples({args.train: pool}, out / "sft.jsonl", here / "sft_data.py"),
+        )
+    sft_dir = out / "sft"
+    if "sft" in phases:
+        cfg = SftConfig.load(
+            here / "sft.toml",
+            {"output_dir": str(sft_dir), "seed": args.seed},
+        )
+        cfg = cfg.model_copy(
+            update={"sft": cfg.sft.model_copy(update={"dataset": str(out / "sft.jsonl")})}
+        )
+        summary["sft"] = timed("sft", lambda: run_standalone(cfg))
+    if "filter" in phases:
+        tasks = [
+            {"id": t, "category": args.train, "temperature": 1.0, **task_extra} for t in rl_prompts
+        ]
+        scored = timed(
+            "filter",
+            lambda: score_model(
+                sft_dir / "model",
+                tasks,
+                out / "filter",
+                harness=harness,
+                samples=args.filter_samples,
+            ),
+        )
+        correct = {t: sum(r["rewards"]) for t, r in scored["per_id"].items()}
+        kept = [t for t, c in correct.items() if 0 < c < args.filter_samples]
+        summary["learnability"] = {
+            "prompts": len(correct), "samples": args.filter_samples, "kept": len(kept),
+            "correct": correct,
+        }  # fmt: skip
+        (out / "rl_tasks.jsonl").write_text(
+            "".join(
+                json.dumps({"id": t, "category": args.train, **task_extra}) + "\n" for t in kept
+            )
+        )
+    if "rl" in phases:
+        if not summary.get("learnability", {}).get("kept"):
+            raise SystemExit("no learnable prompt (0 < correct < 8): GRPO would see no gradient")
+        overrides: dict[str, Any] = {
+            "output_dir": str(out / "rl"),
+            "seed": args.seed,
+            "model": {"path": str(sft_dir / "model")},
+            "tasks": {"train": str(out / "rl_tasks.jsonl")},
+        }
+        if args.rl_steps is not None:
+            overrides["steps"] = args.rl_steps
+        rl_cfg = RunConfig.load(args.config, overrides)
+        result = timed("rl", lambda: train(rl_cfg))
+        summary["rl"] = {"run": result, "train_s": summary["phases"]["rl"]}
+    if "control" in phases:
+        # SFT continued from the SFT model on the same data for RL's wall clock.
+        budget = float(summary.get("rl", {}).get("train_s") or args.control_s or 60.0)
+        cfg = SftConfig.load(
+            here / "sft.toml", {"output_dir": str(out / "control"), "seed": args.seed}
+        )
+        cfg = cfg.model_copy(
+            update={
+                "model": cfg.model.model_copy(
+                    update={"path": str(sft_dir / "model"), "builtin": None}
+                ),
+                "sft": cfg.sft.model_copy(
+                    update={
+                        "dataset": str(out / "sft.jsonl"),
+                        "epochs": 100.0,
+                        "max_wall_s": budget,
+                    }
+                ),
+            }
+        )
+        summary["control"] = timed("control", lambda: run_standalone(cfg))
+    if "score" in phases:
+        held = [
+            {
+                "id": t,
+                "category": cat,
+                "temperature": 0.0,
+                "results_dir": str(out / "results" / "ARM"),
+                **task_extra,
+            }
+            for cat, ids in manifest["held_out"].items()
+            for t in ids[: args.score_limit or None]
+        ]
+        arm_models = {
+            "base": _builtin_model(),
+            "sft": sft_dir / "model",
+            "sft+rl": out / "rl" / "checkpoints" / "latest" / "model",
+            "control": out / "control" / "model",
+        }
+        arms = summary.setdefault("arms", {})
+        for arm in args.arms.split(","):
+            model = arm_models[arm]
+            if not (Path(model) / "config.json").exists():
+                print(f"[bfcl] arm {arm}: no model at {model}; skipped", flush=True)
+                continue
+            tasks = [{**t, "results_dir": t["results_dir"].replace("ARM", arm)} for t in held]
+            arms[arm] = timed(
+                f"score:{arm}",
+                lambda m=model, ts=tasks, a=arm: score_model(
+                    Path(m), ts, out / "score" / a, harness=harness
+                ),
+            )
+    if "report" in phases or "score" in phases:
+        arms = summary.get("arms", {})
+        summary["table"] = arm_table(arms)
+        pairs = [("base", "sft"), ("sft", "sft+rl"), ("control", "sft+rl")]
+        summary["paired"] = paired_rows(arms, pairs, "simple_python")
+        (out / "bfcl.md").write_text(report_v2(summary))
+        print(report_v2(summary))
+    (out / "bfcl.json").write_text(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _builtin_model() -> Path:
+    from lightning.model_cache import smollm2_dir
+
+    return smollm2_dir()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lightning.apps.bfcl", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("setup", help="create BFCL's cached environment; print its interpreter")
-    r = sub.add_parser("recipe", help="set up, measure held-out, train, measure again")
+    v = sub.add_parser(
+        "recipe", help="v2: split, SFT, learnability filter, GRPO, control, four arms scored"
+    )
+    v.add_argument("--config", default="examples/bfcl/recipe.toml", help="the GRPO run config")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--output-dir")
+    v.add_argument("--train", default="live_simple", help="the SFT and RL prompt pool")
+    v.add_argument("--held-out-n", type=int, default=200, help="simple_python cases held out")
+    v.add_argument("--irrelevance-n", type=int, default=50)
+    v.add_argument("--filter-prompts", type=int, default=40, help="RL prompts sampled")
+    v.add_argument("--filter-samples", type=int, default=8)
+    v.add_argument("--rl-steps", type=int)
+    v.add_argument("--control-s", type=float, help="control budget when RL did not run")
+    v.add_argument("--max-tokens", type=int, default=96, help="cap per answer (ours)")
+    v.add_argument("--score-limit", type=int, help="score only the first N ids per category")
+    v.add_argument("--arms", default="base,sft,sft+rl,control")
+    v.add_argument(
+        "--phases",
+        default="split,sft-data,sft,filter,rl,control,score,report",
+        help="comma-separated subset, in this order",
+    )
+    r = sub.add_parser("recipe-v1", help="v1: set up, measure held-out, train, measure again")
     r.add_argument("--config", default="examples/bfcl/recipe.toml")
     r.add_argument("--train", default="live_simple,live_multiple")
     r.add_argument("--held-out", default="simple_python,multiple")
@@ -423,6 +958,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "setup":
         print(bfcl_python())
         return 0
+    if args.cmd == "recipe":
+        print(f"BFCL environment: {bfcl_python()}", flush=True)
+        return recipe_v2(args)
     return recipe(args)
 
 

@@ -75,7 +75,8 @@ async def _solve_all(
 
 
 def evaluate(
-    agent: Any, engine_url: str, tasks: list[dict[str, Any]], *, samples: int, temperature: float,
+    agent: Any, engine_url: str, engine_key: str, tasks: list[dict[str, Any]], *, samples: int,
+    temperature: float,
     seed: int, model: str,
 ) -> Interval:  # fmt: skip
     """The held-out reward: every task ``samples`` times straight on the engine
@@ -89,7 +90,7 @@ def evaluate(
          "sampling_seed": sampling_seed(seed, -1, j)}
         for j, t in enumerate(t for t in tasks for _ in range(samples))
     ]  # fmt: skip
-    results = asyncio.run(_solve_all(agent, engine_url, "eval", jobs, 32))
+    results = asyncio.run(_solve_all(agent, engine_url, engine_key, jobs, 32))
     by_task: dict[str, list[float]] = {}
     for j, (r, _) in enumerate(results):
         by_task.setdefault(str(j // samples), []).append(r.reward)
@@ -136,7 +137,13 @@ def main(argv: list[str]) -> int:
     from lightning.config import ModelSection, TrainerSection
     from lightning.online.select import GroupingSection, SourceSection
     from lightning.online.train import OnlineConfig, WeightSyncSection, train_online
-    from lightning.run.loop import SERVED_MODEL_NAME, EmbeddedEngine, read_tasks, sampling_seed
+    from lightning.run.loop import (
+        ENGINE_KEY_ENV,
+        SERVED_MODEL_NAME,
+        EmbeddedEngine,
+        read_tasks,
+        sampling_seed,
+    )
 
     p = argparse.ArgumentParser(prog="lightning demo --online", description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=0)
@@ -170,6 +177,9 @@ def main(argv: list[str]) -> int:
     questions = read_tasks(out / "tasks" / "train.jsonl")[: args.questions]
     held_out = read_tasks(out / "tasks" / "eval.jsonl")[: args.eval_tasks]
     model_dir = ModelSection(builtin=args.model).resolve()
+    # The engine takes only requests with its key; the weight sync of `train
+    # --online` (EmbeddedSync) reads it from the same variable.
+    os.environ.setdefault(ENGINE_KEY_ENV, secrets.token_urlsafe(24))
     engine = EmbeddedEngine(model_dir, host="127.0.0.1", port=0, max_batch=32, dtype="float32",
                             threads=None, log_path=out / "engine.log")  # fmt: skip
     admin = secrets.token_urlsafe(24)
@@ -181,7 +191,7 @@ def main(argv: list[str]) -> int:
 
         def held_out_reward(label: str) -> Interval:
             t0 = time.monotonic()
-            iv = evaluate(agent, engine.url, held_out, samples=args.eval_samples,
+            iv = evaluate(agent, engine.url, engine.key, held_out, samples=args.eval_samples,
                           temperature=args.temperature, seed=args.seed, model=SERVED_MODEL_NAME)  # fmt: skip
             say(f"held-out reward {label}: {iv} ({time.monotonic() - t0:.0f} s)")
             return iv
@@ -192,6 +202,7 @@ def main(argv: list[str]) -> int:
             db=str(db),
             admin_key=admin,
             upstreams=[UpstreamConfig(url=engine.url)],
+            upstream_api_key=engine.key,
         )
         gw = Gateway(gw_cfg).start()
         with GatewayClient(gw.url, admin) as client:

@@ -35,7 +35,7 @@ Exactness: a prefix's keys/values depend only on its own tokens (causal
 attention), so reusing them changes a later forward only by float summation
 order (the prefix was computed in a forward of a different length), the same
 order of difference as batching; the engine's |Δ logprob| ≤ 1e-4 contract holds
-(tests/test_engine_prefix.py checks it against the no-cache path and a plain
+(tests/engine/test_engine_prefix.py checks it against the no-cache path and a plain
 forward).
 """
 

@@ -61,6 +61,7 @@ from lightning.engine.core import (
     Event,
 )
 from lightning.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from lightning.gateway.local_http import ASGIApp, LocalGuard, check_key, new_key
 
 log = logging.getLogger("lightning.engine")
 
@@ -701,14 +702,7 @@ class Api:
         )
 
     async def load_weights(self, request: Request) -> Response:
-        if self.admin_key is not None:
-            if request.headers.get("authorization") != f"Bearer {self.admin_key}":
-                return RequestError(
-                    "admin routes need `Authorization: Bearer <admin key>`",
-                    status=401,
-                    type="AuthenticationError",
-                    code="unauthorized",
-                ).response()
+        # The key (when the server has one) was checked by `LocalGuard` for every route.
         try:
             body = await self._body(request)
             path = _get(body, "path", (str,))
@@ -879,7 +873,33 @@ class Api:
             }
 
 
-def build_app(engine: Engine, *, admin_key: str | None = None) -> Starlette:
+KEY_ENV = "LIGHTNING_ENGINE_KEY"
+
+
+def _guard_error(status: int, code: str, message: str) -> dict[str, Any]:
+    kind = {401: "AuthenticationError", 403: "PermissionDeniedError"}.get(
+        status, "invalid_request_error"
+    )
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def build_app(
+    engine: Engine, *, admin_key: str | None = None, listen_host: str = "127.0.0.1"
+) -> ASGIApp:
+    """The API behind ``LocalGuard``: ``Host`` checked against ``listen_host``
+    and loopback names, JSON bodies only, and with ``admin_key`` every route
+    but ``/health`` needs ``Authorization: Bearer KEY`` (``lightning serve``
+    always has one)."""
+    return LocalGuard(
+        _routes(engine, admin_key),
+        listen_host=listen_host,
+        key=admin_key,
+        error=_guard_error,
+        open_paths=("/health",),
+    )
+
+
+def _routes(engine: Engine, admin_key: str | None) -> Starlette:
     api = Api(engine, admin_key)
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -906,7 +926,9 @@ class RunningServer:
         self.sock = _bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(
-            build_app(engine, admin_key=admin_key), log_level="warning", lifespan="off"
+            build_app(engine, admin_key=admin_key, listen_host=host),
+            log_level="warning",
+            lifespan="off",
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
@@ -996,7 +1018,12 @@ def serve(argv: list[str]) -> int:
         "--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"]
     )
     parser.add_argument(
-        "--admin-key", default=None, help="require this bearer token on /admin routes"
+        "--api-key",
+        "--admin-key",
+        dest="api_key",
+        default=None,
+        help=f"the key every route but /health needs (`Authorization: Bearer KEY`); default: "
+        f"${KEY_ENV}, else a random one per start, logged. Prefer the variable: a flag shows in `ps`",
     )
     parser.add_argument(
         "--chat-template",
@@ -1018,6 +1045,14 @@ def serve(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.model_dir is None and args.gguf is None:
         parser.error("give MODEL_DIR or --gguf FILE")
+    # A key always: the engine answers anyone who can connect, and `/admin`
+    # loads other weights. `--host 0.0.0.0` never starts without one.
+    key = args.api_key or os.environ.get(KEY_ENV) or new_key()
+    try:
+        check_key(key, KEY_ENV)
+    except ValueError as e:
+        print(f"lightning serve: {e}", file=sys.stderr)
+        return 2
     if args.exit_with_parent:
         _exit_with_parent(os.getppid())
     logging.basicConfig(
@@ -1034,11 +1069,12 @@ def serve(argv: list[str]) -> int:
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info(
-        "serving %s on http://%s:%d (device=%s dtype=%s max_batch=%d weight_version=%d "
+        "serving %s on http://%s:%d with key %s (device=%s dtype=%s max_batch=%d weight_version=%d "
         "kv_cache_bytes=%d prefill_chunk=%d)",
         engine.model_name,
         host,
         port,
+        "from $" + KEY_ENV if key == os.environ.get(KEY_ENV) and not args.api_key else key,
         engine.device,
         args.dtype,
         args.max_batch,
@@ -1047,7 +1083,9 @@ def serve(argv: list[str]) -> int:
         args.prefill_chunk,
     )
     config = uvicorn.Config(
-        build_app(engine, admin_key=args.admin_key), log_level="warning", lifespan="off"
+        build_app(engine, admin_key=key, listen_host=args.host),
+        log_level="warning",
+        lifespan="off",
     )
     try:
         uvicorn.Server(config).run(sockets=[sock])

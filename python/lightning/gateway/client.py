@@ -212,7 +212,7 @@ class GatewayClient:
         ).json()
 
     def resume(self) -> dict[str, Any]:
-        return self._request("POST", "/admin/resume").json()
+        return self._request("POST", "/admin/resume", json={}).json()
 
     def state(self) -> dict[str, Any]:
         return self._request("GET", "/admin/state").json()

@@ -6,6 +6,7 @@ response id and token ids, the feedback signals and the session's reward.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,12 @@ def export_sessions(
     sessions = select_sessions(src)
     summary = ExportSummary()
     reader = store_reader(db)
-    with open(path, "w") as f:
+    # Production text (and, with ``with_ids``, ids that decode to redacted
+    # text): 0600 whatever the umask, as the store itself is. Created 0600, and
+    # an existing file is tightened before a byte is written to it.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with open(fd, "w") as f:
         for s in sessions:
             line = _export_session(reader, s, reward, with_ids=with_ids)
             summary.skipped.extend({"session_id": s.rollout_id, **x} for x in line["skipped_calls"])

@@ -245,6 +245,14 @@ def selection_metrics(
     }
 
 
+def check_can_mark(db: str, *, gateway: str | None, admin_key: str | None) -> None:
+    """Marks nothing, the way ``mark_trained`` will mark: through the gateway's
+    writer (its admin key checked) or by opening the store's own writer (which
+    fails at once, naming the gateway's pid, while a gateway writes ``db``;
+    the error says to set ``gateway = URL``)."""
+    mark_trained(db, [], gateway=gateway, admin_key=admin_key)
+
+
 def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
     """Select, reward, group, train; returns the summary (also in
     OUTPUT_DIR/summary.json; one line per step in OUTPUT_DIR/metrics.jsonl)."""
@@ -277,6 +285,12 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
         summary["sessions_trained"] = 0
         (out / "summary.json").write_text(dumps(summary, indent=2))
         return summary
+    if cfg.mark_trained:
+        # Before a step is trained or a weight written: a pass that cannot mark
+        # would train these sessions again next time.
+        src = cfg.source
+        admin_key = os.environ.get(src.admin_key_env) if src.gateway else None
+        check_can_mark(src.db, gateway=src.gateway, admin_key=admin_key)
     model_dir = cfg.model.resolve()
     trainer = Trainer(cfg.trainer_config(model_dir), log_dir=str(out))
     tokenizer = Tokenizer.from_dir(str(model_dir))

@@ -569,6 +569,97 @@ class Trainer:
         self._log(metrics)
         return metrics
 
+    # -------------------------------------------------------------- supervised
+    def supervised_step(self, samples: Sequence[Any], *, train: bool = True) -> dict[str, Any]:
+        """One optimizer step of supervised fine-tuning on ``samples`` (objects
+        with ``tokens`` and ``weights``: ``lightning.Sample``, or
+        :class:`lightning.rl.sft.SftSample`); with ``train=False`` the same
+        loss and metrics without a gradient (validation).
+
+        The loss is the weighted negative log-likelihood of every token with
+        weight > 0 at temperature 1, ``Σ w·(−log p) / Σ w`` over the whole step
+        (every rank passes every sample; each trains a token-balanced shard, as
+        in :meth:`step`), laid out by ``[trainer] batching`` in micro-batches of
+        ``micro_batch_tokens``. Returns ``sft_loss`` (or ``sft_val_loss``), the
+        mean ``sft_entropy`` of the predicted distributions at trained tokens
+        (``sft_val_entropy``), and with the same prefix ``tokens`` (trained),
+        ``forward_tokens``, ``samples`` and ``tokens_per_s``; training steps add ``grad_norm`` and ``lr`` and advance
+        the learning-rate schedule and ``step_count``."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        items = seq_items(samples)
+        weight = torch.from_numpy(
+            np.concatenate(
+                [
+                    np.asarray(s.weights, dtype=np.float32)[i.positions]
+                    for s, i in zip(samples, items, strict=True)
+                ]
+            )
+            if items
+            else np.zeros(0, np.float32)
+        )  # [N] float32, by target id
+        total = float(weight.double().sum())
+        if total <= 0:
+            raise ValueError(
+                f"supervised step on {len(samples)} samples with no trained token (every "
+                "weight is 0); check that the data has assistant turns"
+            )
+        shard = _split_by_tokens(items, self.world)[self.rank] if items else []
+        mbs = micro_batches(shard, cfg.micro_batch_tokens, mode=cfg.batching) if shard else []
+        if self.fsdp:  # FSDP2 hook: every rank runs as many forwards as the busiest
+            from lightning.rl import fsdp
+
+            mbs = fsdp.balance([mbs], self.device)[0]
+        # [nll, entropy, weight] sums over this rank's trained tokens.
+        sums = torch.zeros(3, dtype=torch.float64)
+        net = (self.ddp or self.model) if train else self.model
+        grad_norm = float("nan")
+        if train:
+            self.optimizer.zero_grad(set_to_none=True)
+        grad = torch.enable_grad() if train else torch.no_grad()
+        with grad:
+            for mb in mbs:
+                with self._no_sync() if train else contextlib.nullcontext(), self._autocast():
+                    lp, ent = forward_logprobs(net, mb.to(self.device), entropy=True)
+                assert ent is not None
+                w = weight[mb.target_ids].to(self.device)  # [K]
+                nll = -(w * lp).sum()
+                if train:
+                    # DDP averages gradients over ranks; the denominator is global.
+                    (nll / total * self.world).backward()
+                sums += torch.stack(
+                    [nll.detach().double(), (w * ent).sum().double(), w.sum().double()]
+                ).cpu()
+            if train:
+                self._sync_grads()
+                gn = torch.nn.utils.clip_grad_norm_(
+                    self.params, cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+                )
+                self.optimizer.step()
+                self.scheduler.step()
+                grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+        counts = torch.tensor(
+            [len(shard), sum(mb.forward_tokens for mb in mbs)], dtype=torch.float64
+        )
+        if self.world > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(counts)
+        elapsed = time.perf_counter() - t0
+        prefix = "sft_" if train else "sft_val_"
+        metrics: dict[str, Any] = {
+            f"{prefix}loss": float(sums[0]) / total,
+            f"{prefix}entropy": float(sums[1]) / total,
+            f"{prefix}tokens": len(weight),
+            f"{prefix}samples": int(counts[0]),
+            f"{prefix}forward_tokens": int(counts[1]),
+            f"{prefix}tokens_per_s": float(counts[1]) / elapsed if elapsed > 0 else float("nan"),
+        }
+        if train:
+            self.step_count += 1
+            metrics["grad_norm"] = grad_norm
+            metrics["lr"] = float(self.scheduler.get_last_lr()[0])
+        return metrics
+
     def _old_logprobs(self, tg: _Targets, mbs: Sequence[MicroBatch]) -> torch.Tensor | None:
         """Fills ``tg.old``; returns the pre-update log-probs when a no-grad pass
         computed them (see the module's choice 1)."""

@@ -83,6 +83,11 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+ENGINE_KEY_ENV = (
+    "LIGHTNING_ENGINE_KEY"  # lightning.engine.server.KEY_ENV (that module imports torch)
+)
+
+
 class EmbeddedEngine:
     """`lightning serve` in a child process: its own interpreter, its own threads,
     so generation and training never fight over one GIL."""
@@ -105,6 +110,9 @@ class EmbeddedEngine:
     ) -> None:
         self.host = host
         self.port = port or _free_port(host)
+        # The engine takes only requests with its key (lightning/engine/server.py);
+        # the gateway and the weight sync send it.
+        self.key = os.environ.get(ENGINE_KEY_ENV) or secrets.token_urlsafe(24)
         argv = [
             sys.executable,
             "-m",
@@ -141,7 +149,12 @@ class EmbeddedEngine:
         if prefill_chunk is not None:
             argv += ["--prefill-chunk", str(prefill_chunk)]
         self.log_file = open(log_path, "ab")
-        self.proc = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, ENGINE_KEY_ENV: self.key},
+        )
 
     @property
     def root(self) -> str:
@@ -192,7 +205,9 @@ def _make_launcher(h: HarnessSection) -> Any:
     )
 
 
-def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
+def _make_weight_sync(
+    cfg: RunConfig, upstreams: Sequence[str], engine_key: str | None = None
+) -> WeightSync:
     """The engines' own weight-update API (lightning.sync, docs/design.md#weight-sync)."""
     e = cfg.engine
     return make_weight_sync(
@@ -205,6 +220,7 @@ def _make_weight_sync(cfg: RunConfig, upstreams: Sequence[str]) -> WeightSync:
         pause_mode=e.sync_pause,
         bucket_bytes=e.sync_bucket_mb << 20,
         colocate=e.colocate,
+        engine_key=engine_key,
     )
 
 
@@ -278,7 +294,9 @@ class Run:
             self.eval_tasks = self.eval_tasks[: cfg.tasks.eval_limit]
         start_weights = self._setup_trainer()
         upstreams = self._start_engine(start_weights)
-        self.weight_sync = _make_weight_sync(cfg, upstreams)
+        self.weight_sync = _make_weight_sync(
+            cfg, upstreams, self.engine.key if self.engine is not None else None
+        )
         self._stack.callback(self.weight_sync.close)
         self.weight_sync.setup()
         # The dtype streamed weights leave in: the engines' own unless configured.
@@ -308,7 +326,7 @@ class Run:
         if hasattr(self.trainer, "close"):
             self._stack.callback(self.trainer.close)
         if not (self.resume and self.state["step"] > 0):
-            return None
+            return self._warm_start()
         ckpt = self.out / "checkpoints" / "latest"
         self.trainer.load_checkpoint(str(ckpt))
         # The engine restarts on the weights the run had reached, not on the
@@ -319,6 +337,32 @@ class Run:
             start_weights = self.out / "weights" / "resume"
             self.trainer.export_weights(str(start_weights))
         return start_weights
+
+    def _warm_start(self) -> Path | None:
+        """``[sft]`` from a dataset or a store, before RL (lightning.run.sft):
+        fine-tunes the trainer and returns the weights the engine starts on.
+        Expert iteration needs the engine and runs in :meth:`run` instead."""
+        cfg = self.config
+        if cfg.sft is None or cfg.sft.source == "expert_iteration":
+            return None
+        from lightning.run.sft import fit, prepare_data
+
+        train, val, info = prepare_data(
+            cfg.sft, self.model_dir, seed=cfg.seed, chat_template=cfg.engine.chat_template
+        )
+        self._say(
+            f"sft warm start: {info['train_samples']} train / {info['val_samples']} "
+            f"validation samples, {info['train_tokens']} trained tokens"
+        )
+        result = fit(
+            self.trainer, train, val, cfg.sft, self.out / "sft", seed=cfg.seed, say=self._say
+        )
+        (self.out / "sft" / "summary.json").write_text(
+            json.dumps({"data": info, **result}, indent=2, default=float)
+        )
+        weights = self.out / "weights" / "sft"
+        self.trainer.export_weights(str(weights))
+        return weights
 
     def _start_engine(self, start_weights: Path | None) -> list[str]:
         """Starts the embedded engine when the run has one; returns the
@@ -353,6 +397,7 @@ class Run:
         cfg = self.config
         self.admin_key = cfg.gateway.admin_key or secrets.token_urlsafe(24)
         db = cfg.gateway.db or str(self.out / "lightning.db")
+        self.gateway_db = db
         version = int(self.state["weight_version"])
         gw_config = cfg.gateway.for_run(
             db=db,
@@ -360,6 +405,8 @@ class Run:
             upstreams=[UpstreamConfig(url=u, weight_version=version) for u in upstreams],
             algorithm=cfg.algorithm,
         )
+        if self.engine is not None and gw_config.upstream_api_key is None:
+            gw_config = gw_config.model_copy(update={"upstream_api_key": self.engine.key})
         self.gateway = Gateway(gw_config).start()
         self._stack.callback(self.gateway.stop)
         # The store is on this machine: a step's batch is one Rust read of it.
@@ -707,6 +754,10 @@ class Run:
             self._append_metrics({"step": -1, **before})
         else:
             self._say(f"resuming at step {start}")
+        if start == 0 and cfg.sft is not None and cfg.sft.source == "expert_iteration":
+            from lightning.run.sft import expert_iteration
+
+            summary["expert_iteration"] = expert_iteration(self, cfg.sft)
         batches = self.schedule(start)
         self.phases.mark()
         with _progress(cfg.steps, start, quiet=self.quiet) as tick, batches:
@@ -828,3 +879,53 @@ def train_main(argv: list[str]) -> int:
     summary = train(config, resume=args.resume, quiet=args.quiet)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def sft_main(argv: list[str]) -> int:
+    import argparse
+    import tomllib
+
+    p = argparse.ArgumentParser(
+        prog="lightning sft", description="supervised fine-tuning (docs/sft.md)"
+    )
+    p.add_argument("config", help="TOML with [model], [trainer] and [sft]")
+    p.add_argument("--output-dir", help="override output_dir")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    overrides = {"output_dir": args.output_dir} if args.output_dir else {}
+    from lightning.config import SftConfig
+    from lightning.rl.sft import SftDataError
+    from lightning.run.sft import run_standalone
+
+    raw = tomllib.loads(Path(args.config).read_text())
+    try:
+        if (raw.get("sft") or {}).get("source") == "expert_iteration":
+            summary = _expert_main(RunConfig.load(args.config, overrides), quiet=args.quiet)
+        else:
+            summary = run_standalone(SftConfig.load(args.config, overrides), quiet=args.quiet)
+    except SftDataError as e:
+        print(f"lightning sft: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: v for k, v in summary.items() if k != "data"}, indent=2, default=float))
+    return 0
+
+
+def _expert_main(cfg: RunConfig, *, quiet: bool) -> dict[str, Any]:
+    from lightning.run.sft import expert_iteration
+
+    if cfg.sft is None:
+        raise ValueError("expert iteration needs an [sft] section")
+    with Run(cfg.model_copy(update={"sft": None}), quiet=quiet) as run:
+        before = run._eval_row("before expert iteration")
+        summary = expert_iteration(run, cfg.sft)
+        after = run._eval_row("after expert iteration")
+        run._checkpoint()
+    summary.update(
+        output_dir=str(cfg.output_dir),
+        eval_before=before.get("eval_reward"),
+        eval_after=after.get("eval_reward"),
+    )
+    (Path(cfg.output_dir) / "sft" / "summary.json").write_text(
+        json.dumps(summary, indent=2, default=float)
+    )
+    return summary

@@ -256,6 +256,7 @@ def make_weight_sync(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     colocate: bool = False,
     layouts: Sequence[EngineLayout] | None = None,
+    engine_key: str | None = None,
 ) -> WeightSync:
     """The sync for ``[engine] weight_sync = kind`` (see the module docstring; an
     alias such as ``"sglang"`` is mapped by :func:`canonical`); ``colocate`` only
@@ -264,7 +265,8 @@ def make_weight_sync(
     Each engine's share of the transfer group: ``world_sizes`` (the ranks it joins
     with) or ``layouts`` (its TP/PP/DP sizes, turned into ranks by the engine's own
     arithmetic, ``lightning.sync.layout``; a layout SGLang cannot serve is refused
-    here, with the reason)."""
+    here, with the reason). ``engine_key``: the embedded engine's key (default
+    ``$LIGHTNING_ENGINE_KEY``)."""
     kind = canonical(kind)
     roots = list(urls)
     if layouts is not None:
@@ -279,7 +281,7 @@ def make_weight_sync(
     if colocate and kind not in COLOCATE_SYNCS:
         raise ValueError(COLOCATE_NEEDS_IPC.format(kind=kind))
     if kind == "embedded":
-        return EmbeddedSync(roots)
+        return EmbeddedSync(roots, key=engine_key)
     if kind == "sglang-disk":
         return SglangDiskSync(roots, pause_mode=pause_mode)
     if kind == "sglang-tensor":

@@ -7,6 +7,7 @@ torch.distributed data plane (:class:`TorchDistTransport`, :func:`join_group`,
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -496,6 +497,18 @@ def _root(url: str) -> str:
 
 
 class EmbeddedSync(WeightSync):
+    """``lightning serve``'s ``POST /admin/load_weights``, with the engine's key
+    (``key``, else ``$LIGHTNING_ENGINE_KEY``): every route of it but ``/health``
+    needs one."""
+
+    def __init__(
+        self, roots: Sequence[str], *, timeout_s: float = 600.0, key: str | None = None
+    ) -> None:
+        super().__init__(roots, timeout_s=timeout_s)
+        key = key or os.environ.get("LIGHTNING_ENGINE_KEY")
+        if key:
+            self.http.headers["Authorization"] = f"Bearer {key}"
+
     def push(self, update: WeightUpdate) -> None:
         path = update.disk_path("weight_sync = 'embedded'")
         body = {"path": str(path.resolve()), "version": update.version}

@@ -21,6 +21,12 @@ from lightning.traces import Decoder, divergence_rows, finite, sample_row, token
 PAGE_MAX = 200  # rollouts (or sessions) per page at most
 RATE_WINDOW_S = 600.0  # the calls chart: the last ten minutes of activity...
 RATE_BUCKET_S = 5.0  # ...in five-second buckets
+# The range `/api/rate` accepts for both: a millisecond to ~30 years. Outside it
+# the bucket arithmetic leaves floats' exact range (1e-300 s buckets: a 400).
+RATE_MIN_S, RATE_MAX_S = 1e-3, 1e9
+CALLS_PAGE = 20  # calls per page of a rollout's detail...
+CALLS_PAGE_MAX = 100
+SAMPLES_PAGE = 4  # ...and merged samples (each as long as the whole conversation)
 
 
 def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
@@ -74,16 +80,31 @@ def run_paths(run_dir: Path) -> tuple[Path, Path | None]:
 class View:
     """The store (opened lazily: a run may not have written it yet) and the
     tokenizer; every method returns JSON-ready data. Reads are serialised by a
-    lock, so one reader connection serves every request thread."""
+    lock, so one reader connection serves every request thread; the summary and
+    the rate (polled every few seconds) have a connection of their own, so a
+    long detail read never holds them up.
+
+    Redaction, as ``lightning online export`` does it: a session recorded under
+    a key with ``redact`` keeps token ids that decode to the removed text, so
+    its calls and samples are shown without ids or decoded pieces unless
+    ``with_ids`` (``lightning view --with-ids``)."""
 
     def __init__(
-        self, db: Path, metrics: Path | None = None, tokenizer: Decoder | None = None
+        self,
+        db: Path,
+        metrics: Path | None = None,
+        tokenizer: Decoder | None = None,
+        *,
+        with_ids: bool = False,
     ) -> None:
         self.db = db
         self.metrics_path = metrics
         self.tokenizer = tokenizer
+        self.with_ids = with_ids
         self._store: tuple[Store, StoreReader] | None = None
         self._lock = threading.Lock()
+        self._poll: StoreReader | None = None
+        self._poll_lock = threading.Lock()
 
     def _read(self, fn: Callable[[Store, StoreReader], Any]) -> Any:
         """``fn(store, reader)`` under the lock; None while there is no store yet.
@@ -96,6 +117,15 @@ class View:
                 self._store = (Store(self.db), StoreReader(self.db))
             return fn(*self._store)
 
+    def _read_poll(self, fn: Callable[[StoreReader], Any]) -> Any:
+        """``fn(reader)`` on the polling connection (summary, rate)."""
+        with self._poll_lock:
+            if self._poll is None:
+                if not self.db.exists():
+                    return None
+                self._poll = StoreReader(self.db)
+            return fn(self._poll)
+
     # ------------------------------------------------------------ run-level
 
     def metrics(self, offset: int) -> dict[str, Any]:
@@ -107,7 +137,7 @@ class View:
     def summary(self) -> dict[str, Any]:
         """Rollouts per mode and status (in flight = not finished), and the sources.
         The counts are one SQL aggregate in the reader, not a row per rollout."""
-        rows = self._read(lambda _, r: r.rollout_counts())
+        rows = self._read_poll(lambda r: r.rollout_counts())
         counts: dict[str, dict[str, int]] = {}
         for mode, status, n in rows or []:
             counts.setdefault(mode or "-", {})[status or "-"] = int(n)
@@ -125,7 +155,7 @@ class View:
     ) -> dict[str, Any]:
         """Calls, upstream errors and aborted calls per bucket over the window
         ending at the store's latest call (one aggregate over an index)."""
-        got = self._read(lambda _, r: r.call_rate(window_s=window_s, bucket_s=bucket_s))
+        got = self._read_poll(lambda r: r.call_rate(window_s=window_s, bucket_s=bucket_s))
         if got is None:
             return {"end": None, "bucket_s": bucket_s, "buckets": []}
         keys = ("start", "calls", "upstream_errors", "aborted")
@@ -207,39 +237,44 @@ class View:
         more = len(rows) > limit
         return {"sessions": out, "next": out[-1]["rollout_id"] if more and out else None}
 
-    def session(self, session_id: str) -> dict[str, Any] | None:
+    def session(
+        self, session_id: str, offset: int = 0, limit: int = CALLS_PAGE
+    ) -> dict[str, Any] | None:
         """A session's conversation across protocols: each call with its protocol,
         the response id the client was given, the messages the harness sent that
         turn (as chat messages, whatever the protocol) and the answer, decoded
-        from the exact ids; its feedback signals and computed reward."""
+        from the exact ids; its feedback signals and computed reward. One page of
+        calls (``offset``, ``limit``), like ``rollout``."""
         from lightning.online.export import sent_messages
         from lightning.online.rewards import BadReward, OnlineRewardSection, session_reward
         from lightning.online.sessions import signals
 
-        def read(_: Store, r: StoreReader) -> Any:
-            return r.call_bodies(session_id), signals(r, [session_id]).get(session_id, [])
-
-        detail = self.rollout(session_id)
+        detail = self._detail(session_id, offset, limit)
         if detail is None:
             return None
-        got = self._read(read)
-        bodies, sigs = got if got is not None else ([], [])
-        by_seq = {seq: (proto, harness, resp) for seq, proto, harness, resp in bodies}
+        got = self._read(lambda _, r: signals(r, [session_id]).get(session_id, []))
+        sigs = got if got is not None else []
+        # What each turn sent needs every earlier turn (a Responses call names
+        # its predecessor instead of repeating it): walk them all, keep the page.
+        page = {c["seq"]: c for c in detail["calls"]}
         before: list[Any] = []
-        for call in detail["calls"]:
-            proto, harness, resp = by_seq.get(call["seq"], (None, None, None))
-            call["protocol"], call["response_id"] = proto, resp
+        for seq, proto, harness, resp, text in detail.pop("_turns"):
+            call = page.get(seq)
+            if call is not None:
+                call["protocol"], call["response_id"] = proto, resp
             try:
                 body = json.loads(harness) if harness else {}
                 sent = sent_messages(body, before) if isinstance(body, dict) else None
             except ValueError:
                 sent = None
             if sent is None:  # a later choice of a request, or a redacted call
-                call["sent"] = []
+                if call is not None:
+                    call["sent"] = []
                 continue
             fresh = sent[len(before) :] if sent[: len(before)] == before else sent
-            call["sent"] = _finite(fresh)
-            before = [*sent, {"role": "assistant", "content": call["text"]}]
+            if call is not None:
+                call["sent"] = _finite(fresh)
+            before = [*sent, {"role": "assistant", "content": text}]
         try:
             reward: float | None = session_reward(sigs, OnlineRewardSection())
             note = None
@@ -252,10 +287,35 @@ class View:
 
     # ------------------------------------------------------------ one rollout
 
-    def rollout(self, rollout_id: str) -> dict[str, Any] | None:
+    def rollout(
+        self,
+        rollout_id: str,
+        offset: int = 0,
+        limit: int = CALLS_PAGE,
+        samples_offset: int = 0,
+    ) -> dict[str, Any] | None:
+        detail = self._detail(rollout_id, offset, limit, samples_offset)
+        if detail is not None:
+            detail.pop("_turns")
+        return detail
+
+    def _detail(
+        self,
+        rollout_id: str,
+        offset: int = 0,
+        limit: int = CALLS_PAGE,
+        samples_offset: int = 0,
+    ) -> dict[str, Any] | None:
         """A rollout's calls (prompt and completion decoded from the exact ids,
         logprob per generated token), its merged samples with their split points
-        and drift causes, its reward, events and weight versions."""
+        and drift causes, its reward, events and weight versions.
+
+        Paged: calls ``offset .. offset + limit`` (at most ``CALLS_PAGE_MAX``)
+        and ``SAMPLES_PAGE`` samples from ``samples_offset``; ``next_offset`` and
+        ``next_samples_offset`` say where the next page starts (None: no more).
+        A 300-call session is hundreds of MB of decoded pieces in one answer."""
+        limit = max(1, min(limit, CALLS_PAGE_MAX))
+        offset, samples_offset = max(0, offset), max(0, samples_offset)
 
         def read(s: Store, reader: StoreReader) -> Any:
             info = reader.rollouts([rollout_id])
@@ -266,16 +326,22 @@ class View:
             tok = self.tokenizer if isinstance(self.tokenizer, Tokenizer) else None
             merged = s.read_step([rollout_id], tokenizer=tok)
             events = reader.events(rollout_id)
-            return info[0], records, merged, events
+            return info[0], records, merged, events, reader.call_bodies(rollout_id)
 
         got = self._read(read)
         if got is None:
             return None
-        info, records, merged, events = got
+        info, records, merged, events, bodies = got
+        by_seq = {seq: (proto, harness, resp) for seq, proto, harness, resp in bodies}
+        redacted = any(_redacted(h) for _, _, h, _ in bodies)
+        hide = redacted and not self.with_ids
         calls = []
-        for r in records:
+        for r in records[offset : offset + limit]:
             completion = [] if r.completion_ids is None else [int(t) for t in r.completion_ids]
-            lps = [] if r.logprobs is None else [finite(x) for x in r.logprobs]
+            prompt = [] if r.prompt_ids is None else [int(t) for t in r.prompt_ids]
+            if hide:
+                prompt, completion = [], []
+            lps = [] if r.logprobs is None or hide else [finite(x) for x in r.logprobs]
             calls.append(
                 {
                     "seq": r.seq,
@@ -289,23 +355,26 @@ class View:
                     "latency_ms": r.latency_ms,
                     "trainable": r.trainable,
                     "text": r.text,
-                    "prompt": token_pieces(
-                        [] if r.prompt_ids is None else r.prompt_ids, self.tokenizer
-                    ),
-                    "prompt_ids": [] if r.prompt_ids is None else [int(t) for t in r.prompt_ids],
+                    "prompt": token_pieces(prompt, self.tokenizer),
+                    "prompt_ids": prompt,
                     "completion": token_pieces(completion, self.tokenizer),
                     "completion_ids": completion,
                     "logprobs": lps,
                 }
             )
+        mine = [smp for smp in merged.samples if smp.rollout_id == rollout_id]
+        page = [] if hide else mine[samples_offset : samples_offset + SAMPLES_PAGE]
+        samples = [sample_row(smp, self.tokenizer) for smp in page]
+        end, s_end = offset + len(calls), samples_offset + len(samples)
         return {
             "rollout": _rollout_row(info),
             "calls": calls,
-            "samples": [
-                sample_row(smp, self.tokenizer)
-                for smp in merged.samples
-                if smp.rollout_id == rollout_id
-            ],
+            "calls_total": len(records),
+            "offset": offset,
+            "next_offset": end if end < len(records) else None,
+            "samples": samples,
+            "samples_total": 0 if hide else len(mine),
+            "next_samples_offset": s_end if not hide and s_end < len(mine) else None,
             "divergences": divergence_rows(merged, rollout_id),
             "stats": merged.stats.as_dict(),
             "events": [
@@ -313,6 +382,10 @@ class View:
                 for seq, kind, data, created in events
             ],
             "decoded": self.tokenizer is not None,
+            "redacted": redacted,
+            "ids_hidden": hide,
+            # For `session`: every turn's body and answer text (popped there).
+            "_turns": [(r.seq, *by_seq.get(r.seq, (None, None, None)), r.text) for r in records],
         }
 
     def group(self, group: str) -> dict[str, Any]:
@@ -339,6 +412,18 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _redacted(harness: Any) -> bool:
+    """A call recorded under a redacting key (its harness request is replaced
+    by ``{"redacted": true}``: ``rust/gateway/src/store/online.rs``)."""
+    if not isinstance(harness, str) or "redacted" not in harness:
+        return False
+    try:
+        body = json.loads(harness)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("redacted") is True
 
 
 def _rollout_row(r: dict[str, Any]) -> dict[str, Any]:

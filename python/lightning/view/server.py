@@ -10,18 +10,19 @@ is plain HTML/CSS/JS with hand-drawn SVG charts (``static/``, shipped in the
 package): a few line charts do not need a charting library, and none means
 nothing to vendor, nothing fetched from a CDN, and nothing to keep up to date.
 
-Safety: loopback only by default. Any other ``--host`` needs an admin key
-(``--admin-key`` or ``LIGHTNING_VIEW_KEY``), checked on every request (header
-``Authorization: Bearer KEY`` or ``x-api-key``, or ``?key=`` for the page
-itself). Every route is a GET and the store is opened read-only: the view
-cannot change it.
+Safety: loopback by default, and a key on every request always: a random one
+per start, printed in the URL (``?key=``, as Jupyter does), or yours from
+``LIGHTNING_VIEW_KEY`` (at least 16 characters). The page sends it on every API
+call (header ``Authorization: Bearer KEY``). Another local user, or a web page
+that reaches 127.0.0.1, gets nothing without it, and a page that reaches it
+under its own name (DNS rebinding) is refused by ``Host`` first
+(``lightning.gateway.local_http``). Every route is a GET and the store is
+opened read-only: the view cannot change it.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
-import ipaddress
 import os
 import sys
 from pathlib import Path
@@ -31,11 +32,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
+from lightning.gateway.local_http import LocalGuard, check_key, new_key
 from lightning.view.data import (
+    CALLS_PAGE,
+    CALLS_PAGE_MAX,
     PAGE_MAX,
     RATE_BUCKET_S,
+    RATE_MAX_S,
+    RATE_MIN_S,
     RATE_WINDOW_S,
     Decoder,
     View,
@@ -47,31 +53,12 @@ ASSETS = {"view.js": "text/javascript", "view.css": "text/css"}
 KEY_ENV = "LIGHTNING_VIEW_KEY"
 
 
-class AdminKey:
-    """Refuses every request without the admin key (401), the page included."""
-
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app, self.key = app, key
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            req = Request(scope)
-            auth = req.headers.get("authorization", "")
-            given = (
-                auth.removeprefix("Bearer ")
-                if auth.startswith("Bearer ")
-                else req.headers.get("x-api-key") or req.query_params.get("key") or ""
-            )
-            if not hmac.compare_digest(given.encode(), self.key.encode()):
-                await JSONResponse({"error": "admin key required"}, status_code=401)(
-                    scope, receive, send
-                )
-                return
-        await self.app(scope, receive, send)
-
-
-def create_app(view: View, admin_key: str | None = None) -> ASGIApp:
-    """The view's ASGI app: the page, its assets and the read-only JSON API."""
+def create_app(
+    view: View, admin_key: str | None = None, *, listen_host: str = "127.0.0.1"
+) -> ASGIApp:
+    """The view's ASGI app: the page, its assets and the read-only JSON API,
+    behind ``LocalGuard`` (Host, and ``admin_key`` on every request when given;
+    ``main`` always gives one)."""
 
     async def page(_: Request) -> Response:
         return FileResponse(STATIC / "index.html", media_type="text/html")
@@ -105,6 +92,15 @@ def create_app(view: View, admin_key: str | None = None) -> ASGIApp:
         q = req.query_params
         window = _float(q.get("window"), RATE_WINDOW_S)
         bucket = _float(q.get("bucket"), RATE_BUCKET_S)
+        for name, value in (("window", window), ("bucket", bucket)):
+            if not RATE_MIN_S <= value <= RATE_MAX_S:
+                return JSONResponse(
+                    {
+                        "error": f"{name}={value:g} seconds is outside "
+                        f"[{RATE_MIN_S:g}, {RATE_MAX_S:g}]; pick a value in that range"
+                    },
+                    status_code=400,
+                )
         return JSONResponse(await run_in_threadpool(view.call_rate, window, bucket))
 
     async def sessions(req: Request) -> Response:
@@ -122,14 +118,27 @@ def create_app(view: View, admin_key: str | None = None) -> ASGIApp:
 
     async def session(req: Request) -> Response:
         sid = req.path_params["session_id"]
-        got = await run_in_threadpool(view.session, sid)
+        q = req.query_params
+        got = await run_in_threadpool(
+            view.session,
+            sid,
+            _int(q.get("offset"), 0),
+            _int(q.get("limit"), CALLS_PAGE, hi=CALLS_PAGE_MAX),
+        )
         if got is None:
             return JSONResponse({"error": f"no session {sid!r} in the store"}, status_code=404)
         return JSONResponse(got)
 
     async def rollout(req: Request) -> Response:
         rid = req.path_params["rollout_id"]
-        got = await run_in_threadpool(view.rollout, rid)
+        q = req.query_params
+        got = await run_in_threadpool(
+            view.rollout,
+            rid,
+            _int(q.get("offset"), 0),
+            _int(q.get("limit"), CALLS_PAGE, hi=CALLS_PAGE_MAX),
+            _int(q.get("samples_offset"), 0),
+        )
         if got is None:
             return JSONResponse({"error": f"no rollout {rid!r} in the store"}, status_code=404)
         return JSONResponse(got)
@@ -159,9 +168,12 @@ def create_app(view: View, admin_key: str | None = None) -> ASGIApp:
             Route("/api/compare", compare, methods=["GET"]),
         ]
     )
-    if admin_key:
-        app = AdminKey(app, admin_key)
-    return app
+    return LocalGuard(
+        app,
+        listen_host=listen_host,
+        key=check_key(admin_key, KEY_ENV) if admin_key is not None else None,
+        error=lambda _status, code, message: {"error": message, "code": code},
+    )
 
 
 def _int(text: str | None, default: int, hi: int | None = None) -> int:
@@ -190,16 +202,9 @@ def _flag(text: str | None) -> bool | None:
     return True if t in ("1", "true", "yes") else False if t in ("0", "false", "no") else None
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def build_view(run_dir: str | None, db: str | None, model: str | None) -> View:
+def build_view(
+    run_dir: str | None, db: str | None, model: str | None, *, with_ids: bool = False
+) -> View:
     """The view of RUN_DIR (its store, metrics and policy tokenizer) or of a
     standalone store (``db``; tokens shown as ids unless ``model`` is given)."""
     from lightning import Tokenizer
@@ -216,7 +221,7 @@ def build_view(run_dir: str | None, db: str | None, model: str | None) -> View:
         assert db is not None
         store, metrics, model_dir = Path(db), None, Path(model) if model else None
     tokenizer: Decoder | None = Tokenizer.from_dir(model_dir) if model_dir else None
-    return View(store, metrics, tokenizer)
+    return View(store, metrics, tokenizer, with_ids=with_ids)
 
 
 def main(argv: list[str]) -> int:
@@ -238,21 +243,27 @@ def main(argv: list[str]) -> int:
     p.add_argument("--port", type=int, default=8765, help="listen port (default 8765; 0 picks one)")
     p.add_argument(
         "--admin-key",
-        default=os.environ.get(KEY_ENV),
-        help=f"required on every request; needed for a non-loopback --host (env {KEY_ENV})",
+        default=None,
+        help=f"the key every request needs (default: ${KEY_ENV}, else a random one per start, "
+        "printed in the URL); prefer the environment variable: a flag shows in `ps`",
+    )
+    p.add_argument(
+        "--with-ids",
+        action="store_true",
+        help="show the token ids (decoded) of redacted online sessions too, as "
+        "`lightning online export --with-ids` does; without it they are left out",
     )
     args = p.parse_args(argv)
     if args.run_dir is None and args.db is None:
         p.error("give a RUN_DIR or --db PATH")
-    if not is_loopback(args.host) and not args.admin_key:
-        print(
-            f"lightning view: --host {args.host} is reachable from other machines; "
-            f"give --admin-key KEY (or set {KEY_ENV}), or keep the default 127.0.0.1",
-            file=sys.stderr,
-        )
+    key = args.admin_key or os.environ.get(KEY_ENV) or new_key()
+    try:
+        check_key(key, KEY_ENV)
+    except ValueError as e:
+        print(f"lightning view: {e}", file=sys.stderr)
         return 2
     try:
-        view = build_view(args.run_dir, args.db, args.model)
+        view = build_view(args.run_dir, args.db, args.model, with_ids=args.with_ids)
     except FileNotFoundError as e:
         print(f"lightning view: {e}", file=sys.stderr)
         return 2
@@ -269,13 +280,14 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         print(f"lightning view: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
+    # Listening before the URL is printed: a client that reads it and connects
+    # at once waits in the backlog for uvicorn instead of being refused.
+    sock.listen(128)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
-    config = uvicorn.Config(create_app(view, args.admin_key), log_level="warning")
-    print(
-        f"[lightning] view of {view.db} on http://{host}:{port}/"
-        + ("?key=…" if args.admin_key else ""),
-        flush=True,
-    )
+    config = uvicorn.Config(create_app(view, key, listen_host=args.host), log_level="warning")
+    # The whole URL, key included, as Jupyter prints it: the terminal that
+    # started the view is the one place the key needs to reach.
+    print(f"[lightning] view of {view.db} on http://{host}:{port}/?key={key}", flush=True)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -505,7 +505,8 @@ pub struct OnlineConfig {
     pub sweep_interval_s: f64,
     /// Smallest feedback `value` accepted (400 below). Values become rewards
     /// (the mean, sum or weighted sum of a session's signals): a bound keeps
-    /// those and their statistics finite.
+    /// those and their statistics finite. `POST /rollouts/{id}/reward` takes
+    /// the same range.
     pub feedback_min: f64,
     /// Largest feedback `value` accepted (400 above).
     pub feedback_max: f64,

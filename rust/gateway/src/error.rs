@@ -23,8 +23,8 @@ pub enum GatewayError {
     #[error("the trace store at {path} cannot write: {message}; free disk space or fix the file's permissions (the gateway recovers by itself)")]
     StoreUnwritable { path: String, message: String },
     /// Another writer (a gateway, or `mark_trained`) holds the store's lock.
-    #[error("the store {path} already has a writer (another process holds {lock}): a gateway is running on it, or an online pass is marking it. Stop that process or use another --db; for online mode with a gateway running on this store, set `gateway = URL` in the online config's source so marking goes through its writer")]
-    StoreLocked { path: String, lock: String },
+    #[error("the store {path} already has a writer ({holder} holds its lock): a gateway is running on it, or an online pass is marking it. Stop that process or use another --db; for online mode with a gateway running on this store, set `gateway = URL` in the online config's source so marking goes through its writer")]
+    StoreLocked { path: String, holder: String },
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
 }

@@ -54,6 +54,66 @@ pub fn error_response_with(e: &ApiError, body: Bytes) -> Response<Body> {
     r
 }
 
+/// DNS rebinding: a page of any origin whose name resolves to 127.0.0.1
+/// reaches a loopback service with its own name in `Host`. A `loopback`
+/// listener (only this machine can connect, so a browser page is the one
+/// outside party that can reach it) answers only `localhost`, a loopback IP literal (`127.0.0.1`,
+/// `[::1]`) or its own listen host, with any port; a request without `Host`
+/// (HTTP/1.0, never a browser) passes. A listener on another address needs an
+/// admin key (`Config::validate`), which a page cannot send: any name passes.
+pub fn host_allowed(listen: &str, loopback: bool, headers: &HeaderMap) -> Result<(), ApiError> {
+    if !loopback {
+        return Ok(());
+    }
+    let Some(v) = headers.get(hyper::header::HOST) else {
+        return Ok(());
+    };
+    let given = v.to_str().unwrap_or("").trim();
+    let name = if let Some(rest) = given.strip_prefix('[') {
+        rest.split(']').next().unwrap_or("")
+    } else {
+        given.rsplit_once(':').map_or(given, |(h, _)| h)
+    };
+    let own = listen.rsplit_once(':').map_or(listen, |(h, _)| h);
+    let own = own.trim_start_matches('[').trim_end_matches(']');
+    let ok = name.eq_ignore_ascii_case("localhost")
+        || name.eq_ignore_ascii_case(own)
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            403,
+            "permission_error",
+            "host_not_allowed",
+            format!("this gateway listens on loopback ({listen}) and answers only requests addressed to localhost or a loopback address, not Host {given:?} (a page of another site can point its name at 127.0.0.1); use http://127.0.0.1:PORT, or listen on another address with an admin key"),
+        ))
+    }
+}
+
+/// A request with a body must say it is JSON (`application/json`, any
+/// parameters): a page of another origin can POST `text/plain` without the
+/// browser asking the server first (no CORS preflight), and a body read as
+/// JSON whatever its type lets it drive the admin routes blind.
+pub fn json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let given = headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let media = given.split(';').next().unwrap_or("").trim();
+    if media.eq_ignore_ascii_case("application/json") {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        415,
+        "invalid_request_error",
+        "unsupported_media_type",
+        format!("the request body must be JSON sent with `Content-Type: application/json`, not {given:?}"),
+    ))
+}
+
 /// The credential a client sent: `Authorization: Bearer <key>` (OpenAI SDKs)
 /// or `x-api-key: <key>` (Anthropic SDKs). Bearer wins when both are present.
 pub fn api_key(headers: &HeaderMap) -> Option<&str> {

@@ -80,7 +80,8 @@ async fn call(
     let req = Request::builder()
         .method(method)
         .uri(path)
-        .header("host", "x")
+        .header("host", "localhost")
+        .header("content-type", "application/json")
         .header("authorization", format!("Bearer {token}"))
         .body(Full::new(Bytes::from(body.to_string())))
         .unwrap_or_else(|e| panic!("{e}"));

@@ -72,7 +72,8 @@ async fn call(
     let req = Request::builder()
         .method(method)
         .uri(path)
-        .header("host", "x")
+        .header("host", "localhost")
+        .header("content-type", "application/json")
         .header("authorization", format!("Bearer {token}"))
         .body(Full::new(Bytes::from(body.to_string())))
         .unwrap_or_else(|e| panic!("{e}"));
@@ -144,7 +145,7 @@ async fn store_files_are_private_and_hold_no_token_secret() {
     .await;
     assert_eq!(s, 201, "{r}");
     let token = r["token"].as_str().unwrap_or_default().to_string();
-    for suffix in ["", "-wal", "-shm", ".lock", ".secret"] {
+    for suffix in ["", "-wal", "-shm", ".secret"] {
         let p = with_suffix(&db, suffix);
         assert_eq!(mode(&p), 0o600, "{} is mode {:o}", p.display(), mode(&p));
     }

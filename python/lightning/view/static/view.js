@@ -26,6 +26,8 @@ const fmt = (x) => (x === null || x === undefined ? "–" : Math.abs(x) >= 100 |
 const CHARTS = [
   { id: "reward", title: "reward", keys: ["reward_mean", "eval_reward"], ci: ["eval_reward", "eval_ci_low", "eval_ci_high"] },
   { id: "loss", title: "loss", keys: ["loss", "policy_loss"] },
+  { id: "sft", title: "supervised (SFT) loss", keys: ["sft_loss", "sft_val_loss"] },
+  { id: "sft-entropy", title: "SFT entropy", keys: ["sft_entropy", "sft_val_entropy"] },
   { id: "kl", title: "KL", keys: ["approx_kl", "gap_kl", "kl_penalty"] },
   { id: "entropy", title: "entropy", keys: /^entropy/ },
   { id: "staleness", title: "staleness", keys: /stale/ },
@@ -210,8 +212,8 @@ function rolloutHeader(d) {
     el("h2", {}, "rollout " + r.rollout_id),
     el("p", {}, el("span", { class: "pill" }, "reward " + fmt(r.reward)), el("span", { class: "pill status-" + r.status }, r.status), el("span", { class: "pill" }, "mode " + (r.mode || "–")),
       r.group ? el("a", { class: "pill", href: "#/group/" + encodeURIComponent(r.group) }, "group " + r.group) : null,
-      el("span", { class: "pill" }, d.calls.length + " calls"), el("span", { class: "pill" }, "weights v" + versions.join(", v")),
-      el("span", { class: "pill" }, d.samples.length + " samples"), el("span", { class: "pill" }, d.divergences.length + " splits")),
+      el("span", { class: "pill" }, (d.calls_total ?? d.calls.length) + " calls"), el("span", { class: "pill" }, "weights v" + versions.join(", v")),
+      el("span", { class: "pill" }, (d.samples_total ?? d.samples.length) + " samples"), d.ids_hidden ? el("span", { class: "pill" }, "redacted: ids hidden") : null, el("span", { class: "pill" }, d.divergences.length + " splits")),
     r.task !== undefined ? el("details", {}, el("summary", {}, "task"), el("pre", {}, JSON.stringify(r.task, null, 2))) : null);
 }
 async function showRollout(id) {
@@ -293,7 +295,7 @@ async function showSession(id) {
     el("p", {}, el("span", { class: "pill" }, "key " + (task.app_key || "–")), ...(task.tags || []).map((t) => el("span", { class: "pill" }, "tag " + t)),
       task.session_key ? el("span", { class: "pill" }, "session id " + task.session_key) : null,
       el("span", { class: "pill", title: d.reward_error || "" }, "reward " + fmt(d.reward)), el("span", { class: "pill" }, d.feedback.length + " feedback"),
-      el("span", { class: "pill" }, d.calls.length + " calls"), el("span", { class: "pill" }, "protocols " + (protos.join(", ") || "–")),
+      el("span", { class: "pill" }, (d.calls_total ?? d.calls.length) + " calls"), el("span", { class: "pill" }, "protocols " + (protos.join(", ") || "–")),
       el("a", { class: "pill", href: "#/rollout/" + encodeURIComponent(r.rollout_id) }, "tokens and samples")));
   const conv = el("div", { id: "conversation" }, el("h3", {}, "conversation (each call: what the harness sent that turn, then the answer decoded from its exact ids)"));
   d.calls.forEach((c, i) => conv.append(el("div", { class: "turn", "data-protocol": c.protocol || "" },

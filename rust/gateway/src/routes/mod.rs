@@ -103,6 +103,12 @@ async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>
     let path = req.uri().path().to_string();
     let query = query_params(req.uri().query());
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let loopback = crate::config::is_loopback_listen(&st.cfg.listen);
+    crate::http::host_allowed(&st.cfg.listen, loopback, req.headers())?;
+    // Every method that carries a body here is a POST (DELETE carries none).
+    if method == Method::POST {
+        crate::http::json_content_type(req.headers())?;
+    }
     let not_found = || {
         ApiError::not_found(
             "route_not_found",

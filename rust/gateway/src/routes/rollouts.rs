@@ -111,6 +111,15 @@ pub async fn reward(
                 "reward needs a finite number 'value', e.g. {\"value\": 1.0}",
             )
         })?;
+    // The range feedback gets: 1e308 is finite, but a group's mean and std
+    // overflow on it and every advantage of the group comes out 0 or NaN.
+    let (lo, hi) = (st.cfg.online.feedback_min, st.cfg.online.feedback_max);
+    if !(lo..=hi).contains(&value) {
+        return Err(ApiError::bad_request(
+            "invalid_reward",
+            format!("reward {value} is outside [{lo}, {hi}] (the gateway's [online] feedback_min, feedback_max, which bound rewards too)"),
+        ));
+    }
     let source = v.get("source").cloned().unwrap_or(Value::Null);
     if !(source.is_null() || source.is_string()) {
         return Err(ApiError::bad_request(

@@ -20,10 +20,13 @@
 //! logprobs as bytes), `secret` (the token secret, kept out of the file);
 //! this file is the writer.
 //!
-//! One writer per store file: the writer holds an exclusive OS lock on
-//! `<db>.lock` for its lifetime, so a second gateway (or `mark_trained`) on
-//! the same file fails at once instead of interleaving writes. The database,
-//! its `-wal`/`-shm`, the lock and the key file are all mode 0600.
+//! One writer per store file: the writer holds an exclusive OS lock on the
+//! database file itself (its inode, `schema::lock_writer`) for its lifetime,
+//! opens it by its canonical path, and refuses a file with more than one
+//! hard link, so a second gateway (or `mark_trained`) on the same file,
+//! through any symlink, fails at once naming the holder's pid instead of
+//! interleaving writes. The database, its `-wal`/`-shm` and the key file are
+//! all mode 0600.
 
 pub mod columnar;
 pub mod online;
@@ -172,7 +175,7 @@ pub struct Store {
     next_reader: AtomicUsize,
     pub stats: Arc<StoreStats>,
     secret: Option<Vec<u8>>,
-    /// The writer lock on `<db>.lock`, released by `close`.
+    /// The open database file carrying the writer's `flock`, released by `close`.
     lock: Mutex<Option<std::fs::File>>,
 }
 
@@ -198,6 +201,8 @@ impl Store {
             }
         }
         let lock = schema::lock_writer(path)?;
+        // Everything below names the one real file, never the name given.
+        let path = lock.path.as_path();
         schema::private_files(path)?;
         let conn = schema::open_conn(path, sync)?;
         // A newer gateway's rows would be misread, and written against.
@@ -231,7 +236,7 @@ impl Store {
             next_reader: AtomicUsize::new(0),
             stats,
             secret,
-            lock: Mutex::new(Some(lock)),
+            lock: Mutex::new(Some(lock.file)),
         })
     }
 

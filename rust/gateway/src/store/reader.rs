@@ -144,11 +144,19 @@ pub fn rollouts(conn: &Connection, sel: &Selection) -> rusqlite::Result<Vec<Roll
     Ok(out)
 }
 
-/// Rollouts per `(mode, status)`, by SQL aggregate (one pass over the
-/// `rollouts_status_created` index, not a row per rollout to the caller).
+/// Rollouts per `(mode, status)`, by SQL aggregate (one pass, not a row per
+/// rollout to the caller); online sessions as `("online", "open" | "closed")`.
 pub fn rollout_counts(conn: &Connection) -> rusqlite::Result<Vec<(String, String, i64)>> {
     let mut stmt = conn.prepare_cached(
-        "SELECT mode, status, COUNT(*) FROM rollouts GROUP BY mode, status ORDER BY mode, status",
+        // An online session is a rollout row too (`mode` train, `status`
+        // running until closed): counted as mode `online`, status open/closed.
+        "SELECT CASE WHEN r.origin = 'online' THEN 'online' ELSE r.mode END AS m,
+                CASE WHEN r.origin = 'online'
+                     THEN CASE WHEN s.closed THEN 'closed' ELSE 'open' END
+                     ELSE r.status END AS st,
+                COUNT(*)
+         FROM rollouts r LEFT JOIN online_sessions s ON s.rollout_id = r.id
+         GROUP BY m, st ORDER BY m, st",
     )?;
     let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
     rows.collect()

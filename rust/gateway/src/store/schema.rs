@@ -3,7 +3,7 @@
 //! (`super`) is the only code that opens the database.
 
 use rusqlite::{params, Connection, OptionalExtension};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::config::SyncMode;
 use crate::error::GatewayError;
@@ -212,19 +212,107 @@ pub(super) fn open_conn(path: &Path, sync: SyncMode) -> Result<Connection, Gatew
     Ok(conn)
 }
 
-/// The writer's exclusive OS lock on `<db>.lock` (0600), held for the
-/// writer's lifetime: one writer per store file. Readers never take it.
-pub(super) fn lock_writer(db: &Path) -> Result<std::fs::File, GatewayError> {
-    let lock = super::secret::sibling(db, ".lock");
-    let file = private_file(&lock).map_err(|e| GatewayError::store(lock.display(), e))?;
+/// The store file a writer holds: the canonical path (every symlink
+/// resolved, so SQLite names its `-wal`/`-shm` after the one real file) and
+/// the open file carrying the writer's lock.
+pub(super) struct Locked {
+    pub path: PathBuf,
+    pub file: std::fs::File,
+}
+
+/// Takes the writer's exclusive OS lock on the database file itself, held
+/// for the writer's lifetime: one writer per store *file*, whatever path
+/// names it. The lock sits on the file's inode (`flock`, which SQLite never
+/// takes; its own locks are `fcntl` byte ranges), so a symlink or a second
+/// name reaches the same lock, and there is no lock file beside the store to
+/// delete. A file with more than one hard link is refused outright: SQLite
+/// keeps a `-wal` per *name*, so two names of one file are two stores
+/// sharing pages, and a writer on each corrupts both.
+pub(super) fn lock_writer(db: &Path) -> Result<Locked, GatewayError> {
+    let file = private_file(db).map_err(|e| GatewayError::store(db.display(), e))?;
+    let path = std::fs::canonicalize(db).map_err(|e| GatewayError::store(db.display(), e))?;
+    refuse_hard_links(&path, &file)?;
     match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => Err(GatewayError::StoreLocked {
-            path: db.display().to_string(),
-            lock: lock.display().to_string(),
-        }),
-        Err(std::fs::TryLockError::Error(e)) => Err(GatewayError::store(lock.display(), e)),
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(GatewayError::StoreLocked {
+                path: path.display().to_string(),
+                holder: holder(&file),
+            })
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(GatewayError::store(path.display(), e)),
     }
+    // A link made between the check and the lock is caught here; one made
+    // later reaches this lock (same inode) and is refused by the next writer.
+    refuse_hard_links(&path, &file)?;
+    Ok(Locked { path, file })
+}
+
+#[cfg(unix)]
+fn refuse_hard_links(path: &Path, file: &std::fs::File) -> Result<(), GatewayError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file
+        .metadata()
+        .map_err(|e| GatewayError::store(path.display(), e))?;
+    if meta.nlink() > 1 {
+        return Err(GatewayError::store(
+            path.display(),
+            format!(
+                "the store file has {} hard links; SQLite keeps one write-ahead log per name, so two names of one file corrupt it. Remove the other names (`find / -samefile {}`) or copy the store to a file of its own",
+                meta.nlink(),
+                path.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn refuse_hard_links(_: &Path, _: &std::fs::File) -> Result<(), GatewayError> {
+    Ok(())
+}
+
+/// Who holds the lock on `file`: `pid N` from the kernel's lock table
+/// (`/proc/locks` lists every `flock` with its owner's pid and the file's
+/// device and inode), or a sentence saying it could not be told.
+fn holder(file: &std::fs::File) -> String {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if let (Ok(meta), Ok(locks)) = (file.metadata(), std::fs::read_to_string("/proc/locks")) {
+            if let Some(pid) = flock_holder(&locks, meta.dev(), meta.ino()) {
+                return format!("pid {pid}");
+            }
+        }
+    }
+    let _ = file;
+    "a process this one cannot see".to_string()
+}
+
+/// The pid of the `FLOCK` holder of (`dev`, `ino`) in `/proc/locks` text:
+/// lines like `1: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF`, the device
+/// as hexadecimal `major:minor` (Linux's `dev_t` split).
+pub(super) fn flock_holder(locks: &str, dev: u64, ino: u64) -> Option<u32> {
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    locks.lines().find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        // `->` marks a waiter, one column further on.
+        let f: Vec<&str> = f.into_iter().filter(|x| *x != "->").collect();
+        if f.len() < 6 || f[1] != "FLOCK" {
+            return None;
+        }
+        let mut id = f[5].split(':');
+        let (ma, mi, i) = (id.next()?, id.next()?, id.next()?);
+        let same = u64::from_str_radix(ma, 16).ok()? == major
+            && u64::from_str_radix(mi, 16).ok()? == minor
+            && i.parse::<u64>().ok()? == ino;
+        if same {
+            f[4].parse().ok()
+        } else {
+            None
+        }
+    })
 }
 
 /// Opens (creating) `path` with mode 0600 whatever the umask: created with
@@ -257,11 +345,9 @@ fn tighten(path: &Path, file: &std::fs::File) {
 #[cfg(not(unix))]
 fn tighten(_: &Path, _: &std::fs::File) {}
 
-/// Creates the database file 0600 before SQLite opens it (SQLite gives its
-/// `-wal` and `-shm` files the database file's mode), and makes existing
-/// ones private.
+/// Makes an existing `-wal`, `-shm` or `-journal` private (SQLite gives new
+/// ones the database file's mode, which `lock_writer` has made 0600).
 pub(super) fn private_files(db: &Path) -> Result<(), GatewayError> {
-    private_file(db).map_err(|e| GatewayError::store(db.display(), e))?;
     for suffix in ["-wal", "-shm", "-journal"] {
         let p = super::secret::sibling(db, suffix);
         if p.exists() {
@@ -269,4 +355,24 @@ pub(super) fn private_files(db: &Path) -> Result<(), GatewayError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::flock_holder;
+
+    #[test]
+    fn the_lock_holder_is_found_by_device_and_inode() {
+        // dev 0x0801 (major 8, minor 1); a waiter line (`->`) and a POSIX lock on the same inode.
+        let table = "1: POSIX  ADVISORY  WRITE 11 08:01:1234 0 EOF\n\
+                     2: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF\n\
+                     2: -> FLOCK  ADVISORY  WRITE 99 08:01:1234 0 EOF\n\
+                     3: FLOCK  ADVISORY  WRITE 77 08:02:1234 0 EOF\n";
+        assert_eq!(flock_holder(table, 0x0801, 1234), Some(4242));
+        assert_eq!(flock_holder(table, 0x0802, 1234), Some(77));
+        assert_eq!(flock_holder(table, 0x0801, 9), None);
+        // A major above 255 is split across dev_t's bits (fd:00 → major 253).
+        let lvm = "5: FLOCK  ADVISORY  WRITE 8 fd:00:77 0 EOF";
+        assert_eq!(flock_holder(lvm, 0xfd00, 77), Some(8));
+    }
 }

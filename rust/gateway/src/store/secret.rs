@@ -3,8 +3,9 @@
 //!
 //! Where it comes from, first match wins: the operator's file
 //! (`token_secret_file`), the operator's value (`LIGHTNING_TOKEN_SECRET`), or
-//! the key file beside the store (`<db>.secret`, mode 0600, made on first
-//! open). A store from an older gateway kept it in `meta.token_secret`: the
+//! the key file beside the store (`<db>.secret` beside the canonical path,
+//! mode 0600 enforced, made on first open of a store without rollouts; never
+//! silently replaced once tokens have been handed out). A store from an older gateway kept it in `meta.token_secret`: the
 //! writer moves it to `<db>.secret` and deletes it from the store, so the
 //! tokens already handed out keep their secret.
 
@@ -105,10 +106,24 @@ pub(super) fn load(
         SecretSource::File(f) => read_operator_file(f).map(Some),
         SecretSource::Beside => {
             if !beside.exists() {
+                // A store with rollouts has handed out tokens derived from the
+                // missing secret: a new one would answer 401 to every one of
+                // them, and re-creating a rollout would give a token that no
+                // longer matches its stored hash. Only the operator may choose that.
+                let rollouts: i64 = conn
+                    .query_row("SELECT COUNT(*) FROM rollouts", [], |r| r.get(0))
+                    .map_err(|e| err(&e))?;
+                if rollouts > 0 {
+                    return Err(GatewayError::store(
+                        beside.display(),
+                        format!("the token key file is missing, and the store holds {rollouts} rollouts whose tokens derive from it; restore it from a backup (mode 0600), or give the old secret as token_secret_file / {ENV}. To revoke every token handed out instead, write a new one yourself: `openssl rand -hex 32 > {0} && chmod 600 {0}`", beside.display()),
+                    ));
+                }
                 let mut secret = vec![0u8; 32];
                 getrandom::fill(&mut secret).map_err(|e| err(&format!("no OS randomness: {e}")))?;
                 write_private(&beside, &secret)?;
             }
+            private_key_file(&beside)?;
             let s = std::fs::read(&beside).map_err(|e| GatewayError::store(beside.display(), e))?;
             if s.len() < MIN_LEN {
                 return Err(GatewayError::store(
@@ -119,6 +134,32 @@ pub(super) fn load(
             Ok(Some(s))
         }
     }
+}
+
+/// The key file beside the store is the gateway's own: one readable by
+/// others is made 0600 (with a warning: it may have been copied), and one
+/// that cannot be made private is refused, as an operator's file is.
+fn private_key_file(f: &Path) -> Result<(), GatewayError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let err = |e: &dyn std::fmt::Display| GatewayError::store(f.display(), e);
+        let mode = std::fs::metadata(f)
+            .map_err(|e| err(&e))?
+            .permissions()
+            .mode();
+        if mode & 0o077 != 0 {
+            std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o600)).map_err(|e| {
+                err(&format!(
+                    "the token key file is readable by others (mode {:o}) and cannot be made private ({e}); run `chmod 600 {}`",
+                    mode & 0o777,
+                    f.display()
+                ))
+            })?;
+            tracing::warn!(key_file = %f.display(), mode = format!("{:o}", mode & 0o777), "the token key file was readable by others; made it 0600 (rotate it if it may have been copied)");
+        }
+    }
+    Ok(())
 }
 
 fn read_operator_file(f: &Path) -> Result<Vec<u8>, GatewayError> {
