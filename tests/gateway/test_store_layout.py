@@ -9,6 +9,7 @@ conversations (the property test over random conversations is
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sqlite3
@@ -83,6 +84,11 @@ def post(url: str, token: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_new_calls_in_an_old_store_use_the_new_layout(tmp_path: Path, engine: FakeEngine) -> None:
     db = tmp_path / "store.db"
     shutil.copy(V1 / "store.db", db)
+    # The fixture's token secret was not kept: a new one (the old rollouts'
+    # tokens are revoked; only new calls are made here).
+    secret = tmp_path / "store.db.secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
     expected = json.loads((V1 / "expected.json").read_text())
     with start_gateway(engine.url, db) as gw, gw.client() as client:
         r = client.create_rollout({"task": "new"})
