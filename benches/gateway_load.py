@@ -27,6 +27,7 @@ per call (machine-load independent) come from
 ``benches/gateway_instructions.py`` (callgrind; too slow to run here).
 
     python benches/gateway_load.py            # GATEWAY_BENCH_SECONDS=3 per point
+    GATEWAY_BENCH_LAYOUT=full python benches/gateway_load.py   # store layout 1, for comparison
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ CONCURRENCY = [
 ]
 ADMIN = "bench-admin-key"
 SYNC = os.environ.get("GATEWAY_BENCH_SYNC", "full")
+# `full` writes every call whole (store layout 1), `shared` what it adds to
+# the rollout's earlier calls (layout 2; every call here repeats the last).
+LAYOUT = os.environ.get("GATEWAY_BENCH_LAYOUT", "shared")
 
 
 def build() -> None:
@@ -126,7 +130,7 @@ def request_body() -> bytes:
 def gateway_args(binary: Path, port: int, upstream: str, db: Path, sync: str = SYNC) -> list[str]:
     """A bench gateway's command line: one tokio worker, the bench admin key."""
     return [str(binary), "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--db", str(db),
-            "--admin-key", ADMIN, "--threads", "1", "--sync", sync]  # fmt: skip
+            "--admin-key", ADMIN, "--threads", "1", "--sync", sync, "--store-layout", LAYOUT]  # fmt: skip
 
 
 def spawn(cpus: str, cmd: list[str], **kw: object) -> subprocess.Popen[str]:
@@ -329,7 +333,7 @@ def main() -> int:
     print(f"machine: {machine()}")
     print(f"commit:  {commit()}")
     print(
-        f"setup:   gateway 1 tokio worker pinned to CPU 0, store sync={SYNC}; engine + load generator on CPU 1; {SECONDS:.0f}s per point"
+        f"setup:   gateway 1 tokio worker pinned to CPU 0, store sync={SYNC} layout={LAYOUT}; engine + load generator on CPU 1; {SECONDS:.0f}s per point"
     )
     tmp = bench_dir("lightning-bench-")
     body_json = tmp / "body.json"

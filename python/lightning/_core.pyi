@@ -369,6 +369,8 @@ class StoreReader:
     def call_bodies(
         self, rollout_id: str
     ) -> list[tuple[int, str | None, str | None, str | None]]: ...
+    def requests(self, rollout_id: str) -> list[tuple[int, str, str | None]]:
+        """Each call's ``(seq, engine_request, harness_request)`` in seq order, whole."""
     def trace(self, rollout_id: str) -> list[Call]: ...
     def read_step(
         self,

@@ -19,7 +19,6 @@ one ``defer_loading`` placeholder tool beside the real ones, ``max_tokens`` 3200
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
@@ -130,8 +129,13 @@ def test_lightning_train_through_claude_code_on_the_tiny_model(
     for m in steps:
         assert m["rollout_status"] == {"succeeded": 2}, m  # claude -p exited 0 every time
         assert m["tokens"] > 2 * 2000  # Claude Code's whole prompt is trained context
-    with sqlite3.connect(out / "lightning.db") as db:
-        rows = db.execute("SELECT protocol, harness_request FROM calls").fetchall()
+    # Bodies whole through the store's reader (the file keeps what each call adds).
+    with lightning.Store(out / "lightning.db") as store:
+        rows = [
+            (protocol, body)
+            for rid in store.rollout_ids()
+            for _, protocol, body, _ in store._reader.call_bodies(rid)
+        ]
     assert {p for p, _ in rows} == {"anthropic_messages"}
     assert len(rows) >= 4  # at least one call per rollout
     # A random model often answers with EOS alone; Claude Code then asks again without

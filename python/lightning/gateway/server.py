@@ -236,6 +236,10 @@ class GatewayConfig(BaseModel):
         default="full",
         description="`full` fsyncs the WAL on every group commit (survives power loss); `normal` survives a killed process only.",
     )
+    store_layout: Literal["shared", "full"] = Field(
+        default="shared",
+        description="`shared` stores only what a call adds to an earlier call of its rollout (prompt ids, request bodies); `full` writes every call whole.",
+    )
     on_store_failure: Literal["refuse", "serve"] = Field(
         default="refuse",
         description="While the store cannot write: refuse new proxied calls (503) or serve them unrecorded.",

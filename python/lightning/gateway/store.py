@@ -57,6 +57,13 @@ class Store:
             out.append(CallRecord(**r, usage=json.loads(usage) if usage else None, group=group))
         return out
 
+    def requests(self, rollout_id: str) -> list[tuple[int, str, str | None]]:
+        """Each call's ``(seq, engine_request, harness_request)`` as JSON text, in seq
+        order: what the gateway sent the engine and what the harness sent it, whole
+        (the store keeps only what each call adds to an earlier one). A request's later
+        choices carry ``("", None)``: its first choice holds the bodies."""
+        return self._reader.requests(rollout_id)
+
     def trace(self, rollout_id: str) -> list[Any]:
         """The calls the harness saw whole, with exact ids, as ``lightning.Call``."""
         return self._reader.trace(rollout_id)

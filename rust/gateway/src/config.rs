@@ -87,6 +87,18 @@ pub enum SyncMode {
     Normal,
 }
 
+/// How the store writes a call (`store::prefix`): `shared` stores only what
+/// a call adds to an earlier call of its rollout (prompt ids, request
+/// bodies); `full` writes every call whole, as layout 1 did (benchmarks
+/// compare the two). Readers read both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreLayout {
+    #[default]
+    Shared,
+    Full,
+}
+
 /// What the gateway does while its store cannot write (disk full, file
 /// unwritable): `refuse` answers new proxied calls 503 (a call it cannot
 /// record is never served); `serve` keeps serving them unrecorded.
@@ -149,6 +161,12 @@ fn literal<T: clap::ValueEnum>() -> String {
 }
 
 impl FieldType for SyncMode {
+    fn python() -> String {
+        literal::<Self>()
+    }
+}
+
+impl FieldType for StoreLayout {
     fn python() -> String {
         literal::<Self>()
     }
@@ -336,6 +354,10 @@ config! {
     /// `normal` survives a killed process only.
     #[arg(value_enum)]
     sync: SyncMode = SyncMode::Full, Any;
+    /// `shared` stores only what a call adds to an earlier call of its
+    /// rollout (prompt ids, request bodies); `full` writes every call whole.
+    #[arg(value_enum)]
+    store_layout: StoreLayout = StoreLayout::Shared, Any;
     /// While the store cannot write: refuse new proxied calls (503) or serve them unrecorded.
     #[arg(value_enum)]
     on_store_failure: StoreFailure = StoreFailure::Refuse, Any;
@@ -568,6 +590,7 @@ mod tests {
         }
         same::<SyncMode>();
         same::<StoreFailure>();
+        same::<StoreLayout>();
     }
 
     #[test]

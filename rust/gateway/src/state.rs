@@ -58,7 +58,12 @@ impl State {
     pub fn new(cfg: Config, public_url: String) -> Result<State, GatewayError> {
         cfg.validate()?;
         let secret = crate::store::SecretSource::configured(cfg.token_secret_file.as_deref())?;
-        let store = Arc::new(Store::open(&cfg.db, cfg.sync, secret)?);
+        let store = Arc::new(Store::open_layout(
+            &cfg.db,
+            cfg.sync,
+            secret,
+            cfg.store_layout,
+        )?);
         let pool = Pool::new(
             &cfg.upstreams,
             cfg.mark_down_after,

@@ -301,6 +301,17 @@ impl PyStoreReader {
             .collect())
     }
 
+    /// Each call's `(seq, engine_request, harness_request)` in seq order, whole
+    /// however the store keeps them (`""` and `None` on a request's later choices).
+    fn requests(
+        &self,
+        py: Python<'_>,
+        rollout_id: &str,
+    ) -> PyResult<Vec<(i64, String, Option<String>)>> {
+        py.detach(|| self.inner.requests(rollout_id))
+            .map_err(|e| gateway_error(py, e))
+    }
+
     /// The calls of a rollout the harness saw whole, with exact ids.
     fn trace(&self, py: Python<'_>, rollout_id: &str) -> PyResult<Vec<PyCall>> {
         let calls = py

@@ -8,7 +8,9 @@
 //! transaction, so under load one fsync covers many calls.
 //!
 //! Token ids are stored as little-endian u32 blobs, logprobs as little-endian
-//! f32 blobs (NaN where the engine gave none).
+//! f32 blobs (NaN where the engine gave none). A call's prompt ids and request
+//! bodies are stored as what they add to an earlier call of the rollout
+//! (`prefix`, layout 2); readers return them whole.
 
 //!
 //! The one module that owns the schema: nothing else in the workspace opens
@@ -28,6 +30,7 @@
 
 pub mod columnar;
 pub mod online;
+pub mod prefix;
 pub mod reader;
 pub mod records;
 mod retention;
@@ -52,7 +55,7 @@ pub use records::{
 };
 pub use secret::SecretSource;
 
-use crate::config::SyncMode;
+use crate::config::{StoreLayout, SyncMode};
 use crate::error::GatewayError;
 use crate::protocol::Kept;
 
@@ -181,6 +184,16 @@ impl Store {
     /// `StoreLocked` while another writer holds it), creates the files 0600,
     /// brings the schema up to date and loads the token secret from `secret`.
     pub fn open(path: &Path, sync: SyncMode, secret: SecretSource) -> Result<Store, GatewayError> {
+        Store::open_layout(path, sync, secret, StoreLayout::Shared)
+    }
+
+    /// `open`, writing calls in `layout` (`full`: every call whole, for comparisons).
+    pub fn open_layout(
+        path: &Path,
+        sync: SyncMode,
+        secret: SecretSource,
+        layout: StoreLayout,
+    ) -> Result<Store, GatewayError> {
         if let Some(parent) = path.parent() {
             if !parent.as_os_str().is_empty() && !parent.exists() {
                 std::fs::create_dir_all(parent)
@@ -192,6 +205,17 @@ impl Store {
         let path = lock.path.as_path();
         schema::private_files(path)?;
         let conn = schema::open_conn(path, sync)?;
+        // A newer gateway's rows would be misread, and written against.
+        let version = schema::version(&conn).unwrap_or(1);
+        if version > prefix::SCHEMA_VERSION {
+            return Err(GatewayError::store(
+                path.display(),
+                format!(
+                    "written in store layout {version}, this gateway writes layout {}; upgrade lightning to open it",
+                    prefix::SCHEMA_VERSION
+                ),
+            ));
+        }
         schema::create(&conn).map_err(|e| GatewayError::store(path.display(), e))?;
         let secret = secret::load(&conn, path, &secret)?;
         let mut readers = Vec::new();
@@ -203,7 +227,7 @@ impl Store {
         let wstats = stats.clone();
         let writer = std::thread::Builder::new()
             .name("lightning-store-writer".into())
-            .spawn(move || writer_loop(conn, rx, wstats))?;
+            .spawn(move || writer_loop(conn, rx, wstats, layout))?;
         Ok(Store {
             path: path.to_path_buf(),
             tx: Mutex::new(Some(tx)),
@@ -478,11 +502,15 @@ fn unexpected(r: OpResult) -> GatewayError {
     }
 }
 
-/// Next sequence numbers per rollout, cached so the writer does one MAX query per rollout.
+/// Next sequence numbers per rollout, cached so the writer does one MAX query
+/// per rollout; and the latest calls of each rollout, that new calls store
+/// their prompt and bodies against (`prefix::Recent`, unused in `full`).
 #[derive(Default)]
 struct SeqCache {
     calls: HashMap<String, i64>,
     events: HashMap<String, i64>,
+    recent: prefix::Recent,
+    layout: StoreLayout,
 }
 
 fn next_seq(
@@ -581,14 +609,37 @@ fn insert_call_rows(
     let mut stmt = conn.prepare_cached(
         "INSERT INTO calls(rollout_id, seq, request_id, choice_index, kind, request, prompt_ids,
             completion_ids, logprobs, finish_reason, text, status, flags, delivered, retry_count,
-            weight_version, upstream, http_status, latency_ms, usage, created, protocol, harness_request, response_id)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24)",
+            weight_version, upstream, http_status, latency_ms, usage, created, protocol, harness_request, response_id,
+            prompt_base, prompt_shared, text_base, request_head, request_tail, harness_head, harness_tail)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24,
+            ?25, ?26, ?27, ?28, ?29, ?30, ?31)",
     )?;
+    let shared = seqs.layout == StoreLayout::Shared;
     for (i, c) in records.iter().enumerate() {
         let seq = next_seq(conn, &mut seqs.calls, "calls", &c.rollout_id)?;
-        // The full request body is stored once per request, on its first choice.
-        let request = if i == 0 { c.request.as_str() } else { "" };
-        let harness_request = (i == 0).then_some(c.harness_request.as_str());
+        let recent = &mut seqs.recent;
+        // The request bodies are stored once per request, on its first choice.
+        let (mut request, mut harness_request) = if i == 0 {
+            (c.request.as_str(), Some(c.harness_request.as_str()))
+        } else {
+            ("", None)
+        };
+        let text_ref = match harness_request {
+            Some(h) if shared => recent.text_base(&c.rollout_id, request, h),
+            _ => None,
+        };
+        if let Some(t) = &text_ref {
+            request = &request[t.request.head..request.len() - t.request.tail];
+            harness_request = harness_request.map(|h| &h[t.harness.head..h.len() - t.harness.tail]);
+        }
+        let ids_ref = match &c.prompt_ids {
+            Some(p) if shared => recent.ids_base(&c.rollout_id, p),
+            _ => None,
+        };
+        let prompt = c
+            .prompt_ids
+            .as_deref()
+            .map(|p| &p[ids_ref.as_ref().map_or(0, |r| r.shared)..]);
         stmt.execute(params![
             c.rollout_id,
             seq,
@@ -596,7 +647,7 @@ fn insert_call_rows(
             c.choice_index,
             c.kind,
             request,
-            c.prompt_ids.as_deref().map(ids_to_blob),
+            prompt.map(ids_to_blob),
             c.completion_ids.as_deref().map(ids_to_blob),
             c.logprobs.as_deref().map(f32s_to_blob),
             c.finish_reason,
@@ -614,7 +665,23 @@ fn insert_call_rows(
             c.protocol,
             harness_request,
             c.response_id,
+            ids_ref.as_ref().map(|r| r.base),
+            ids_ref.as_ref().map(|r| r.shared as i64),
+            text_ref.as_ref().map(|t| t.base),
+            text_ref.as_ref().map(|t| t.request.head as i64),
+            text_ref.as_ref().map(|t| t.request.tail as i64),
+            text_ref.as_ref().map(|t| t.harness.head as i64),
+            text_ref.as_ref().map(|t| t.harness.tail as i64),
         ])?;
+        if shared {
+            if let Some(p) = &c.prompt_ids {
+                let completion = c.completion_ids.as_deref().unwrap_or(&[]);
+                recent.stage_ids(&c.rollout_id, seq, p, completion);
+            }
+            if i == 0 {
+                recent.stage_text(&c.rollout_id, seq, &c.request, Some(&c.harness_request));
+            }
+        }
         out.push(seq);
     }
     if mark_running {
@@ -708,8 +775,17 @@ fn apply_online(
     Ok(OpResult::Online(out))
 }
 
-fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<(Op, Reply)>, stats: Arc<StoreStats>) {
-    let mut seqs = SeqCache::default();
+fn writer_loop(
+    mut conn: Connection,
+    rx: mpsc::Receiver<(Op, Reply)>,
+    stats: Arc<StoreStats>,
+    layout: StoreLayout,
+) {
+    let fresh = || SeqCache {
+        layout,
+        ..SeqCache::default()
+    };
+    let mut seqs = fresh();
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
@@ -734,12 +810,15 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<(Op, Reply)>, stats: Arc
                     match apply(&tx, &mut seqs, op) {
                         Ok(r) => {
                             tx.prepare_cached("RELEASE op")?.execute([])?;
+                            seqs.recent.keep();
                             Ok(r)
                         }
                         Err(e) => {
                             if is_disk_error(&e) {
                                 disk_error = Some(e.to_string());
                             }
+                            // Rows the op wrote are gone: none may be a base.
+                            seqs.recent.discard();
                             tx.prepare_cached("ROLLBACK TO op")?.execute([])?;
                             tx.prepare_cached("RELEASE op")?.execute([])?;
                             Err(e.to_string())
@@ -774,9 +853,10 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<(Op, Reply)>, stats: Arc
             }
             Err(e) => {
                 // The transaction did not commit: nothing in it is durable, and
-                // the cached seqs may be ahead of the table, so drop them.
+                // the cached seqs may be ahead of the table, and the calls
+                // remembered as bases may not exist: drop both.
                 tracing::error!(error = %e, ops = n, "store commit failed");
-                seqs = SeqCache::default();
+                seqs = fresh();
                 for (reply, _) in replies {
                     let _ = reply.send(Err(format!("commit failed: {e}")));
                 }

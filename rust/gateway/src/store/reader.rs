@@ -19,6 +19,7 @@ use serde_json::Value;
 
 use super::columnar::{blob_to_f32s, blob_to_ids};
 use super::online::{KeyRow, SessionFilter, SessionPage, SessionRow};
+use super::prefix::{self, Resolver};
 use super::records::{
     CallBody, CallRate, EventRecord, FeedbackRecord, RateBucket, RolloutRecord, RolloutRow,
     Selection, StepData, StoredCall,
@@ -229,22 +230,47 @@ pub fn call_rate(conn: &Connection, window_s: f64, bucket_s: f64) -> rusqlite::R
     })
 }
 
-/// Every recorded call of a rollout in seq order, trainable or not.
+/// Every recorded call of a rollout in seq order, trainable or not, with its
+/// prompt ids whole: a prefix-shared row (`prefix`) is joined to its base,
+/// read earlier in the same pass, so every stored token is read once.
 pub fn records(conn: &Connection, rollout_id: &str) -> rusqlite::Result<Vec<StoredCall>> {
-    let mut stmt = conn.prepare_cached(
+    let refs = if layout_2(conn)? {
+        "prompt_base, prompt_shared"
+    } else {
+        "NULL, NULL"
+    };
+    let mut stmt = conn.prepare_cached(&format!(
         "SELECT seq, request_id, choice_index, kind, prompt_ids, completion_ids, logprobs,
                 finish_reason, text, status, flags, delivered, retry_count, weight_version,
-                upstream, http_status, latency_ms, usage, created
-         FROM calls WHERE rollout_id = ?1 ORDER BY seq",
-    )?;
-    let rows = stmt.query_map(params![rollout_id], |r| {
+                upstream, http_status, latency_ms, usage, created, {refs}
+         FROM calls WHERE rollout_id = ?1 ORDER BY seq"
+    ))?;
+    let mut rows = stmt.query(params![rollout_id])?;
+    let mut out: Vec<StoredCall> = Vec::new();
+    let mut bases = Resolver::default();
+    while let Some(r) = rows.next()? {
         let flags: String = r.get(10)?;
-        Ok(StoredCall {
-            seq: r.get(0)?,
+        let seq: i64 = r.get(0)?;
+        let mut prompt_ids = r.get::<_, Option<Vec<u8>>>(4)?.map(|b| blob_to_ids(&b));
+        if let (Some(base), Some(shared)) =
+            (r.get::<_, Option<i64>>(19)?, r.get::<_, Option<i64>>(20)?)
+        {
+            let b = &out[bases.base(base, seq)?];
+            let suffix = prompt_ids.unwrap_or_default();
+            prompt_ids = Some(prefix::join_ids(
+                b.prompt_ids.as_deref().unwrap_or(&[]),
+                b.completion_ids.as_deref().unwrap_or(&[]),
+                usize::try_from(shared).unwrap_or(usize::MAX),
+                &suffix,
+            )?);
+        }
+        bases.add(seq, out.len());
+        out.push(StoredCall {
+            seq,
             request_id: r.get(1)?,
             choice_index: r.get(2)?,
             kind: r.get(3)?,
-            prompt_ids: r.get::<_, Option<Vec<u8>>>(4)?.map(|b| blob_to_ids(&b)),
+            prompt_ids,
             completion_ids: r.get::<_, Option<Vec<u8>>>(5)?.map(|b| blob_to_ids(&b)),
             logprobs: r.get::<_, Option<Vec<u8>>>(6)?.map(|b| blob_to_f32s(&b)),
             finish_reason: r.get(7)?,
@@ -265,9 +291,81 @@ pub fn records(conn: &Connection, rollout_id: &str) -> rusqlite::Result<Vec<Stor
                 .get::<_, Option<String>>(17)?
                 .and_then(|s| serde_json::from_str(&s).ok()),
             created: r.get(18)?,
-        })
-    })?;
-    rows.collect()
+        });
+    }
+    Ok(out)
+}
+
+/// Whether the file has layout 2's columns: a layout-1 file opened read-only
+/// (no writer has migrated it) has none, and all its rows are whole.
+fn layout_2(conn: &Connection) -> rusqlite::Result<bool> {
+    conn.prepare_cached(
+        "SELECT COUNT(*) > 0 FROM pragma_table_info('calls') WHERE name = 'text_base'",
+    )?
+    .query_row([], |r| r.get(0))
+}
+
+/// A body column of a row: whole, or its base's head and tail around the
+/// stored middle.
+fn body(
+    base: Option<&str>,
+    head: Option<i64>,
+    tail: Option<i64>,
+    stored: Option<String>,
+) -> Result<Option<String>, prefix::Damaged> {
+    match (base, head, tail, stored) {
+        (Some(b), Some(h), Some(t), Some(middle)) => {
+            let c = prefix::Cut {
+                head: usize::try_from(h).unwrap_or(usize::MAX),
+                tail: usize::try_from(t).unwrap_or(usize::MAX),
+            };
+            prefix::join_text(b, c, &middle).map(Some)
+        }
+        (None, Some(_), _, _) => Err(prefix::Damaged(
+            "a request refers to one that has no body".into(),
+        )),
+        (_, _, _, stored) => Ok(stored),
+    }
+}
+
+/// Each call's engine request and harness request, whole, in seq order
+/// (`""` and `None` on a request's later choices, which store neither).
+/// `want_request = false` leaves the engine request out (`""`): online mode
+/// reads only what the harness sent.
+pub fn requests(
+    conn: &Connection,
+    rollout_id: &str,
+    want_request: bool,
+) -> rusqlite::Result<Vec<(i64, String, Option<String>)>> {
+    let refs = match (layout_2(conn)?, want_request) {
+        (true, true) => "text_base, request_head, request_tail, harness_head, harness_tail",
+        (true, false) => "text_base, NULL, NULL, harness_head, harness_tail",
+        (false, _) => "NULL, NULL, NULL, NULL, NULL",
+    };
+    let request = if want_request { "request" } else { "NULL" };
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT seq, {request}, harness_request, {refs} FROM calls WHERE rollout_id = ?1 ORDER BY seq"
+    ))?;
+    let mut rows = stmt.query(params![rollout_id])?;
+    let mut out: Vec<(i64, String, Option<String>)> = Vec::new();
+    let mut bases = Resolver::default();
+    while let Some(r) = rows.next()? {
+        let seq: i64 = r.get(0)?;
+        let base = match r.get::<_, Option<i64>>(3)? {
+            Some(b) => Some(&out[bases.base(b, seq)?]),
+            None => None,
+        };
+        let request = body(base.map(|b| b.1.as_str()), r.get(4)?, r.get(5)?, r.get(1)?)?;
+        let harness = body(
+            base.and_then(|b| b.2.as_deref()),
+            r.get(6)?,
+            r.get(7)?,
+            r.get(2)?,
+        )?;
+        bases.add(seq, out.len());
+        out.push((seq, request.unwrap_or_default(), harness));
+    }
+    Ok(out)
 }
 
 /// Every event of a rollout in seq order.
@@ -373,17 +471,25 @@ pub fn kept(
 /// a training step never needs them.)
 pub fn call_bodies(conn: &Connection, rollout_id: &str) -> rusqlite::Result<Vec<CallBody>> {
     let mut stmt = conn.prepare_cached(
-        "SELECT seq, protocol, harness_request, response_id FROM calls WHERE rollout_id = ?1 ORDER BY seq",
+        "SELECT seq, protocol, response_id FROM calls WHERE rollout_id = ?1 ORDER BY seq",
     )?;
     let rows = stmt.query_map(params![rollout_id], |r| {
-        Ok(CallBody {
-            seq: r.get(0)?,
-            protocol: r.get(1)?,
-            harness_request: r.get(2)?,
-            response_id: r.get(3)?,
-        })
+        Ok((r.get::<_, i64>(0)?, r.get(1)?, r.get(2)?))
     })?;
-    rows.collect()
+    let heads = rows.collect::<rusqlite::Result<Vec<(i64, Option<String>, Option<String>)>>>()?;
+    let bodies = requests(conn, rollout_id, false)?;
+    Ok(heads
+        .into_iter()
+        .zip(bodies)
+        .map(
+            |((seq, protocol, response_id), (_, _, harness_request))| CallBody {
+                seq,
+                protocol,
+                harness_request,
+                response_id,
+            },
+        )
+        .collect())
 }
 
 // ------------------------------------------------------------ online mode
@@ -647,6 +753,18 @@ impl Reader {
             .map_err(|e| GatewayError::store(path.display(), e))?;
         conn.busy_timeout(std::time::Duration::from_secs(30))
             .map_err(|e| GatewayError::store(path.display(), e))?;
+        // A file without the meta table is not readable as a store either;
+        // its reads fail with their own message.
+        let version = super::schema::version(&conn).unwrap_or(1);
+        if version > prefix::SCHEMA_VERSION {
+            return Err(GatewayError::store(
+                path.display(),
+                format!(
+                    "written in store layout {version}, this lightning reads up to {}; upgrade lightning to read it",
+                    prefix::SCHEMA_VERSION
+                ),
+            ));
+        }
         Ok(Reader {
             path: path.to_path_buf(),
             conn: Mutex::new(conn),
@@ -708,6 +826,14 @@ impl Reader {
     /// Each call's protocol, harness request and response id.
     pub fn call_bodies(&self, rollout_id: &str) -> Result<Vec<CallBody>, GatewayError> {
         self.with(|c| call_bodies(c, rollout_id))
+    }
+
+    /// Each call's `(seq, engine request, harness request)`, whole (see [`requests`]).
+    pub fn requests(
+        &self,
+        rollout_id: &str,
+    ) -> Result<Vec<(i64, String, Option<String>)>, GatewayError> {
+        self.with(|c| requests(c, rollout_id, true))
     }
 
     /// The trainable calls of one rollout (empty for an unknown rollout).

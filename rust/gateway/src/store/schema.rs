@@ -2,7 +2,7 @@
 //! the first release, and how a connection to the file is opened. The store
 //! (`super`) is the only code that opens the database.
 
-use rusqlite::{params, Connection};
+use rusqlite::{params, Connection, OptionalExtension};
 use std::path::{Path, PathBuf};
 
 use crate::config::SyncMode;
@@ -81,7 +81,7 @@ CREATE TABLE IF NOT EXISTS kept (
 /// Columns added after the first release, with their definitions: a database
 /// created by an older gateway gets them on open (`ALTER TABLE ADD COLUMN`;
 /// rows written before read as the defaults). Existing columns never change name.
-const MIGRATIONS: [(&str, &str, &str); 4] = [
+const MIGRATIONS: [(&str, &str, &str); 11] = [
     // The protocol the harness spoke (`openai_chat`, `openai_responses`, …);
     // old rows were all chat completions or completions, told apart by `kind`.
     ("calls", "protocol", "TEXT"),
@@ -93,6 +93,19 @@ const MIGRATIONS: [(&str, &str, &str); 4] = [
     ("calls", "response_id", "TEXT"),
     // `online` for sessions recorded from application keys (NULL: a rollout).
     ("rollouts", "origin", "TEXT"),
+    // Layout 2, prefix-shared rows (`super::prefix`): NULL means the column
+    // beside it is stored whole, as every layout-1 row is.
+    // `prompt_ids` continues call `prompt_base`'s prompt + completion after
+    // its first `prompt_shared` tokens.
+    ("calls", "prompt_base", "INTEGER"),
+    ("calls", "prompt_shared", "INTEGER"),
+    // `request` and `harness_request` are the middles of call `text_base`'s
+    // bodies: its first `*_head` and last `*_tail` bytes surround them.
+    ("calls", "text_base", "INTEGER"),
+    ("calls", "request_head", "INTEGER"),
+    ("calls", "request_tail", "INTEGER"),
+    ("calls", "harness_head", "INTEGER"),
+    ("calls", "harness_tail", "INTEGER"),
 ];
 
 fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -164,7 +177,26 @@ CREATE INDEX IF NOT EXISTS calls_response_id ON calls(response_id);
 pub(super) fn create(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(SCHEMA)?;
     migrate(conn)?;
-    conn.execute_batch(ONLINE_SCHEMA)
+    conn.execute_batch(ONLINE_SCHEMA)?;
+    // The layout rows may be written in from now on; layout-1 rows stay as
+    // they are (every reader of layout 2 reads them).
+    conn.execute(
+        "INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?1)",
+        params![super::prefix::SCHEMA_VERSION],
+    )?;
+    Ok(())
+}
+
+/// The layout a store file says it was written in (1: before versions were kept).
+pub(super) fn version(conn: &Connection) -> rusqlite::Result<i64> {
+    let v: Option<i64> = conn
+        .query_row(
+            "SELECT value FROM meta WHERE key = 'schema_version'",
+            [],
+            |r| r.get(0),
+        )
+        .optional()?;
+    Ok(v.unwrap_or(1))
 }
 
 pub(super) fn open_conn(path: &Path, sync: SyncMode) -> Result<Connection, GatewayError> {
