@@ -280,3 +280,124 @@ def test_sessions_page_and_a_sessions_conversation(
     assert page.get_attribute("#chart-rate", "data-errors") == "1"
     page.screenshot(path=str(artifacts / "8-online-calls-chart.png"), full_page=True)
     assert page.errors == []
+
+
+SECRET = "4111-SECRET"
+LONG_CALLS = 23  # more than one page (CALLS_PAGE = 20) and more than one page of samples
+
+
+@pytest.fixture(scope="module")
+def served_private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Any]]:
+    """The view of an online store with a redacting key's session (its prompt holds
+    ``SECRET``) and a long session of ``LONG_CALLS`` unrelated calls (a sample each),
+    both written by a gateway process; served without and with ``--with-ids``."""
+    import openai
+
+    from online_gateway import Gw, new_key
+
+    engine = FakeEngine("P", unique_ids=True)
+    db = tmp_path_factory.mktemp("view-browser-private") / "private.db"
+    gw = Gw(db, engine.url, "idle_timeout_s = 600")
+    try:
+        private, plain = new_key(gw, "private-bot", redact=True), new_key(gw, "long-bot")
+        with openai.OpenAI(base_url=gw.url + "/v1", api_key=private, max_retries=0) as oa:
+            oa.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": f"my card is {SECRET} [[len:5]]"}],
+                extra_headers={"x-session-id": "private"},
+            )
+        with openai.OpenAI(base_url=gw.url + "/v1", api_key=plain, max_retries=0) as oa:
+            for i in range(LONG_CALLS):
+                oa.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": f"question {i} [[len:3]]"}],
+                    extra_headers={"x-session-id": "long"},
+                )
+        sessions = {s.session_key: s.session_id for s in gw.api.sessions()}
+    finally:
+        gw.stop()
+        engine.stop()
+    hidden, thread, url = serve(View(db, tokenizer=ByteDecoder()))
+    shown, thread_ids, url_ids = serve(View(db, tokenizer=ByteDecoder(), with_ids=True))
+    yield url, url_ids, sessions
+    for server, t in ((hidden, thread), (shown, thread_ids)):
+        server.should_exit = True
+        t.join(10)
+
+
+@pytest.mark.parametrize("kind", ["session", "rollout"])
+def test_a_redacted_sessions_page_shows_no_ids_or_decoded_text(
+    page: Any, served_private: Any, artifacts: Path, kind: str
+) -> None:
+    url, url_ids, sessions = served_private
+    sid = sessions["private"]
+    block = "#conversation .turn" if kind == "session" else "#calls .call"
+    page.goto("about:blank")
+    page.goto(url + f"#/{kind}/{sid}")
+    page.wait_for_selector(block)
+    assert "redacted: ids hidden" in page.inner_text("#detail")
+    # Tokens are one span each: the text is what they read joined, hidden parts included.
+    assert SECRET not in page.locator("#detail").text_content()
+    assert SECRET not in page.content()  # nor in any attribute
+    assert page.locator("#detail .tok").count() == 0
+    assert page.locator("#detail [data-id]").count() == 0
+    page.screenshot(path=str(artifacts / f"10-redacted-{kind}.png"), full_page=True)
+    # The same page under `lightning view --with-ids` decodes them: the check can fail.
+    page.goto("about:blank")
+    page.goto(url_ids + f"#/{kind}/{sid}")
+    page.wait_for_selector(f"{block} .tok[data-id]", state="attached")
+    if kind == "rollout":  # the session page shows the answer; the prompt is under its call
+        assert SECRET in page.locator("#detail").text_content()
+    assert "redacted: ids hidden" not in page.inner_text("#detail")
+    assert page.errors == []
+
+
+def click_more(page: Any, button: str, items: str, want: int) -> None:
+    page.click(button)
+    page.wait_for_function(f"document.querySelectorAll({items!r}).length === {want}")
+
+
+def test_a_long_sessions_calls_page_with_a_more_control(
+    page: Any, served_private: Any, artifacts: Path
+) -> None:
+    url, _, sessions = served_private
+    page.goto("about:blank")
+    page.goto(url + f"#/session/{sessions['long']}")
+    page.wait_for_selector("#conversation .turn")
+    turns = page.locator("#conversation .turn")
+    assert turns.count() == 20
+    assert page.inner_text("#more-turns-pager").startswith(f"20 of {LONG_CALLS} calls")
+    assert "question 19" in turns.last.inner_text()
+    click_more(page, "#more-turns", "#conversation .turn", LONG_CALLS)
+    assert page.inner_text("#more-turns-pager").startswith(f"{LONG_CALLS} of {LONG_CALLS} calls")
+    assert page.is_hidden("#more-turns")
+    assert turns.nth(20).inner_text().split(" · ")[0].endswith("call 20")
+    assert f"question {LONG_CALLS - 1}" in turns.last.inner_text()
+    assert turns.last.locator(".tok").count() > 0
+    page.screenshot(path=str(artifacts / "11-session-paged.png"), full_page=True)
+    assert page.errors == []
+
+
+def test_a_long_rollouts_calls_and_samples_page_with_a_more_control(
+    page: Any, served_private: Any, artifacts: Path
+) -> None:
+    url, _, sessions = served_private
+    page.goto("about:blank")
+    page.goto(url + f"#/rollout/{sessions['long']}")
+    page.wait_for_selector("#calls .call .tok.gen")
+    assert page.locator("#calls .call").count() == 20
+    assert page.inner_text("#more-calls-pager").startswith(f"20 of {LONG_CALLS} calls")
+    click_more(page, "#more-calls", "#calls .call", LONG_CALLS)
+    assert page.is_hidden("#more-calls")
+    assert page.locator("#calls .call h4").last.inner_text().startswith(f"call {LONG_CALLS - 1} ")
+    # Samples come 4 at a time, their own control.
+    samples = page.locator("#samples .tokens")
+    assert samples.count() == 4
+    total = int(page.inner_text("#more-samples-pager").split(" of ")[1].split()[0])
+    assert total > 8
+    click_more(page, "#more-samples", "#samples .tokens", 8)
+    assert page.inner_text("#more-samples-pager").startswith(f"8 of {total} samples")
+    assert page.locator("#samples h4").nth(4).inner_text().startswith("sample 4 ")
+    assert page.is_visible("#more-samples")
+    page.screenshot(path=str(artifacts / "12-rollout-paged.png"), full_page=True)
+    assert page.errors == []

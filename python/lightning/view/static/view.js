@@ -216,17 +216,63 @@ function rolloutHeader(d) {
       el("span", { class: "pill" }, (d.samples_total ?? d.samples.length) + " samples"), d.ids_hidden ? el("span", { class: "pill" }, "redacted: ids hidden") : null, el("span", { class: "pill" }, d.divergences.length + " splits")),
     r.task !== undefined ? el("details", {}, el("summary", {}, "task"), el("pre", {}, JSON.stringify(r.task, null, 2))) : null);
 }
-async function showRollout(id) {
-  const d = await api("api/rollouts/" + encodeURIComponent(id));
-  const box = document.getElementById("detail");
-  const samples = el("div", { id: "samples" }, el("h3", {}, "merged samples (what trains: grey context, generated tokens coloured by logprob, ✂ split points with their drift cause)"));
-  d.samples.forEach((s, i) => samples.append(el("h4", {}, "sample " + i + " · " + s.tokens.length + " tokens"), sampleView(s, d.divergences)));
-  if (d.divergences.length) samples.append(el("ul", {}, ...d.divergences.map((v) => el("li", {}, "call " + v.call_index + " left call " + v.left_call_index + "'s path at token " + v.position + ": " + v.kind))));
-  const calls = el("div", { id: "calls" }, el("h3", {}, "calls (exact ids, decoded" + (d.decoded ? "" : ": no tokenizer, ids shown") + ")"));
-  d.calls.forEach((c, i) => calls.append(el("div", { class: "call" },
+// "N of TOTAL" and a button that fetches the next page of a detail's calls or
+// samples and appends it: `load(offset)` draws that page and returns how many it
+// added and where the page after it starts (null: no more).
+function pager(id, what, shown, total, next, load) {
+  const count = el("span", { class: "muted" });
+  const button = el("button", { id }, "more " + what);
+  const box = el("p", { class: "pager", id: id + "-pager" }, count, " ", button);
+  const set = (nxt) => {
+    count.textContent = shown + " of " + total + " " + what;
+    box.dataset.shown = shown;
+    button.hidden = nxt === null || nxt === undefined;
+    next = nxt;
+  };
+  button.addEventListener("click", async () => {
+    button.disabled = true;
+    try {
+      const got = await load(next);
+      shown += got.added;
+      set(got.next);
+    } catch (e) {
+      count.textContent = String(e);
+    }
+    button.disabled = false;
+  });
+  set(next);
+  return box;
+}
+function callView(c, i) {
+  return el("div", { class: "call" },
     el("h4", {}, "call " + i + " · seq " + c.seq + " · " + c.kind + " · weights v" + c.weight_version + " · " + c.status + (c.finish_reason ? " · " + c.finish_reason : "") + (c.flags.length ? " · " + c.flags.join(",") : "") + " · " + fmt(c.latency_ms) + " ms"),
     el("details", {}, el("summary", {}, "prompt · " + c.prompt.length + " tokens"), tokenSpans(c.prompt, { ids: c.prompt_ids, gen: c.prompt.map(() => false) })),
-    tokenSpans(c.completion, { ids: c.completion_ids, logprobs: c.logprobs }))));
+    tokenSpans(c.completion, { ids: c.completion_ids, logprobs: c.logprobs }));
+}
+async function showRollout(id) {
+  const path = "api/rollouts/" + encodeURIComponent(id);
+  const d = await api(path);
+  const box = document.getElementById("detail");
+  const samples = el("div", { id: "samples" }, el("h3", {}, "merged samples (what trains: grey context, generated tokens coloured by logprob, ✂ split points with their drift cause)"));
+  const sampleList = el("div", { class: "page-items" });
+  const addSamples = (page, from) => page.forEach((s, i) => sampleList.append(el("h4", {}, "sample " + (from + i) + " · " + s.tokens.length + " tokens"), sampleView(s, d.divergences)));
+  addSamples(d.samples, 0);
+  samples.append(sampleList);
+  // The next samples without calls (an offset past the last call), and the next calls without samples.
+  if (d.samples_total > d.samples.length) samples.append(pager("more-samples", "samples", d.samples.length, d.samples_total, d.next_samples_offset, async (off) => {
+    const p = await api(path + "?offset=" + d.calls_total + "&samples_offset=" + off);
+    addSamples(p.samples, off);
+    return { added: p.samples.length, next: p.next_samples_offset };
+  }));
+  if (d.divergences.length) samples.append(el("ul", {}, ...d.divergences.map((v) => el("li", {}, "call " + v.call_index + " left call " + v.left_call_index + "'s path at token " + v.position + ": " + v.kind))));
+  const calls = el("div", { id: "calls" }, el("h3", {}, "calls (exact ids, decoded" + (d.decoded ? "" : ": no tokenizer, ids shown") + ")"));
+  const callList = el("div", { class: "page-items" }, ...d.calls.map((c, i) => callView(c, i)));
+  calls.append(callList);
+  if (d.calls_total > d.calls.length) calls.append(pager("more-calls", "calls", d.calls.length, d.calls_total, d.next_offset, async (off) => {
+    const p = await api(path + "?offset=" + off + "&samples_offset=" + d.samples_total);
+    p.calls.forEach((c, i) => callList.append(callView(c, off + i)));
+    return { added: p.calls.length, next: p.next_offset };
+  }));
   const events = d.events.length ? el("details", {}, el("summary", {}, d.events.length + " events"), el("pre", {}, JSON.stringify(d.events, null, 1))) : null;
   box.replaceChildren(rolloutHeader(d), samples, calls, events);
 }
@@ -285,6 +331,12 @@ function message(m) {
   const role = m && m.role ? m.role : m && m.type ? m.type : "item";
   return el("div", { class: "msg " + role }, el("span", { class: "role" }, role), contentText(m && m.role ? m.content : m));
 }
+function turnView(c, i) {
+  return el("div", { class: "turn", "data-protocol": c.protocol || "" },
+    el("h4", {}, el("span", { class: "pill proto" }, c.protocol || "unknown protocol"), "call " + i + " · " + (c.response_id || "no response id") + " · " + c.status + " · weights v" + c.weight_version),
+    ...c.sent.map(message),
+    el("div", { class: "msg assistant" }, el("span", { class: "role" }, "assistant"), tokenSpans(c.completion, { ids: c.completion_ids, logprobs: c.logprobs })));
+}
 async function showSession(id) {
   const d = await api("api/sessions/" + encodeURIComponent(id));
   const r = d.rollout;
@@ -296,12 +348,16 @@ async function showSession(id) {
       task.session_key ? el("span", { class: "pill" }, "session id " + task.session_key) : null,
       el("span", { class: "pill", title: d.reward_error || "" }, "reward " + fmt(d.reward)), el("span", { class: "pill" }, d.feedback.length + " feedback"),
       el("span", { class: "pill" }, (d.calls_total ?? d.calls.length) + " calls"), el("span", { class: "pill" }, "protocols " + (protos.join(", ") || "–")),
+      d.ids_hidden ? el("span", { class: "pill" }, "redacted: ids hidden") : null,
       el("a", { class: "pill", href: "#/rollout/" + encodeURIComponent(r.rollout_id) }, "tokens and samples")));
   const conv = el("div", { id: "conversation" }, el("h3", {}, "conversation (each call: what the harness sent that turn, then the answer decoded from its exact ids)"));
-  d.calls.forEach((c, i) => conv.append(el("div", { class: "turn", "data-protocol": c.protocol || "" },
-    el("h4", {}, el("span", { class: "pill proto" }, c.protocol || "unknown protocol"), "call " + i + " · " + (c.response_id || "no response id") + " · " + c.status + " · weights v" + c.weight_version),
-    ...c.sent.map(message),
-    el("div", { class: "msg assistant" }, el("span", { class: "role" }, "assistant"), tokenSpans(c.completion, { ids: c.completion_ids, logprobs: c.logprobs })))));
+  const turns = el("div", { class: "page-items" }, ...d.calls.map((c, i) => turnView(c, i)));
+  conv.append(turns);
+  if (d.calls_total > d.calls.length) conv.append(pager("more-turns", "calls", d.calls.length, d.calls_total, d.next_offset, async (off) => {
+    const p = await api("api/sessions/" + encodeURIComponent(id) + "?offset=" + off);
+    p.calls.forEach((c, i) => turns.append(turnView(c, off + i)));
+    return { added: p.calls.length, next: p.next_offset };
+  }));
   const fb = el("div", { id: "feedback" }, el("h3", {}, "feedback signals"),
     d.feedback.length ? el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "name"), el("th", {}, "value"), el("th", {}, "target"), el("th", {}, "at"), el("th", {}, "after training"))),
       el("tbody", {}, ...d.feedback.map((f) => el("tr", {}, el("td", {}, f.name), el("td", {}, fmt(f.value)), el("td", {}, f.response_id || "session"), el("td", {}, when(f.ts)), el("td", {}, f.after_training ? "yes" : "no")))))
