@@ -127,10 +127,12 @@ def request_body() -> bytes:
     return json.dumps({"model": "static", "messages": turns, "max_tokens": 200}).encode()
 
 
-def gateway_args(binary: Path, port: int, upstream: str, db: Path, sync: str = SYNC) -> list[str]:
+def gateway_args(
+    binary: Path, port: int, upstream: str, db: Path, sync: str = SYNC, layout: str = LAYOUT
+) -> list[str]:
     """A bench gateway's command line: one tokio worker, the bench admin key."""
     return [str(binary), "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--db", str(db),
-            "--admin-key", ADMIN, "--threads", "1", "--sync", sync, "--store-layout", LAYOUT]  # fmt: skip
+            "--admin-key", ADMIN, "--threads", "1", "--sync", sync, "--store-layout", layout]  # fmt: skip
 
 
 def spawn(cpus: str, cmd: list[str], **kw: object) -> subprocess.Popen[str]:

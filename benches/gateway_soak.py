@@ -183,7 +183,12 @@ def main() -> int:
     port = 19000 + os.getpid() % 1000
     gw = spawn(
         "0",
-        gateway_args(TARGET / "lightning-gateway", port, f"{up}/v1", db, sync="full"),
+        # Layout 1 (every call whole): `verify` reads each row's bytes straight from
+        # the calls table. That layout 2 reads back the same bytes on every read path
+        # is rust/gateway/tests/store_layout.rs's property.
+        gateway_args(
+            TARGET / "lightning-gateway", port, f"{up}/v1", db, sync="full", layout="full"
+        ),
         env=dict(os.environ, RUST_LOG="warn"),
     )
     url = f"http://127.0.0.1:{port}"

@@ -7,6 +7,7 @@ completion, the way the trainer recomputes logprobs.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -356,10 +357,14 @@ def test_weight_reload(model_dir: Path, tmp_path: Path, tokenizer) -> None:
 
 
 def test_serve_cli(model_dir: Path) -> None:
+    # Without LIGHTNING_ENGINE_KEY (an in-process demo test may have set it): the
+    # engine then makes a random key and logs it.
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_ENGINE_KEY"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightning.cli", "serve", str(model_dir), "--port", "0"],
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
     try:
         url = None

@@ -367,14 +367,22 @@ def test_redacting_key_stores_no_text_on_any_protocol(gw: Gw, sdks: Any, tmp_pat
         assert x["calls"][0]["prompt_ids"] and x["calls"][0]["completion_ids"]
 
 
-def test_export_skips_and_reports_a_call_it_cannot_read(gw: Gw, tmp_path: Path) -> None:
+def test_export_skips_and_reports_a_call_it_cannot_read(
+    engine: FakeEngine, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """A recorded Responses call with ``"input": null`` (answered 200 by
     gateways before the door checked request shapes) made
     ``lightning online export`` die with a TypeError. The export now leaves that
     call out, says which and why (stderr, its summary line, the session's
-    ``skipped_calls``) and writes every other call and session."""
-    key = new_key(gw, "harness")
+    ``skipped_calls``) and writes every other call and session. Such stores were
+    written whole (layout 1), so this gateway writes every call whole too: the
+    row edited below is then the request itself, not its difference from another."""
     db = tmp_path / "proto.db"
+    gw = Gw(
+        db, engine.url, "idle_timeout_s = 600\nsweep_interval_s = 3600", top='store_layout = "full"'
+    )
+    request.addfinalizer(gw.stop)
+    key = new_key(gw, "harness")
     auth = {"Authorization": f"Bearer {key}"}
 
     def post(body: dict[str, Any], session: str) -> httpx.Response:

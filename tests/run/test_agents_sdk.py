@@ -30,7 +30,7 @@ from openai import AsyncOpenAI
 
 import lightning
 from fake_vllm import FakeEngine
-from lightning import GatewayClient
+from lightning import GatewayClient, Store
 
 ARGS = {"cmd": "echo hi > a.txt"}
 SCRIPT = [
@@ -98,10 +98,12 @@ def protocols(tmp_path: Path, rollout_id: str) -> list[tuple[str, bool]]:
     """Each recorded call's protocol and whether the harness asked for a stream."""
     with sqlite3.connect(tmp_path / "gw.db") as con:
         rows = con.execute(
-            "SELECT protocol, harness_request FROM calls WHERE rollout_id = ? ORDER BY seq",
-            (rollout_id,),
+            "SELECT seq, protocol FROM calls WHERE rollout_id = ? ORDER BY seq", (rollout_id,)
         ).fetchall()
-    return [(p, bool(json.loads(body).get("stream"))) for p, body in rows]
+    # The bodies through the store's reader: the table keeps only what each call adds.
+    with Store(tmp_path / "gw.db") as store:
+        bodies = {seq: harness for seq, _, harness in store.requests(rollout_id)}
+    return [(p, bool(json.loads(bodies[seq] or "{}").get("stream"))) for seq, p in rows]
 
 
 def test_runner_run(client: GatewayClient, engine: FakeEngine, tmp_path: Path) -> None:

@@ -29,12 +29,14 @@ def free_port() -> int:
 class Gw:
     """A gateway process on a TOML config (so ``[online]`` settings apply)."""
 
-    def __init__(self, db: Path, upstream: str, online: str = "", port: int | None = None) -> None:
+    def __init__(
+        self, db: Path, upstream: str, online: str = "", port: int | None = None, top: str = ""
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = db.with_suffix(".toml")
         cfg.write_text(
-            f'listen = "127.0.0.1:{self.port}"\ndb = "{db}"\nadmin_key = "{ADMIN}"\n'
+            f'listen = "127.0.0.1:{self.port}"\ndb = "{db}"\nadmin_key = "{ADMIN}"\n{top}\n'
             f'[[upstreams]]\nurl = "{upstream}"\n[online]\n{online}\n'
         )
         cmd = [sys.executable, "-c", "import sys; from lightning.gateway.server import main; sys.exit(main())",

@@ -249,7 +249,13 @@ def check_can_mark(db: str, *, gateway: str | None, admin_key: str | None) -> No
     """Marks nothing, the way ``mark_trained`` will mark: through the gateway's
     writer (its admin key checked) or by opening the store's own writer (which
     fails at once, naming the gateway's pid, while a gateway writes ``db``;
-    the error says to set ``gateway = URL``)."""
+    the error says to set ``gateway = URL``). Without a gateway only the
+    writer's lock is taken and given back: no database connection is opened."""
+    if gateway is None:
+        from lightning import _core
+
+        _core.check_writable(str(db))
+        return
     mark_trained(db, [], gateway=gateway, admin_key=admin_key)
 
 

@@ -406,8 +406,26 @@ fn mark_trained(
     py.detach(run).map_err(|e| gateway_error(py, e))
 }
 
+/// Checks that a writer could open the store file at `path` now (no gateway
+/// writes it): takes the writer's lock and gives it back, opening no database
+/// connection. Raises `StoreLocked` naming the writer's pid otherwise.
+#[pyfunction]
+fn check_writable(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    let run = || -> Result<(), GatewayError> {
+        if !path.is_file() {
+            return Err(GatewayError::store(
+                path.display(),
+                "no gateway store here; pass the --db path the gateway was started with",
+            ));
+        }
+        lightning_gateway::store::check_writable(&path)
+    };
+    py.detach(run).map_err(|e| gateway_error(py, e))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStoreReader>()?;
     m.add_function(wrap_pyfunction!(mark_trained, m)?)?;
+    m.add_function(wrap_pyfunction!(check_writable, m)?)?;
     Ok(())
 }

@@ -48,6 +48,15 @@ use tokio::sync::oneshot;
 use crate::util::now;
 pub use columnar::{blob_to_f32s, blob_to_ids, f32s_to_blob, ids_to_blob};
 pub use online::{AppKey, KeyDefaults, OnlineCall};
+
+/// Whether a writer could open the store at `path` now: takes the writer's
+/// lock and gives it back, opening no SQLite connection. An error names the
+/// process that writes it (`StoreLocked`), like `Store::open` would.
+pub fn check_writable(path: &Path) -> Result<(), GatewayError> {
+    let lock = schema::lock_writer(path)?;
+    schema::release(lock.file);
+    Ok(())
+}
 pub use reader::Reader;
 pub use records::{
     CallBody, CallRecord, CallStatus, EventRecord, FeedbackRecord, Mode, NewRollout, RolloutRecord,
@@ -413,8 +422,8 @@ impl Store {
             let _ = h.join();
         }
         // After the writer's last commit: the next writer may open the file.
-        if let Ok(mut g) = self.lock.lock() {
-            g.take();
+        if let Some(file) = self.lock.lock().ok().and_then(|mut g| g.take()) {
+            schema::release(file);
         }
     }
 

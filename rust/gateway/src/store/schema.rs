@@ -4,6 +4,7 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use crate::config::SyncMode;
 use crate::error::GatewayError;
@@ -229,23 +230,74 @@ pub(super) struct Locked {
 /// keeps a `-wal` per *name*, so two names of one file are two stores
 /// sharing pages, and a writer on each corrupts both.
 pub(super) fn lock_writer(db: &Path) -> Result<Locked, GatewayError> {
-    let file = private_file(db).map_err(|e| GatewayError::store(db.display(), e))?;
-    let path = std::fs::canonicalize(db).map_err(|e| GatewayError::store(db.display(), e))?;
-    refuse_hard_links(&path, &file)?;
-    match file.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => {
-            return Err(GatewayError::StoreLocked {
-                path: path.display().to_string(),
-                holder: holder(&file),
-            })
+    let file = match kept_file(db) {
+        Some(file) => file,
+        None => private_file(db).map_err(|e| GatewayError::store(db.display(), e))?,
+    };
+    let path = match std::fs::canonicalize(db) {
+        Ok(path) => path,
+        Err(e) => {
+            release(file);
+            return Err(GatewayError::store(db.display(), e));
         }
-        Err(std::fs::TryLockError::Error(e)) => return Err(GatewayError::store(path.display(), e)),
-    }
+    };
+    let locked = refuse_hard_links(&path, &file).and_then(|()| match file.try_lock() {
+        Ok(()) => Ok(()),
+        Err(std::fs::TryLockError::WouldBlock) => Err(GatewayError::StoreLocked {
+            path: path.display().to_string(),
+            holder: holder(&file),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(GatewayError::store(path.display(), e)),
+    });
     // A link made between the check and the lock is caught here; one made
     // later reaches this lock (same inode) and is refused by the next writer.
-    refuse_hard_links(&path, &file)?;
-    Ok(Locked { path, file })
+    match locked.and_then(|()| refuse_hard_links(&path, &file)) {
+        Ok(()) => Ok(Locked { path, file }),
+        Err(e) => {
+            release(file);
+            Err(e)
+        }
+    }
+}
+
+/// Files of stores this process has locked, unlocked and kept open, one per
+/// inode. Closing *any* descriptor of a file drops every POSIX (`fcntl`) lock
+/// the process holds on it, SQLite's included: a writer that closed its lock
+/// descriptor while a connection of the same process (its own readers, a
+/// `lightning.Store`, Python's `sqlite3`) still had the file open would strip
+/// that connection's locks, and a later connection could then checkpoint and
+/// delete a `-wal` another one still writes to: acknowledged commits lost. So
+/// the lock's descriptor is never closed: `release` unlocks it (`flock` only)
+/// and keeps it here, and the next writer on the same file in this process
+/// takes it back instead of opening another.
+static KEPT: Mutex<Vec<std::fs::File>> = Mutex::new(Vec::new());
+
+/// Gives back the writer's lock on `file` and keeps the file open (see `KEPT`).
+pub(super) fn release(file: std::fs::File) {
+    let _ = file.unlock();
+    if let Ok(mut kept) = KEPT.lock() {
+        kept.push(file);
+    } else {
+        std::mem::forget(file);
+    }
+}
+
+/// The kept descriptor of the file at `db`, if this process has one.
+#[cfg(unix)]
+fn kept_file(db: &Path) -> Option<std::fs::File> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(db).ok()?;
+    let mut kept = KEPT.lock().ok()?;
+    let at = kept.iter().position(|f| {
+        f.metadata()
+            .is_ok_and(|m| m.dev() == meta.dev() && m.ino() == meta.ino())
+    })?;
+    Some(kept.swap_remove(at))
+}
+
+#[cfg(not(unix))]
+fn kept_file(_: &Path) -> Option<std::fs::File> {
+    None
 }
 
 #[cfg(unix)]
@@ -348,12 +400,21 @@ fn tighten(_: &Path, _: &std::fs::File) {}
 /// Makes an existing `-wal`, `-shm` or `-journal` private (SQLite gives new
 /// ones the database file's mode, which `lock_writer` has made 0600).
 pub(super) fn private_files(db: &Path) -> Result<(), GatewayError> {
+    // By path, never by opening: closing a descriptor of `-shm` would drop the
+    // locks SQLite's connections in this process hold on it (see `KEPT`).
+    #[cfg(unix)]
     for suffix in ["-wal", "-shm", "-journal"] {
+        use std::os::unix::fs::PermissionsExt;
         let p = super::secret::sibling(db, suffix);
-        if p.exists() {
-            private_file(&p).map_err(|e| GatewayError::store(p.display(), e))?;
+        if let Ok(meta) = std::fs::metadata(&p) {
+            if meta.permissions().mode() & 0o077 != 0 {
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600))
+                    .map_err(|e| GatewayError::store(p.display(), e))?;
+            }
         }
     }
+    #[cfg(not(unix))]
+    let _ = db;
     Ok(())
 }
 
