@@ -71,8 +71,8 @@ use serde_json::{json, Map, Value};
 
 use super::openai::capture_fields;
 use super::{
-    object, push_json, sse_frame, Answer, Ctx, EngineRequest, Kept, Protocol, StreamTranslator,
-    ToolArgs,
+    object, push_json, sse_frame, tool_args_key, Answer, Ctx, EngineRequest, Kept, Protocol,
+    StreamTranslator, ToolArgs,
 };
 use crate::error::ApiError;
 use crate::wire::engine::{Choice, Chunk, Delta, Kind, ToolCallDelta};
@@ -84,6 +84,10 @@ pub struct AnthropicMessages;
 impl Protocol for AnthropicMessages {
     fn name(&self) -> &'static str {
         "anthropic_messages"
+    }
+
+    fn resent_tool_ids(&self, body: &Value) -> Vec<String> {
+        resent_tool_ids(body)
     }
 
     fn check(
@@ -128,12 +132,16 @@ impl Protocol for AnthropicMessages {
             });
         match message {
             Ok(m) => {
+                let mut generated = Vec::new();
                 if let (Some(args), Ok(v)) =
                     (&ctx.tool_args, serde_json::from_slice::<Value>(engine))
                 {
-                    remember_arguments(&v, &m, args);
+                    generated = remember_arguments(&v, &m, args);
                 }
-                (json_answer(StatusCode::OK, &m), None)
+                (
+                    json_answer(StatusCode::OK, &m),
+                    kept_arguments(&generated, ctx.client_fields_only),
+                )
             }
             Err(msg) => (
                 json_answer(StatusCode::BAD_GATEWAY, &error_json(502, &msg)),
@@ -511,9 +519,42 @@ pub fn restore_arguments(chat: &mut Map<String, Value>, args: &ToolArgs) {
     }
 }
 
+/// The `tool_use` ids of the assistant turns a request re-sends.
+pub fn resent_tool_ids(body: &Value) -> Vec<String> {
+    body.get("messages")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+        .filter_map(|m| m.get("content").and_then(Value::as_array))
+        .flatten()
+        .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+        .filter_map(|b| b.get("id").and_then(Value::as_str).map(str::to_string))
+        .collect()
+}
+
+/// An answer's generated tool-call texts as a store row ([`tool_args_key`]),
+/// so a re-send after a restart finds them; none for application keys
+/// (online mode keeps no such rows).
+fn kept_arguments(generated: &[(String, String)], online: bool) -> Option<Kept> {
+    let (first, _) = generated.first()?;
+    if online {
+        return None;
+    }
+    let map: Map<String, Value> = generated
+        .iter()
+        .map(|(id, t)| (id.clone(), Value::String(t.clone())))
+        .collect();
+    Some(Kept {
+        id: tool_args_key(first),
+        object: Value::Null,
+        state: json!({ "tool_args": map }),
+    })
+}
+
 /// Records the engine's argument text of each tool call in a whole answer,
-/// under the `tool_use` id the harness was given.
-fn remember_arguments(engine: &Value, message: &Value, args: &ToolArgs) {
+/// under the `tool_use` id the harness was given; returns what it recorded.
+fn remember_arguments(engine: &Value, message: &Value, args: &ToolArgs) -> Vec<(String, String)> {
     let calls = engine
         .pointer("/choices/0/message/tool_calls")
         .and_then(Value::as_array);
@@ -524,11 +565,14 @@ fn remember_arguments(engine: &Value, message: &Value, args: &ToolArgs) {
         .flatten()
         .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
         .filter_map(|b| b.get("id").and_then(Value::as_str));
+    let mut out = Vec::new();
     for (c, id) in calls.into_iter().flatten().zip(ids) {
         if let Some(text) = c.pointer("/function/arguments").and_then(Value::as_str) {
             args.put(id, text);
+            out.push((id.to_string(), text.to_string()));
         }
     }
+    out
 }
 
 /// `tools` and `tool_choice`. Only client tools (no `type`, or `custom`).
@@ -792,6 +836,8 @@ pub struct Translator {
     /// recorded in `tool_args` when the stream ends well.
     generated: Vec<(String, String)>,
     tool_args: Option<std::sync::Arc<ToolArgs>>,
+    /// An application key's call (`Ctx::client_fields_only`): keeps no rows.
+    online: bool,
 }
 
 impl Translator {
@@ -812,6 +858,7 @@ impl Translator {
             delta_head: Vec::new(),
             generated: Vec::new(),
             tool_args: ctx.tool_args.clone(),
+            online: ctx.client_fields_only,
         }
     }
 
@@ -1019,12 +1066,13 @@ impl StreamTranslator for Translator {
         let delta = json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": u});
         Self::event(&mut out, &delta);
         Self::event(&mut out, &json!({"type": "message_stop"}));
-        if let Some(args) = &self.tool_args {
-            for (id, text) in &self.generated {
-                args.put(id, text);
-            }
+        let Some(args) = &self.tool_args else {
+            return (out, None);
+        };
+        for (id, text) in &self.generated {
+            args.put(id, text);
         }
-        (out, None)
+        (out, kept_arguments(&self.generated, self.online))
     }
 
     fn fail(&mut self, e: &ApiError) -> Vec<u8> {

@@ -1011,6 +1011,40 @@ fn tool_input_is_resent_as_the_text_the_engine_generated() {
 }
 
 #[test]
+fn tool_input_kept_in_the_store_restores_it_after_a_restart() {
+    let args = "{\"city\": \"Paris\"}";
+    let engine = json!({"choices": [{"finish_reason": "tool_calls", "message": {"content": null,
+        "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "w", "arguments": args}},
+                       {"id": "call_b", "type": "function", "function": {"name": "w", "arguments": "{ }"}}]}}]});
+    let mut c = ctx(true);
+    c.tool_args = Some(Arc::new(ToolArgs::default()));
+    let (Answer::Json { body, .. }, kept) =
+        AnthropicMessages.answer(StatusCode::OK, &Bytes::from(engine.to_string()), &c)
+    else {
+        panic!("messages answers in its own shape");
+    };
+    let kept = kept.unwrap_or_else(|| panic!("a tool_use answer keeps its texts"));
+    assert_eq!(kept.id, tool_args_key("call_a"));
+    let message: Value = serde_json::from_slice(&body).unwrap_or_default();
+    // The request re-sends both ids; a fresh record filled from the row
+    // (what the proxy does) restores both texts.
+    let resent = json!({"messages": [{"role": "user", "content": "q"},
+        {"role": "assistant", "content": message["content"]}]});
+    assert_eq!(resent_tool_ids(&resent), vec!["call_a", "call_b"]);
+    let fresh = Arc::new(ToolArgs::default());
+    for (id, text) in crate::protocol::tool_args_of(&kept.state) {
+        fresh.put(&id, &text);
+    }
+    let mut after = ctx(true);
+    after.tool_args = Some(fresh);
+    assert_eq!(resend(&message, &mut after), json!(args));
+    // An application key's call keeps no row.
+    c.client_fields_only = true;
+    let (_, none) = AnthropicMessages.answer(StatusCode::OK, &Bytes::from(engine.to_string()), &c);
+    assert!(none.is_none());
+}
+
+#[test]
 fn streamed_tool_input_is_recorded_when_the_stream_ends() {
     let record = Arc::new(ToolArgs::default());
     let mut c = ctx(true);

@@ -91,8 +91,11 @@ pub(crate) fn per_token_frames(
 /// recorded text if it parses to the very value sent (so an edited input is
 /// still sent as edited).
 ///
-/// Bounded: the oldest ids are forgotten past `capacity` (a call older than
-/// that, or one from before a restart, is re-serialised compactly).
+/// Bounded: the oldest ids are forgotten past `capacity`. The Messages
+/// adapter also keeps each answer's texts in the store ([`Kept`] under
+/// [`tool_args_key`] of its first tool call), and the proxy puts back those a
+/// request re-sends that this map lacks (an older call, or one from before a
+/// restart), so the rollout stays on the path the engine generated.
 #[derive(Debug)]
 pub struct ToolArgs {
     capacity: usize,
@@ -133,12 +136,35 @@ impl ToolArgs {
         }
     }
 
+    /// Whether the text of tool call `id` is held.
+    pub fn has(&self, id: &str) -> bool {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.0.contains_key(id)
+    }
+
     /// The engine's text for tool call `id` if it is exactly `value` once parsed.
     pub fn text_of(&self, id: &str, value: &Value) -> Option<String> {
         let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let text = g.0.get(id)?;
         (serde_json::from_str::<Value>(text).ok().as_ref() == Some(value)).then(|| text.clone())
     }
+}
+
+/// The [`Kept`] id under which an answer's tool-call texts are stored: its
+/// first tool call's id, prefixed (`state`: `{"tool_args": {id: text}}`).
+pub fn tool_args_key(first_id: &str) -> String {
+    format!("tool-args:{first_id}")
+}
+
+/// The `(id, text)` pairs a [`tool_args_key`] row's state holds.
+pub fn tool_args_of(state: &Value) -> Vec<(String, String)> {
+    state
+        .get("tool_args")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .filter_map(|(id, t)| Some((id.clone(), t.as_str()?.to_string())))
+        .collect()
 }
 
 /// What the pipeline tells an adapter about one call.
@@ -224,6 +250,13 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
     /// before anything reaches the engine or the store.
     fn check(&self, _req: &Map<String, Value>, _caps: &validate::Caps) -> Result<(), ApiError> {
         Ok(())
+    }
+
+    /// The ids of the tool calls the request re-sends whose argument text the
+    /// adapter restores from [`ToolArgs`] (the proxy fills in those it lacks
+    /// from the store first).
+    fn resent_tool_ids(&self, _body: &Value) -> Vec<String> {
+        Vec::new()
     }
 
     /// The stored state this request continues from, if any.

@@ -125,6 +125,9 @@ pub async fn call(
             ))
         }
     };
+    if rollout.online.is_none() {
+        recover_tool_args(st, &rollout.id, proto.resent_tool_ids(&v)).await?;
+    }
     let er = proto.engine_request(v, &mut ctx)?;
     let request = Value::Object(er.body).to_string();
     let retry_count = headers
@@ -165,6 +168,36 @@ pub async fn call(
         Ok(r) => r,
         Err(_) => Err(ApiError::internal("the call task ended without an answer")),
     }
+}
+
+/// Puts back into `st.tool_args` the generated argument texts of the re-sent
+/// tool calls `ids` it lacks (older than its bound, or from before a restart),
+/// from the rows the adapter kept ([`crate::protocol::tool_args_key`]).
+async fn recover_tool_args(
+    st: &Arc<State>,
+    rollout: &str,
+    ids: Vec<String>,
+) -> Result<(), ApiError> {
+    let missing: Vec<String> = ids.into_iter().filter(|id| !st.tool_args.has(id)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let r = rollout.to_string();
+    let found = st
+        .read_store(move |s| {
+            let mut out = Vec::new();
+            for id in &missing {
+                if let Some((_, state)) = s.kept(&r, &crate::protocol::tool_args_key(id))? {
+                    out.extend(crate::protocol::tool_args_of(&state));
+                }
+            }
+            Ok(out)
+        })
+        .await?;
+    for (id, text) in found {
+        st.tool_args.put(&id, &text);
+    }
+    Ok(())
 }
 
 /// The state a protocol continues from (`Kept::state`), or 404.

@@ -195,7 +195,8 @@ async fn harness_route(
                 None => {
                     let key = id.clone();
                     let row = st.read_store(move |s| s.kept(&info.id, &key)).await?;
-                    row.map(|(object, _)| object)
+                    // Rows with no public object (Messages' tool-call texts) are not responses.
+                    row.map(|(object, _)| object).filter(|o| !o.is_null())
                 }
             };
             match object {
