@@ -231,7 +231,10 @@ pub(super) struct Locked {
 /// sharing pages, and a writer on each corrupts both.
 pub(super) fn lock_writer(db: &Path) -> Result<Locked, GatewayError> {
     let file = match kept_file(db) {
-        Some(file) => file,
+        Some(file) => {
+            tighten(db, &file);
+            file
+        }
         None => private_file(db).map_err(|e| GatewayError::store(db.display(), e))?,
     };
     let path = match std::fs::canonicalize(db) {
