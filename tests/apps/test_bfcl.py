@@ -103,6 +103,53 @@ def test_one_case_through_bfcl_and_the_gateway(
     assert '"name": "calculate_triangle_area"' in prompt
 
 
+def test_cases_through_a_worker_pool_match_one_process_per_case(
+    bfcl_env: Path, tmp_path: Path
+) -> None:
+    """One worker imports BFCL once and runs every case after it in the same
+    project root: each case's verdict is the one a fresh process gives (CASES),
+    each rollout records its own call, and a case BFCL cannot run fails only its
+    rollout, with BFCL's reason, not the worker."""
+    engine = FakeEngine(script=[{"content": RIGHT}])
+    harness_py = HARNESS.parent / "bfcl_harness.py"
+    try:
+        with (
+            bfcl.workers(1, harness_py) as path,
+            gateway_client(engine.url, tmp_path / "lightning.db") as client,
+        ):
+            runner = Runner(client, ["sh", str(HARNESS)], reward_source="stdout", timeout_s=120)
+            got = []
+            for answer, *_ in CASES:
+                engine.script([{"content": answer}])
+                task = {"id": "simple_python_0", "category": "simple_python", "shaped": True}
+                (result,) = runner.run([(task, None)], mode="eval")
+                assert result.status == "succeeded", result.stderr_tail
+                got.append(json.loads(result.stdout_tail.strip().splitlines()[-1]))
+            unknown = {"id": "simple_python_99999", "category": "simple_python"}
+            (bad,) = runner.run([(unknown, None)], mode="eval")
+            engine.script([{"content": RIGHT}])
+            (again,) = runner.run([({"id": "simple_python_0"}, None)], mode="eval")
+            assert Path(path).exists()
+        assert not Path(path).exists()  # the pool cleans up after itself
+    finally:
+        engine.stop()
+    for final, (_, score, error_type, shaped) in zip(got, CASES, strict=True):
+        assert final["reward"] == shaped
+        assert final["bfcl"]["accuracy"] == score
+        assert final["bfcl"]["total_count"] == 1  # the last case's files were cleared
+        got_error = final["bfcl"]["error_type"]
+        assert got_error == error_type if error_type is None else got_error.startswith(error_type)
+    assert bad.status == "failed" and "BFCL worker" in bad.stderr_tail
+    assert again.status == "succeeded" and again.reward == 1.0
+    with Store(tmp_path / "lightning.db") as store:
+        rollouts = store.rollouts()
+        calls = {r["rollout_id"]: store.records(r["rollout_id"]) for r in rollouts}
+    answered = [r for r in rollouts if calls[r["rollout_id"]]]
+    # Every case that reached the model is its own rollout with its one call.
+    assert len(answered) == len(CASES) + 1
+    assert all(len(calls[r["rollout_id"]]) == 1 for r in answered)
+
+
 def test_tasks_split_by_category(bfcl_env: Path, tmp_path: Path) -> None:
     counts = bfcl.write_tasks(
         tmp_path, train=["live_simple"], held_out=["simple_python"], per_category=3, seed=0

@@ -20,16 +20,20 @@ category before and after training (BFCL's checker gave every reward), and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
 import math
 import os
 import random
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +119,55 @@ def _run(cmd: list[str], quiet: bool) -> None:
             f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}\n"
             f"It needs PyPI once; remove {venv_dir()} to retry from scratch."
         )
+
+
+# The harness's Unix socket for a pool of workers (examples/bfcl/bfcl_harness.py).
+WORKERS_ENV = "LIGHTNING_BFCL_WORKERS"
+
+
+@contextlib.contextmanager
+def workers(count: int, harness_py: Path) -> Iterator[str]:
+    """A pool of ``count`` BFCL workers for the duration: each imports BFCL once
+    (~4.4 s of CPU, which a process per rollout paid every time, more than the
+    engine spends on a case) and then runs cases from one shared listening
+    socket. The rollouts' harness processes find it through
+    ``LIGHTNING_BFCL_WORKERS`` (set here for the runner to pass down) and stay
+    the rollouts: they get the gateway URL and token, wait for their case and
+    print its reward line; only the BFCL code runs in the worker."""
+    python = bfcl_python(quiet=True)
+    sock_dir = Path(tempfile.mkdtemp(prefix="bfcl-workers-"))
+    path = str(sock_dir / "socket")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(256)
+    procs = [
+        subprocess.Popen(
+            [str(python), str(harness_py), "--serve-fd", str(listener.fileno())],
+            pass_fds=[listener.fileno()],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(count)
+    ]
+    before = os.environ.get(WORKERS_ENV)
+    os.environ[WORKERS_ENV] = path
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop(WORKERS_ENV, None)
+        else:
+            os.environ[WORKERS_ENV] = before
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        listener.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def data_dir() -> Path:
@@ -621,12 +674,13 @@ def score_model(
     *,
     harness: Path,
     samples: int = 1,
-    concurrency: int = 2,
+    concurrency: int = 8,
     max_model_len: int = 4096,
     max_batch: int = 8,
 ) -> dict[str, Any]:
     """Every task ``samples`` times through BFCL's harness (``bfcl generate`` +
-    ``bfcl evaluate`` per case) on the embedded engine serving ``model_dir``,
+    ``bfcl evaluate`` per case, in a pool of ``concurrency`` workers that import
+    BFCL once) on the embedded engine serving ``model_dir``,
     behind a recording gateway (its store in ``out``). Per test id: the rewards
     (BFCL's 0/1), its checker's verdicts, whether each answer was a call."""
     from lightning import Gateway, GatewayConfig
@@ -654,7 +708,8 @@ def score_model(
                 concurrency=concurrency,
             )  # fmt: skip
             jobs = [(t, f"{t['id']}") for t in tasks for _ in range(samples)]
-            results = runner.run(jobs, mode="eval")
+            with workers(concurrency, harness.parent / "bfcl_harness.py"):
+                results = runner.run(jobs, mode="eval")
         finally:
             client.close()
             handle.stop()
@@ -840,7 +895,9 @@ def recipe_v2(args: argparse.Namespace) -> int:
         if args.rl_steps is not None:
             overrides["steps"] = args.rl_steps
         rl_cfg = RunConfig.load(args.config, overrides)
-        result = timed("rl", lambda: train(rl_cfg))
+        pool = max(h.concurrency for h in rl_cfg.all_harnesses())
+        with workers(pool, here / "bfcl_harness.py"):
+            result = timed("rl", lambda: train(rl_cfg))
         summary["rl"] = {"run": result, "train_s": summary["phases"]["rl"]}
     if "control" in phases:
         # SFT continued from the SFT model on the same data for RL's wall clock.
