@@ -698,6 +698,7 @@ def score_model(
         config = GatewayConfig(
             listen="127.0.0.1:0",
             upstreams=[{"url": engine.url, "weight_version": 0}],
+            upstream_api_key=engine.key,  # the engine takes only requests with its key
             db=str(out / "lightning.db"),
         )
         handle = Gateway(config).start()
@@ -715,6 +716,17 @@ def score_model(
             handle.stop()
     finally:
         engine.stop()
+    failed = [r for r in results if r.status != "succeeded"]
+    if failed:
+        # A case the harness could not run is not a wrong answer: say so, and
+        # refuse to score an arm where none ran.
+        print(
+            f"[bfcl] {len(failed)} of {len(results)} cases did not run through BFCL's "
+            f"harness; the first said:\n{failed[0].stderr_tail[-1500:]}",
+            flush=True,
+        )
+        if len(failed) == len(results):
+            raise SystemExit(f"no case ran through BFCL's harness (serving {model_dir})")
     per_id: dict[str, dict[str, Any]] = {}
     for (task, _), r in zip(jobs, results, strict=True):
         verdict = _last_json(r.stdout_tail).get("bfcl", {}).get("error_type")
@@ -727,6 +739,7 @@ def score_model(
         row["verdicts"].append(verdict if r.status == "succeeded" else f"harness:{r.status}")
     return {
         "per_id": per_id,
+        "harness_failed": len(failed),
         "rollout_ids": [r.rollout_id for r in results],
         "wall_s": round(time.monotonic() - t0, 1),
     }
@@ -802,6 +815,12 @@ def report_v2(summary: dict[str, Any]) -> str:
             f"Learnability filter: {learn['kept']} of {learn['prompts']} training prompts had "
             f"0 < correct < {learn['samples']} ({learn['kept'] / max(1, learn['prompts']):.2f}).",
         ]
+        k = f"pass@{learn['samples']}"
+        if k in learn:
+            lines.append(
+                f"On those prompts at temperature 1.0 the SFT model had pass@1 "
+                f"{learn['pass@1']:.3f} and {k} {learn[k]:.3f}."
+            )
     lines += ["", "| phase | wall clock (s) |", "|---|---|"]
     for phase, secs in summary.get("phases", {}).items():
         lines.append(f"| {phase} | {secs} |")
@@ -833,6 +852,10 @@ def recipe_v2(args: argparse.Namespace) -> int:
         return result
 
     task_extra = {"max_tokens": args.max_tokens}
+    if args.shared_from:
+        shared_arms = share_run(Path(args.shared_from).resolve(), out)
+        summary.setdefault("arms", {}).update(shared_arms)
+        summary["shared_from"] = str(Path(args.shared_from).resolve())
     if "split" in phases:
         held = {"simple_python": args.held_out_n, "irrelevance": args.irrelevance_n}
         manifest = timed(
@@ -874,8 +897,13 @@ def recipe_v2(args: argparse.Namespace) -> int:
         )
         correct = {t: sum(r["rewards"]) for t, r in scored["per_id"].items()}
         kept = [t for t, c in correct.items() if 0 < c < args.filter_samples]
+        # pass@1 (mean correct per sample) against pass@k (any of k right): SFT
+        # that left pass@k no higher than pass@1 leaves RL nothing to explore.
+        n = max(1, len(correct))
         summary["learnability"] = {
             "prompts": len(correct), "samples": args.filter_samples, "kept": len(kept),
+            "pass@1": sum(correct.values()) / (n * args.filter_samples),
+            f"pass@{args.filter_samples}": sum(1 for c in correct.values() if c > 0) / n,
             "correct": correct,
         }  # fmt: skip
         (out / "rl_tasks.jsonl").write_text(
@@ -890,7 +918,8 @@ def recipe_v2(args: argparse.Namespace) -> int:
             "output_dir": str(out / "rl"),
             "seed": args.seed,
             "model": {"path": str(sft_dir / "model")},
-            "tasks": {"train": str(out / "rl_tasks.jsonl")},
+            # The held-out arms are scored apart (phase score), never inside RL.
+            "tasks": {"train": str(out / "rl_tasks.jsonl"), "eval": None},
         }
         if args.rl_steps is not None:
             overrides["steps"] = args.rl_steps
@@ -962,6 +991,23 @@ def recipe_v2(args: argparse.Namespace) -> int:
     return 0
 
 
+def share_run(source: Path, out: Path) -> dict[str, Any]:
+    """What a second seed takes from the first (the issue lets the base and SFT
+    arms be scored once): its split, SFT data and SFT model (linked, not copied)
+    and the base and SFT arms' scores. The seed's own phases (filter, RL,
+    control, their arms) then run on the same held-out ids."""
+    for name in ("split.json", "sft.jsonl"):
+        shutil.copyfile(source / name, out / name)
+    link = out / "sft"
+    if not link.exists():
+        link.symlink_to(source / "sft", target_is_directory=True)
+    scored = (_read_json(source / "bfcl.json") or {}).get("arms", {})
+    missing = {"base", "sft"} - set(scored)
+    if missing:
+        raise SystemExit(f"{source} has not scored the arm(s) {sorted(missing)} to share")
+    return {arm: scored[arm] for arm in ("base", "sft")}
+
+
 def _builtin_model() -> Path:
     from lightning.model_cache import smollm2_dir
 
@@ -988,6 +1034,12 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--max-tokens", type=int, default=96, help="cap per answer (ours)")
     v.add_argument("--score-limit", type=int, help="score only the first N ids per category")
     v.add_argument("--arms", default="base,sft,sft+rl,control")
+    v.add_argument(
+        "--shared-from",
+        metavar="DIR",
+        help="a first seed's output: reuse its split, SFT model and base/SFT arms "
+        "(run --phases filter,rl,control,score,report --arms sft+rl,control)",
+    )
     v.add_argument(
         "--phases",
         default="split,sft-data,sft,filter,rl,control,score,report",
