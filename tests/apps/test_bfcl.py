@@ -150,6 +150,32 @@ def test_cases_through_a_worker_pool_match_one_process_per_case(
     assert all(len(calls[r["rollout_id"]]) == 1 for r in answered)
 
 
+def test_score_model_scores_cases_on_the_embedded_engine(bfcl_env: Path, tmp_path: Path) -> None:
+    """An arm is scored end to end: the embedded engine serving SmolLM2 (which
+    takes only requests carrying its key), the recording gateway, the worker
+    pool and BFCL's checker. Every case runs (a harness failure would be
+    reported, never counted as a wrong answer) and each gets BFCL's verdict."""
+    from lightning.model_cache import smollm2_dir
+
+    tasks = [
+        {"id": f"simple_python_{i}", "category": "simple_python", "temperature": 0.0,
+         "max_tokens": 8}
+        for i in (0, 1)
+    ]  # fmt: skip
+    scored = bfcl.score_model(
+        smollm2_dir(), tasks, tmp_path / "arm", harness=HARNESS, samples=2, concurrency=2
+    )
+    assert scored["harness_failed"] == 0
+    assert sorted(scored["per_id"]) == ["simple_python_0", "simple_python_1"]
+    for row in scored["per_id"].values():
+        assert len(row["rewards"]) == 2
+        # Eight tokens of the base model are never a call BFCL can decode.
+        assert all(v is not None and v.startswith("ast_decoder:") for v in row["verdicts"])
+    with Store(tmp_path / "arm" / "lightning.db") as store:
+        rollouts = store.rollouts()
+    assert len(rollouts) == 4 and all(r["status"] == "succeeded" for r in rollouts)
+
+
 def test_tasks_split_by_category(bfcl_env: Path, tmp_path: Path) -> None:
     counts = bfcl.write_tasks(
         tmp_path, train=["live_simple"], held_out=["simple_python"], per_category=3, seed=0
@@ -361,6 +387,28 @@ def test_arms_table_paired_rows_and_report() -> None:
     assert bfcl.HELD_OUT_SENTENCE in md
     assert "| sft+rl | irrelevance | 1 | 0.000" in md
     assert "sft+rl - sft: +0.667" in md and "4 of 10 training prompts" in md
+
+
+def test_seeds_report_pools_per_case_differences(tmp_path: Path) -> None:
+    """Two seeds share the SFT arm; both RL arms win case b, seed 1's loses case
+    a: per case the mean over seeds of (sft+rl − sft) is −0.5, +1, 0, so the
+    pooled difference is +1/6, and with 3 cases its interval spans 0."""
+    sp = "simple_python"
+    sft = _scored({"a": (sp, 1.0, None), "b": (sp, 0.0, "value_error:x"), "c": (sp, 0.0, "x")})
+    rl0 = _scored({"a": (sp, 1.0, None), "b": (sp, 1.0, None), "c": (sp, 0.0, "x")})
+    rl1 = _scored({"a": (sp, 0.0, "x"), "b": (sp, 1.0, None), "c": (sp, 0.0, "x")})
+    dirs = []
+    for seed, rl in ((0, rl0), (1, rl1)):
+        d = tmp_path / f"s{seed}"
+        d.mkdir()
+        run = {"seed": seed, "arms": {"sft": sft, "sft+rl": rl}, "phases": {"rl": 10.0 + seed}}
+        (d / "bfcl.json").write_text(json.dumps(run))
+        dirs.append(d)
+    md = bfcl.seeds_report(dirs)
+    assert "seed 0, sft+rl - sft: +0.333" in md and "seed 1, sft+rl - sft: +0.000" in md
+    assert "pooled over 2 seeds, sft+rl - sft: +0.167" in md
+    assert "(interval includes 0)" in md
+    assert "| 1 | rl | 11.0 |" in md and bfcl.HELD_OUT_SENTENCE in md
 
 
 def test_recipe_configs_load() -> None:

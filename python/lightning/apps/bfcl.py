@@ -991,6 +991,58 @@ def recipe_v2(args: argparse.Namespace) -> int:
     return 0
 
 
+def seeds_report(dirs: Sequence[Path]) -> str:
+    """Several seeds' pages in one: each seed's arms and paired differences, and
+    the differences pooled over seeds (per case, the mean over seeds of
+    ``b − a``; cases resampled as in :func:`paired_difference`; no McNemar test,
+    whose outcomes must be 0/1)."""
+    runs = [_read_json(d / "bfcl.json") or {} for d in dirs]
+    lines = [f"# BFCL recipe v2, seeds {', '.join(str(r.get('seed')) for r in runs)}", ""]
+    lines += [
+        f"Scores on {HELD_OUT_SENTENCE}.",
+        "",
+        "| seed | arm | category | n | accuracy (95% CI) | call rate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        for arm, cats in arm_table(run.get("arms", {})).items():
+            for cat, r in cats.items():
+                lines.append(
+                    f"| {run.get('seed')} | {arm} | {cat} | {r['n']} | {r['accuracy']:.3f} "
+                    f"({r['ci_low']:.3f}-{r['ci_high']:.3f}) | {r['call_rate']:.3f} |"
+                )
+    lines += ["", "Paired differences on simple_python, per seed and pooled:", ""]
+    for a, b in [("base", "sft"), ("sft", "sft+rl"), ("control", "sft+rl")]:
+        per_case: dict[str, list[float]] = {}
+        for run in runs:
+            arms = run.get("arms", {})
+            d = paired_rows(arms, [(a, b)], "simple_python").get(f"{b} - {a}")
+            if d is None:
+                continue
+            lines.append(
+                f"- seed {run.get('seed')}, {b} - {a}: {d['diff']:+.3f} "
+                f"[{d['low']:+.3f}, {d['high']:+.3f}], n={d['n']}, wins {d['b_wins']} vs "
+                f"{d['a_wins']}, p={d['p_value']:.3g}"
+            )
+            pa, pb = arms[a]["per_id"], arms[b]["per_id"]
+            for t in pa:
+                if pa[t]["category"] == "simple_python" and t in pb:
+                    per_case.setdefault(t, []).append(pb[t]["rewards"][0] - pa[t]["rewards"][0])
+        both = {t: v for t, v in per_case.items() if len(v) == len(runs)}
+        if len(runs) > 1 and both:
+            d = paired_difference([0.0] * len(both), [sum(v) / len(v) for v in both.values()])
+            zero = " (interval includes 0)" if d["low"] <= 0 <= d["high"] else ""
+            lines.append(
+                f"- **pooled over {len(runs)} seeds, {b} - {a}: {d['diff']:+.3f} "
+                f"[{d['low']:+.3f}, {d['high']:+.3f}]**, n={d['n']}{zero}"
+            )
+    lines += ["", "| seed | phase | wall clock (s) |", "|---|---|---|"]
+    for run in runs:
+        for phase, secs in run.get("phases", {}).items():
+            lines.append(f"| {run.get('seed')} | {phase} | {secs} |")
+    return "\n".join(lines) + "\n"
+
+
 def share_run(source: Path, out: Path) -> dict[str, Any]:
     """What a second seed takes from the first (the issue lets the base and SFT
     arms be scored once): its split, SFT data and SFT model (linked, not copied)
@@ -1045,6 +1097,9 @@ def main(argv: list[str] | None = None) -> int:
         default="split,sft-data,sft,filter,rl,control,score,report",
         help="comma-separated subset, in this order",
     )
+    sd = sub.add_parser("seeds", help="several seeds' recipe pages in one table")
+    sd.add_argument("dirs", nargs="+", help="the seeds' --output-dir")
+    sd.add_argument("--out", help="also write the page here")
     r = sub.add_parser("recipe-v1", help="v1: set up, measure held-out, train, measure again")
     r.add_argument("--config", default="examples/bfcl/recipe.toml")
     r.add_argument("--train", default="live_simple,live_multiple")
@@ -1070,6 +1125,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "recipe":
         print(f"BFCL environment: {bfcl_python()}", flush=True)
         return recipe_v2(args)
+    if args.cmd == "seeds":
+        page = seeds_report([Path(d) for d in args.dirs])
+        if args.out:
+            Path(args.out).write_text(page)
+        print(page)
+        return 0
     return recipe(args)
 
 
