@@ -32,8 +32,12 @@ Two departures from a plain ``lightning serve``, both needed on SmolLM2:
   engine would answer up to the context's end. The bench's HTTP door adds
   ``max_tokens = --max-tokens`` (default 32) to a chat request that has none,
   so the bench measures prefill, not a long decode. An answer cut there is
-  ``incomplete`` to Codex, which then exits 1 after the call is recorded; the
-  bench reports Codex's exit codes and counts the calls the gateway recorded.
+  ``incomplete`` to Codex, which then exits 1 after the call is recorded (its
+  session keeps the cut answer, so the second turn still extends it); the bench
+  reports Codex's exit codes and counts the calls the gateway recorded. The door
+  also adds ``seed = 0`` (Codex sends none): the engine samples the same tokens
+  with the cache on and off, so both variants see the same answers and the same
+  second prompt, and the bench checks that they do.
 
 Run: ``nice -n 19 .venv/bin/python benches/codex_prefix.py [--variants on off]
 [--max-tokens 32] [--threads N]``. Needs npm (first run: installs Codex) and
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,20 +97,23 @@ class CallTiming:
     generated: int = 0
 
 
-def with_max_tokens(body: bytes, cap: int) -> tuple[bytes, bool]:
-    """The chat request ``body`` with ``max_tokens = cap`` when it names no budget."""
+def with_budget(body: bytes, cap: int, seed: int) -> tuple[bytes, bool]:
+    """The chat request ``body`` with ``max_tokens = cap`` when it names no budget,
+    and ``seed`` when it names none; True when the budget was added."""
     request = json.loads(body)
     if not isinstance(request, dict):
         return body, False
-    if request.get("max_tokens") is not None or request.get("max_completion_tokens") is not None:
-        return body, False
-    request["max_tokens"] = cap
-    return json.dumps(request).encode(), True
+    added = request.get("max_tokens") is None and request.get("max_completion_tokens") is None
+    if added:
+        request["max_tokens"] = cap
+    if request.get("seed") is None:
+        request["seed"] = seed
+    return json.dumps(request).encode(), added
 
 
 class TimedDoor:
     """ASGI wrapper around the engine's app: caps the output budget of chat calls
-    (``with_max_tokens``) and times each one. The first body bytes of the answer
+    and seeds them (``with_budget``), and times each one. The first body bytes of the answer
     are its first token: the engine's stream sends nothing before it has one."""
 
     def __init__(self, app: ASGIApp, engine: Engine, cap: int) -> None:
@@ -122,7 +130,7 @@ class TimedDoor:
             parts.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
-        body, added = with_max_tokens(b"".join(parts), self.cap)
+        body, added = with_budget(b"".join(parts), self.cap, seed=0)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         replayed = False
@@ -208,11 +216,13 @@ def run_codex(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -
     return done.returncode
 
 
-def variant(
-    name: str, model: Path, codex: Path, tmp: Path, args: argparse.Namespace
-) -> tuple[list[CallTiming], list[int], list[int]]:
+Calls = list[tuple[list[int], list[int]]]  # (prompt ids, completion ids) per recorded call
+Result = tuple[list[CallTiming], Calls, list[int]]
+
+
+def variant(name: str, model: Path, codex: Path, tmp: Path, args: argparse.Namespace) -> Result:
     """One engine + gateway + rollout; Codex's two turns. Returns the door's call
-    timings, the prompt lengths the gateway recorded, and Codex's exit codes."""
+    timings, the ids the gateway recorded, and Codex's exit codes."""
     engine = Engine(
         str(model),
         dtype="float32",
@@ -238,9 +248,13 @@ def variant(
     client = gateway.client()
     try:
         rollout = client.create_rollout({"task": TASK}, group=f"codex-prefix-{name}")
-        home = write_codex_home(tmp / f"home-{name}", base_url=rollout.base_url, model=MODEL)
+        # The same paths for both variants: Codex puts its working directory in the
+        # prompt, and the two must send the same prompt ids.
+        run = tmp / "run"
+        shutil.rmtree(run, ignore_errors=True)
+        home = write_codex_home(run / "home", base_url=rollout.base_url, model=MODEL)
         env = codex_env(home, rollout.token)
-        work = tmp / f"work-{name}"
+        work = run / "work"
         work.mkdir()
         # Session files are kept (no --ephemeral) so that the second turn can resume.
         common = [
@@ -255,11 +269,14 @@ def variant(
         for turn, argv in enumerate((first, second), 1):
             print(f"[{name}] turn {turn}: codex exec{' resume' if turn == 2 else ''}", flush=True)
             codes.append(run_codex(argv, env, work, args.timeout))
-        prompts = [
-            len(r.prompt_ids) if r.prompt_ids is not None else -1
+        recorded = [
+            (
+                [] if r.prompt_ids is None else r.prompt_ids.tolist(),
+                [] if r.completion_ids is None else r.completion_ids.tolist(),
+            )
             for r in client.records(rollout.id)
         ]
-        return list(door.calls), prompts, codes
+        return list(door.calls), recorded, codes
     finally:
         client.close()
         gateway.stop()
@@ -267,26 +284,43 @@ def variant(
         engine.close()
 
 
-def report(results: dict[str, tuple[list[CallTiming], list[int], list[int]]]) -> None:
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def report(results: dict[str, Result]) -> None:
     print(
         f"\n{'cache':>5} {'call':>4} {'prompt':>7} {'computed':>8} {'cached':>7} {'gen':>4}"
         f" {'TTFT':>8} {'total':>8} {'cpu-s':>7}"
     )
-    for name, (calls, prompts, codes) in results.items():
+    for name, (calls, recorded, codes) in results.items():
         for i, c in enumerate(calls):
-            prompt = prompts[i] if i < len(prompts) else -1
+            prompt = len(recorded[i][0]) if i < len(recorded) else -1
             print(
                 f"{name:>5} {i + 1:>4} {prompt:>7} {c.computed:>8} {c.cached:>7} {c.generated:>4}"
                 f" {c.ttft_s:>7.1f}s {c.total_s:>7.1f}s {c.cpu_s:>7.1f}",
                 flush=True,
             )
-        print(f"{name:>5} codex exit codes {codes}; gateway recorded {len(prompts)} calls")
-    if {"on", "off"} <= results.keys():
-        on, off = results["on"][0], results["off"][0]
-        for i in range(min(len(on), len(off))):
+        print(f"{name:>5} codex exit codes {codes}; gateway recorded {len(recorded)} calls")
+        if len(recorded) >= 2:
+            (p1, c1), (p2, _) = recorded[0], recorded[1]
             print(
-                f"call {i + 1}: off/on TTFT {off[i].ttft_s / on[i].ttft_s:.2f}x, total "
-                f"{off[i].total_s / on[i].total_s:.2f}x, cpu-s {off[i].cpu_s / on[i].cpu_s:.2f}x"
+                f"{name:>5} call 2's first {shared_prefix(p1 + c1, p2)} of {len(p2)} prompt tokens"
+                f" are call 1's prompt + answer ({len(p1)} + {len(c1)})"
+            )
+    if {"on", "off"} <= results.keys():
+        on, off = results["on"], results["off"]
+        print(f"the same ids recorded with the cache on and off: {on[1] == off[1]}")
+        for i in range(min(len(on[0]), len(off[0]))):
+            a, b = on[0][i], off[0][i]
+            print(
+                f"call {i + 1}: off/on TTFT {b.ttft_s / a.ttft_s:.2f}x, total "
+                f"{b.total_s / a.total_s:.2f}x, cpu-s {b.cpu_s / a.cpu_s:.2f}x"
             )
 
 
