@@ -423,8 +423,19 @@ fn check_writable(py: Python<'_>, path: PathBuf) -> PyResult<()> {
     py.detach(run).map_err(|e| gateway_error(py, e))
 }
 
+/// Whether a store writer or reader of this process (an in-process gateway,
+/// `StoreReader`, `mark_trained`) has the file at `path` open now, under any
+/// of its names. Another SQLite library (Python's `sqlite3`) must not open
+/// the file then: closing its connection would delete the `-wal` the store
+/// still writes to and drop the store's locks (`lightning/gateway/store_guard.py`).
+#[pyfunction]
+fn store_open_here(path: PathBuf) -> bool {
+    lightning_gateway::store::open_here(&path)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStoreReader>()?;
+    m.add_function(wrap_pyfunction!(store_open_here, m)?)?;
     m.add_function(wrap_pyfunction!(mark_trained, m)?)?;
     m.add_function(wrap_pyfunction!(check_writable, m)?)?;
     Ok(())
