@@ -380,6 +380,18 @@ impl PyStoreReader {
     }
 }
 
+/// `Ok` when a file is at `path`: a writer opened on a wrong path would
+/// create an empty store there instead of saying the path is wrong.
+fn existing_store(path: &std::path::Path) -> Result<(), GatewayError> {
+    if path.is_file() {
+        return Ok(());
+    }
+    Err(GatewayError::store(
+        path.display(),
+        "no gateway store here; pass the --db path the gateway was started with",
+    ))
+}
+
 /// Marks online sessions trained at `when` in the store file at `path` of a
 /// gateway that is not running, through the store's own writer (the same code
 /// the gateway's `POST /admin/online/trained` runs); returns how many it found.
@@ -391,12 +403,7 @@ fn mark_trained(
     when: f64,
 ) -> PyResult<usize> {
     let run = || -> Result<usize, GatewayError> {
-        if !path.is_file() {
-            return Err(GatewayError::store(
-                path.display(),
-                "no gateway store here; pass the --db path the gateway was started with",
-            ));
-        }
+        existing_store(&path)?;
         let store = Store::open(&path, SyncMode::Full, SecretSource::None)?;
         let rt = tokio::runtime::Builder::new_current_thread().build()?;
         let n = rt.block_on(store.mark_trained(rollout_ids, when));
@@ -412,12 +419,7 @@ fn mark_trained(
 #[pyfunction]
 fn check_writable(py: Python<'_>, path: PathBuf) -> PyResult<()> {
     let run = || -> Result<(), GatewayError> {
-        if !path.is_file() {
-            return Err(GatewayError::store(
-                path.display(),
-                "no gateway store here; pass the --db path the gateway was started with",
-            ));
-        }
+        existing_store(&path)?;
         lightning_gateway::store::check_writable(&path)
     };
     py.detach(run).map_err(|e| gateway_error(py, e))

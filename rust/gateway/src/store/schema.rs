@@ -325,7 +325,8 @@ pub(super) fn open_here(path: &Path) -> bool {
     let Some(id) = file_id(path) else {
         return false;
     };
-    HELD.lock().is_ok_and(|held| held.iter().any(|(k, _)| *k == id))
+    HELD.lock()
+        .is_ok_and(|held| held.iter().any(|(k, _)| *k == id))
 }
 
 /// Files of stores this process has locked, unlocked and kept open, one per
