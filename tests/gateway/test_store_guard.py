@@ -96,3 +96,16 @@ def test_acknowledged_commits_survive_the_tests_own_sqlite3(tmp_path: Path) -> N
     assert seen == 60
     with sqlite3.connect(db) as c:  # and after the crash, from this process
         assert c.execute("SELECT count(*) FROM rollouts").fetchone()[0] == 60
+
+
+def test_a_closed_store_releases_the_file(tmp_path: Path) -> None:
+    """`Store.close()` (and `with Store(...)`) closes the reader then, not at collection."""
+    db = tmp_path / "gw.db"
+    start_gateway(NO_ENGINE, db).stop()
+    with lightning.Store(db) as store:
+        assert _core.store_open_here(db)
+        assert store.rollouts() == []
+    assert not _core.store_open_here(db)
+    with pytest.raises(lightning.StoreError, match="closed"):
+        store.rollouts()
+    sqlite3.connect(db).close()
