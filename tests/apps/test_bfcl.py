@@ -411,6 +411,14 @@ def test_seeds_report_pools_per_case_differences(tmp_path: Path) -> None:
     assert "| 1 | rl | 11.0 |" in md and bfcl.HELD_OUT_SENTENCE in md
 
 
+def test_each_phase_runs_in_its_own_process_with_the_same_arguments() -> None:
+    given = ["recipe", "--seed", "1", "--phases", "filter,rl", "--arms=sft+rl"]
+    assert bfcl.phase_argv(given, "rl") == [
+        "recipe", "--seed", "1", "--arms=sft+rl", "--phases", "rl"
+    ]  # fmt: skip
+    assert bfcl.phase_argv(["recipe", "--phases=a,b"], "a") == ["recipe", "--phases", "a"]
+
+
 def test_recipe_configs_load() -> None:
     from lightning.config import RunConfig, SftConfig
 

@@ -1060,6 +1060,20 @@ def share_run(source: Path, out: Path) -> dict[str, Any]:
     return {arm: scored[arm] for arm in ("base", "sft")}
 
 
+def phase_argv(given: Sequence[str], phase: str) -> list[str]:
+    """The recipe's command line with ``--phases`` replaced by one phase."""
+    rest: list[str] = []
+    skip = False
+    for a in given:
+        if skip:
+            skip = False
+        elif a == "--phases":
+            skip = True
+        elif not a.startswith("--phases="):
+            rest.append(a)
+    return [*rest, "--phases", phase]
+
+
 def _builtin_model() -> Path:
     from lightning.model_cache import smollm2_dir
 
@@ -1124,7 +1138,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "recipe":
         print(f"BFCL environment: {bfcl_python()}", flush=True)
-        return recipe_v2(args)
+        phases = args.phases.split(",")
+        if len(phases) == 1:
+            return recipe_v2(args)
+        # One process per phase: a trainer's memory is not given back to the
+        # system when it is dropped (13 GB after SFT, GRPO and the control in one
+        # process, which the kernel's OOM killer then ended mid-scoring), and
+        # each phase reads what the last one wrote to OUT anyway.
+        given = list(sys.argv[1:] if argv is None else argv)
+        for phase in phases:
+            cmd = [sys.executable, "-m", "lightning.apps.bfcl", *phase_argv(given, phase)]
+            done = subprocess.run(cmd)
+            if done.returncode != 0:
+                print(f"[bfcl] phase {phase} failed (exit {done.returncode})", flush=True)
+                return done.returncode
+        return 0
     if args.cmd == "seeds":
         page = seeds_report([Path(d) for d in args.dirs])
         if args.out:
