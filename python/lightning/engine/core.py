@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from lightning._core import LightningError
-from lightning.engine import kv, linear, tools
+from lightning.engine import fused, kv, linear, tools
 from lightning.engine.prefix import PrefixCache
 from lightning.engine.sampling import (
     LOGPROBS_MODES,
@@ -247,6 +247,7 @@ class Engine:
         chat_template: str | os.PathLike[str] | None = None,
         tool_call_parser: str = "auto",
         prepack: bool = True,
+        fuse: bool = True,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
@@ -254,7 +255,10 @@ class Engine:
         (vLLM's ``--chat-template``); ``tool_call_parser``: ``auto`` (from the
         template, see ``tools.py``), ``hermes`` or ``none``; ``kv_cache_bytes``:
         the prefix cache's budget (0: off); ``prefill_chunk``: prompt tokens
-        prefilled per scheduler iteration."""
+        prefilled per scheduler iteration; ``prepack``: multiply by weights
+        packed once for oneDNN (``linear.py``); ``fuse``: with ``prepack``, run
+        Llama models through the lean fused forward (``fused.py``) instead of
+        transformers' modules (other models, or ``fuse=False``: transformers)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if logprobs_mode not in LOGPROBS_MODES:
@@ -320,8 +324,15 @@ class Engine:
         self.model.to(self.device)
         self.model.eval()
         # Decode multiplies a few rows by every weight: pack the weights once for
-        # oneDNN instead of letting every call re-pack them (see linear.py).
-        self.prepacked = prepack and linear.available(self.device, torch_dtype)
+        # oneDNN instead of letting every call re-pack them (see linear.py); for a
+        # Llama model pack them fused, for the lean forward (see fused.py), and
+        # leave transformers' modules plain (one packed copy of the weights, not two).
+        self.fused: fused.FusedLlama | None = None
+        if prepack and fuse and fused.supports(self.model, self.device, torch_dtype):
+            self.fused = fused.FusedLlama(self.model, batch_hint=max_batch)
+        self.prepacked = (
+            prepack and self.fused is None and linear.available(self.device, torch_dtype)
+        )
         if self.prepacked:
             linear.pack(self.model, batch_hint=max_batch)
         self.model_path = str(source)
@@ -540,12 +551,15 @@ class Engine:
 
         Every reload path calls this once (``load_weights`` does); it must run on
         the scheduler thread or while the scheduler is idle, with no sequence in
-        flight. It repacks the oneDNN linears and drops every cached prefix: keys
-        and values computed under the old weights are wrong under the new ones,
-        and the cache then accepts only ``version``.
+        flight. It repacks the oneDNN linears (or rebuilds the fused forward's
+        weights) and drops every cached prefix: keys and values computed under
+        the old weights are wrong under the new ones, and the cache then
+        accepts only ``version``.
         """
         if self.prepacked:
             linear.repack(self.model)
+        if self.fused is not None:
+            self.fused.refresh()
         self.prefix.invalidate(version)
         self.weight_version = version
 
@@ -571,6 +585,7 @@ class Engine:
                 "model": self.model_name,
                 "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."),
+                "forward": "fused" if self.fused else "prepacked" if self.prepacked else "plain",
                 "max_batch": self.max_batch,
                 "max_model_len": self.max_model_len,
                 "running": len(self._rows),
@@ -660,8 +675,26 @@ class Engine:
         for seq in [*self._rows, *pending, *self._waiting]:
             seq.sink(Event(error="the engine shut down"))
 
-    def _forward(self, **kwargs: Any) -> torch.Tensor:
-        out = self.model(use_cache=True, **kwargs)
+    def _forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: kv.SlabCache,
+    ) -> torch.Tensor:
+        """Logits of each row's last position [B, V] float32; the keys/values of
+        every input position are appended to ``cache``."""
+        if self.fused is not None:
+            return self.fused.forward(input_ids, position_ids, attention_mask, cache)
+        out = self.model(
+            use_cache=True,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :].float().cpu()  # [B, V]
 
     def _enqueue_prefill(self, seq: SequenceState) -> None:
@@ -719,7 +752,6 @@ class Engine:
                 position_ids=positions,
                 attention_mask=mask.view(1, 1, q, end).to(self.device),
                 cache=job.cache,
-                logits_to_keep=1,
             )
             self.stats["prefill_tokens"] += q
             self.stats["prefill_forwards"] += 1
