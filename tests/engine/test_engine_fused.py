@@ -62,14 +62,7 @@ def empty_cache(model: LlamaForCausalLM, rows: int, capacity: int) -> kv.SlabCac
 
 def prefill(runner: fused.FusedLlama, cache: kv.SlabCache, ids: list[int], start: int):
     """Run ids[start:] over a one-row cache already holding ids[:start]."""
-    end = len(ids)
-    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]  # [q, end]
-    return runner.forward(
-        torch.tensor([ids[start:]]),
-        torch.arange(start, end)[None],
-        mask.view(1, 1, end - start, end),
-        cache,
-    )
+    return runner.prefill([(ids[start:], start, cache)])
 
 
 def test_chunked_prefill_matches_transformers(gqa_model: LlamaForCausalLM) -> None:
@@ -102,7 +95,7 @@ def test_batched_decode_over_padded_rows_matches_transformers(
         slab = kv.build_slab(singles, lens, headroom=4)
         length = slab.length
         mask = torch.arange(length + 1)[None, :] >= (length - torch.tensor(lens))[:, None]
-        logits = runner.forward(
+        logits = runner.decode(
             torch.tensor([[ids[-1]] for ids in rows]),
             torch.tensor(lens).view(3, 1),
             mask.view(3, 1, 1, length + 1),
@@ -110,6 +103,27 @@ def test_batched_decode_over_padded_rows_matches_transformers(
         )
     for i, ids in enumerate(rows):
         assert (logits[i] - reference_logits(gqa_model, ids)[-1]).abs().max() < 1e-4
+
+
+def test_prompts_prefilled_together_match_each_alone(gqa_model: LlamaForCausalLM) -> None:
+    """Three prompts' chunks in one forward: one continues a cached prefix."""
+    runner = fused.FusedLlama(gqa_model, batch_hint=4)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (9, 30, 1)]
+    caches = [empty_cache(gqa_model, 1, len(ids)) for ids in prompts]
+    with torch.inference_mode():
+        prefill(runner, caches[1], prompts[1][:12], 0)  # the second has 12 tokens cached
+        logits = runner.prefill(
+            [
+                (prompts[0], 0, caches[0]),
+                (prompts[1][12:], 12, caches[1]),
+                (prompts[2], 0, caches[2]),
+            ]
+        )
+    assert logits.shape == (3, 97)
+    for i, ids in enumerate(prompts):
+        assert (logits[i] - reference_logits(gqa_model, ids)[-1]).abs().max() < 1e-4
+        assert caches[i].length == len(ids)
 
 
 def test_refresh_follows_weights_changed_in_place(gqa_model: LlamaForCausalLM) -> None:
@@ -130,9 +144,7 @@ def test_only_plain_llama_is_fused(gqa_model: LlamaForCausalLM) -> None:
     cpu = torch.device("cpu")
     assert fused.supports(gqa_model, cpu, torch.float32)
     assert not fused.supports(gqa_model, cpu, torch.bfloat16)
-    biased = LlamaForCausalLM(
-        LlamaConfig(**{**gqa_model.config.to_dict(), "attention_bias": True})
-    )
+    biased = LlamaForCausalLM(LlamaConfig(**{**gqa_model.config.to_dict(), "attention_bias": True}))
     assert not fused.supports(biased, cpu, torch.float32)
 
 

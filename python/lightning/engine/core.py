@@ -683,10 +683,8 @@ class Engine:
         attention_mask: torch.Tensor,
         cache: kv.SlabCache,
     ) -> torch.Tensor:
-        """Logits of each row's last position [B, V] float32; the keys/values of
-        every input position are appended to ``cache``."""
-        if self.fused is not None:
-            return self.fused.forward(input_ids, position_ids, attention_mask, cache)
+        """transformers' forward: logits of each row's last position [B, V]
+        float32; the keys/values of every input position are appended to ``cache``."""
         out = self.model(
             use_cache=True,
             input_ids=input_ids,
@@ -729,10 +727,10 @@ class Engine:
 
     def _prefill_some(self) -> None:
         """Run at most ``prefill_chunk`` prompt tokens of the waiting jobs, oldest
-        first; jobs that reach their prompt's end sample and join the batch."""
+        first (with the fused forward, all their chunks in one forward); jobs
+        that reach their prompt's end sample and join the batch."""
         budget = self.prefill_chunk
-        joined: list[tuple[SequenceState, kv.RowKV]] = []
-        adoptable: _Prefill | None = None
+        planned: list[tuple[_Prefill, int, int]] = []  # (job, start, end) of each chunk
         for job in list(self._prefilling):
             job.seqs = [s for s in job.seqs if not s.cancelled]
             if not job.seqs:
@@ -740,33 +738,46 @@ class Engine:
                 continue
             if budget <= 0:
                 break
-            n = len(job.ids)
-            start, end = job.done, min(n, job.done + budget)
-            q = end - start
-            ids = torch.tensor([job.ids[start:end]], dtype=torch.long, device=self.device)
-            positions = torch.arange(start, end, device=self.device)[None]  # [1, q]
-            # [1, 1, q, end] True = attend: query i (position start + i) sees columns <= it.
-            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-            logits = self._forward(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=mask.view(1, 1, q, end).to(self.device),
-                cache=job.cache,
-            )
-            self.stats["prefill_tokens"] += q
+            end = min(len(job.ids), job.done + budget)
+            planned.append((job, job.done, end))
+            budget -= end - job.done
+        if not planned:
+            return
+        if self.fused is not None:
+            logits = self.fused.prefill([(j.ids[s:e], s, j.cache) for j, s, e in planned])
             self.stats["prefill_forwards"] += 1
+        else:
+            rows = []
+            for job, start, end in planned:
+                q = end - start
+                # [1, 1, q, end] True = attend: query i (position start + i) sees columns <= it.
+                mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+                rows.append(
+                    self._forward(
+                        input_ids=torch.tensor([job.ids[start:end]], device=self.device),
+                        position_ids=torch.arange(start, end, device=self.device)[None],
+                        attention_mask=mask.view(1, 1, q, end).to(self.device),
+                        cache=job.cache,
+                    )
+                )
+                self.stats["prefill_forwards"] += 1
+            logits = torch.cat(rows)  # [chunks, V]
+        joined: list[tuple[SequenceState, kv.RowKV]] = []
+        adoptable: _Prefill | None = None
+        for (job, start, end), last in zip(planned, logits, strict=True):
+            self.stats["prefill_tokens"] += end - start
             job.done = end
-            budget -= q
+            n = len(job.ids)
             if end < n:
                 continue
             self._prefilling.remove(job)
             row = kv.row_from_cache(job.cache, 0, n)
             self.prefix.insert(job.ids, row, self.weight_version)
-            raw = torch.log_softmax(logits[0], dim=-1)
+            raw = torch.log_softmax(last, dim=-1)
             for seq in job.seqs:
                 seq.kv_len = n
                 seq.weight_version = self.weight_version
-                choice = sample_row(logits[0], raw, seq.params, seq.generator, self.logprobs_mode)
+                choice = sample_row(last, raw, seq.params, seq.generator, self.logprobs_mode)
                 self._accept(seq, choice)
                 if seq.finish_reason is None:
                     joined.append((seq, row))
@@ -811,7 +822,8 @@ class Engine:
         columns = torch.arange(length + 1)
         # [B, 1, 1, T+1] True = attend: a row sees its own right-aligned columns only.
         mask = (columns[None, :] >= (length - lens)[:, None]).view(b, 1, 1, length + 1)
-        logits = self._forward(
+        forward = self._forward if self.fused is None else self.fused.decode
+        logits = forward(
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask.to(self.device),

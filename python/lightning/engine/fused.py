@@ -21,8 +21,11 @@ float32, in another order (a fused matmul sums each output over the same
 inputs; the grouped attention is ``eager_attention_forward`` without the
 copy), so logprobs match a plain transformers forward within 1e-4
 (tests/engine/test_engine_fused.py checks logits and the engine end to end).
-Prefill chunks (many queries per row) use ``scaled_dot_product_attention``
-with the engine's explicit mask, as transformers' ``sdpa`` path does.
+Prefill (``prefill``) runs the chunks of several prompts in one forward: their
+rows share every matmul (one 39-token prompt at a time multiplies 39 rows by
+every weight, streaming the whole model each time) while each chunk attends
+only to its own cache, through ``scaled_dot_product_attention`` with an
+explicit causal mask, as transformers' ``sdpa`` path does.
 
 Supported: ``model_type == "llama"`` without attention/MLP biases, SiLU MLP,
 one RoPE table from the model's own ``rotary_emb`` (so every rope scaling
@@ -35,6 +38,7 @@ after the model's weights change in place (``Engine.weights_changed``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -93,7 +97,9 @@ class _Layer:
 
 
 class FusedLlama:
-    """``forward(ids, positions, mask, cache)`` -> last-position logits, as the model's."""
+    """The model's forward for the engine: ``decode`` (one token per row of the
+    batch's slab) and ``prefill`` (chunks of several prompts in one pass), each
+    returning last-position logits as the model would."""
 
     def __init__(self, model: Any, batch_hint: int) -> None:
         self.model = model
@@ -116,60 +122,113 @@ class FusedLlama:
             self.eps = float(inner.norm.variance_epsilon)
             self.head = _Packed(self.model.lm_head.weight.detach(), self.batch_hint)
 
-    def forward(
+    def decode(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         cache: kv.SlabCache,
     ) -> torch.Tensor:
-        """input_ids, position_ids: [B, q]; attention_mask: [B, 1, q, T] bool (True = attend),
-        T = the cache's length + q; returns float32 logits of each row's last position [B, V]."""
-        b, q = input_ids.shape
-        h = F.embedding(input_ids, self.embed)  # [B, q, E]
-        # The model's own RoPE module: cos/sin [B, q, D] for every rope type it implements.
-        cos, sin = self.model.model.rotary_emb(h, position_ids)
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, q, D]
-        hidden = (h.shape[-1],)
+        """One decode step of every row of the batch's slab.
+
+        input_ids, position_ids: [B, 1]; attention_mask: [B, 1, 1, T] bool (True =
+        attend), T = the slab's length + 1. Returns float32 logits [B, V].
+        """
+        b = input_ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         groups = heads // kv_heads
-        # Decode: a -inf bias on padding columns, built once for all layers.
-        bias = None
-        if q == 1:
-            bias = torch.zeros(attention_mask.shape, dtype=h.dtype).masked_fill_(
-                ~attention_mask, float("-inf")
-            )  # [B, 1, 1, T]
-        for layer, slab in zip(self.layers, cache.slabs, strict=True):
-            x = torch.rms_norm(h, hidden, layer.norm_in, layer.eps_in)
-            qkv = layer.qkv(x)  # [B, q, (H + 2 Hkv) D]
-            qs, ks, vs = qkv.split([layer.q_width, layer.kv_width, layer.kv_width], dim=-1)
-            qs = _rope(qs.view(b, q, heads, dim).transpose(1, 2), cos, sin)  # [B, H, q, D]
-            ks = _rope(ks.view(b, q, kv_heads, dim).transpose(1, 2), cos, sin)  # [B, Hkv, q, D]
-            vs = vs.view(b, q, kv_heads, dim).transpose(1, 2)
+        # A -inf bias on every row's padding columns, built once for all layers.
+        bias = torch.zeros(attention_mask.shape, dtype=self.embed.dtype)
+        bias.masked_fill_(~attention_mask, float("-inf"))  # [B, 1, 1, T]
+
+        def attend(layer: _Layer, slab: kv.SlabLayer, qs, ks, vs) -> torch.Tensor:
             keys, values = slab.update(ks, vs)  # [B, Hkv, T, D]
-            if bias is not None:
-                # Query head j uses key/value head j // groups (transformers' repeat_kv).
-                grouped = qs.reshape(b, kv_heads, groups, dim)  # [B, Hkv, G, D]
-                scores = torch.matmul(grouped, keys.transpose(2, 3))  # [B, Hkv, G, T]
-                scores = scores.mul_(layer.scaling).add_(bias)
-                out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, G, D]
-                attn = out.reshape(b, 1, heads * dim)
-            else:
+            # Query head j reads key/value head j // groups (transformers' repeat_kv),
+            # so the G query heads of a group are G query rows of one matmul.
+            grouped = qs.reshape(b, kv_heads, groups, dim)  # [B, Hkv, G, D]
+            scores = torch.matmul(grouped, keys.transpose(2, 3))  # [B, Hkv, G, T]
+            scores = scores.mul_(layer.scaling).add_(bias)
+            out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, G, D]
+            return out.reshape(b, 1, heads * dim)
+
+        h = self._layers(input_ids, position_ids, [(0, 1, cache, attend)])
+        return self._logits(h[:, -1])
+
+    def prefill(self, chunks: Sequence[tuple[Sequence[int], int, kv.SlabCache]]) -> torch.Tensor:
+        """Prefill chunks of several prompts in one forward: each chunk is (its
+        token ids, the position of its first token, the one-row cache that holds
+        the prompt's keys/values before it). The chunks' rows go through every
+        matmul together (a few hundred rows use the machine far better than
+        one prompt of a few dozen); attention stays within each chunk's own
+        cache. Returns float32 logits of each chunk's last token [len(chunks), V].
+        """
+        ids = torch.tensor([[t for chunk, _, _ in chunks for t in chunk]])  # [1, N]
+        positions = torch.cat(
+            [torch.arange(start, start + len(chunk)) for chunk, start, _ in chunks]
+        )[None]  # [1, N]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        parts = []
+        offset = 0
+        for chunk, start, cache in chunks:
+            q, end = len(chunk), start + len(chunk)
+            # [1, 1, q, end] True = attend: query i (position start + i) sees columns <= it.
+            mask = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).view(
+                1, 1, q, end
+            )
+
+            def attend(layer: _Layer, slab: kv.SlabLayer, qs, ks, vs, mask=mask, q=q):
+                keys, values = slab.update(ks, vs)  # [1, Hkv, end, D]
                 out = F.scaled_dot_product_attention(
                     qs,
                     keys,
                     values,
-                    attn_mask=attention_mask,
+                    attn_mask=mask,
                     scale=layer.scaling,
-                    enable_gqa=groups > 1,
-                )  # [B, H, q, D]
-                attn = out.transpose(1, 2).reshape(b, q, heads * dim)
+                    enable_gqa=heads != kv_heads,
+                )  # [1, H, q, D]
+                return out.transpose(1, 2).reshape(1, q, heads * dim)
+
+            parts.append((offset, q, cache, attend))
+            offset += q
+        h = self._layers(ids, positions, parts)  # [1, N, E]
+        last = torch.tensor([offset + q - 1 for offset, q, _, _ in parts])
+        return self._logits(h[0, last])
+
+    def _layers(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, parts: list[tuple[Any, ...]]
+    ) -> torch.Tensor:
+        """The decoder stack over input_ids [B, N]; ``parts`` split the N positions
+        into (offset, length, cache, attend) runs that attend separately."""
+        b = input_ids.shape[0]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        h = F.embedding(input_ids, self.embed)  # [B, N, E]
+        # The model's own RoPE module: cos/sin [B, N, D] for every rope type it implements.
+        cos, sin = self.model.model.rotary_emb(h, position_ids)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, N, D]
+        hidden = (h.shape[-1],)
+        for index, layer in enumerate(self.layers):
+            x = torch.rms_norm(h, hidden, layer.norm_in, layer.eps_in)
+            qkv = layer.qkv(x)  # [B, N, (H + 2 Hkv) D]
+            outs = []
+            for offset, length, cache, attend in parts:
+                rows = qkv[:, offset : offset + length] if len(parts) > 1 else qkv
+                c, s = cos[:, :, offset : offset + length], sin[:, :, offset : offset + length]
+                qs, ks, vs = rows.split([layer.q_width, layer.kv_width, layer.kv_width], dim=-1)
+                qs = _rope(qs.view(b, length, heads, dim).transpose(1, 2), c, s)  # [B, H, q, D]
+                ks = _rope(ks.view(b, length, kv_heads, dim).transpose(1, 2), c, s)
+                vs = vs.view(b, length, kv_heads, dim).transpose(1, 2)  # [B, Hkv, q, D]
+                outs.append(attend(layer, cache.slabs[index], qs, ks, vs))
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [B, N, H D]
             h = h + layer.o(attn)
             x = torch.rms_norm(h, hidden, layer.norm_post, layer.eps_post)
             gate, up = layer.gate_up(x).split([layer.inner, layer.inner], dim=-1)
             h = h + layer.down(F.silu(gate).mul_(up))
-        last = torch.rms_norm(h[:, -1], hidden, self.norm, self.eps)  # [B, E]
-        return self.head(last).float()  # [B, V]
+        return h
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """[R, E] hidden states of the last positions -> float32 logits [R, V]."""
+        x = torch.rms_norm(last, (last.shape[-1],), self.norm, self.eps)
+        return self.head(x).float()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
