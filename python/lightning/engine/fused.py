@@ -213,9 +213,10 @@ class FusedLlama:
             for offset, length, cache, attend in parts:
                 rows = qkv[:, offset : offset + length] if len(parts) > 1 else qkv
                 c, s = cos[:, :, offset : offset + length], sin[:, :, offset : offset + length]
-                qs, ks, vs = rows.split([layer.q_width, layer.kv_width, layer.kv_width], dim=-1)
-                qs = _rope(qs.view(b, length, heads, dim).transpose(1, 2), c, s)  # [B, H, q, D]
-                ks = _rope(ks.view(b, length, kv_heads, dim).transpose(1, 2), c, s)
+                qk, vs = rows.split([layer.q_width + layer.kv_width, layer.kv_width], dim=-1)
+                # RoPE on the query and key heads together: one set of ops, not two.
+                qk = _rope(qk.view(b, length, heads + kv_heads, dim).transpose(1, 2), c, s)
+                qs, ks = qk.split([heads, kv_heads], dim=1)  # [B, H, q, D], [B, Hkv, q, D]
                 vs = vs.view(b, length, kv_heads, dim).transpose(1, 2)  # [B, Hkv, q, D]
                 outs.append(attend(layer, cache.slabs[index], qs, ks, vs))
             attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [B, N, H D]
