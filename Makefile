@@ -66,9 +66,14 @@ demo: build
 demo-online: build
 	$(VENV)/bin/lightning demo --online
 
-# BFCL v4 through its own harness and checker (docs/bfcl.md); SEED=1 for another seed.
+# BFCL v4 through its own harness and checker (docs/bfcl.md): seed 0 whole, then
+# seed 1 on seed 0's split, SFT model and base/SFT scores (its own filter, GRPO,
+# control and arms), then both seeds' table.
 recipe-bfcl: build
-	$(PY) -m lightning.apps.bfcl recipe --seed $(or $(SEED),0)
+	$(PY) -m lightning.apps.bfcl recipe --seed 0 --output-dir runs/bfcl-v2-seed0
+	$(PY) -m lightning.apps.bfcl recipe --seed 1 --output-dir runs/bfcl-v2-seed1 \
+	  --shared-from runs/bfcl-v2-seed0 --phases filter,rl,control,score,report --arms sft+rl,control
+	$(PY) -m lightning.apps.bfcl seeds runs/bfcl-v2-seed0 runs/bfcl-v2-seed1
 
 # gpu_check.py is a check for one GPU, not a CPU bench: it runs here only where
 # a CUDA device is (its CPU path is tested by tests/sync/test_gpu_check.py).

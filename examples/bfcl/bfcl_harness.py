@@ -34,6 +34,8 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -42,6 +44,9 @@ from pathlib import Path
 from typing import Any
 
 MODEL_ID = "lightning-policy"
+# Where a pool of workers listens (set by lightning.apps.bfcl.workers): each
+# rollout's process then hands its case to a worker that imported BFCL once.
+WORKERS_ENV = "LIGHTNING_BFCL_WORKERS"
 
 
 def served_model(base_url: str, key: str) -> str:
@@ -133,18 +138,116 @@ def run_evaluate(command: Any, categories: list[str]) -> None:
 
 
 def evaluate_root(root: Path) -> int:
-    os.environ["BFCL_PROJECT_ROOT"] = str(root.resolve())  # read when bfcl_eval is imported
     # `bfcl evaluate` builds the handler (an OpenAI client, which wants a key) but
     # never calls the model.
     os.environ.setdefault("OPENAI_API_KEY", "unused-when-only-scoring")
-    import typer
-    from bfcl_eval.__main__ import cli
-
+    command = import_bfcl(root)
     register(None, "", None)
     categories = sorted(json.loads((root / "test_case_ids_to_generate.json").read_text()))
     with contextlib.redirect_stdout(sys.stderr):
-        run_evaluate(typer.main.get_command(cli), categories)
+        run_evaluate(command, categories)
     return 0
+
+
+def run_case(task: dict[str, Any], base_url: str, key: str, root: Path, command: Any) -> dict:
+    """One test case through ``bfcl generate`` + ``bfcl evaluate`` under ``root``
+    (BFCL's project root, fixed when ``bfcl_eval`` was imported): the result line."""
+    test_id = task["id"]
+    category = task.get("category") or category_of(test_id)
+    # Sampling is the gateway's business (train/eval temperature per rollout);
+    # BFCL's own default (0.001) is what it sends otherwise.
+    temperature = str(task.get("temperature", 0.001))
+    # A worker runs case after case in one root: what the last one left would be
+    # generated over or scored again.
+    for old in ("result", "score"):
+        shutil.rmtree(root / old, ignore_errors=True)
+    (root / "test_case_ids_to_generate.json").write_text(json.dumps({category: [test_id]}))
+    # BFCL's handler reads both when it is built, once per `generate`.
+    os.environ["OPENAI_BASE_URL"] = base_url
+    os.environ["OPENAI_API_KEY"] = key
+    register(base_url, key, task.get("max_tokens"))
+    # BFCL prints its progress on stdout; keep stdout for the final reward line.
+    with contextlib.redirect_stdout(sys.stderr):
+        generate = ["generate", "--model", MODEL_ID, "--run-ids", "--skip-server-setup"]
+        command(
+            [*generate, "--temperature", temperature, "--num-threads", "1", "--allow-overwrite"],
+            standalone_mode=False,
+        )
+        run_evaluate(command, [category])
+    found = sorted((root / "score" / MODEL_ID).rglob(f"BFCL_v4_{category}_score.json"))
+    if not found:
+        raise RuntimeError(f"BFCL wrote no score file for {test_id} under {root / 'score'}")
+    score_file = found[0]
+    header = json.loads(score_file.read_text().splitlines()[0])
+    score = float(header["accuracy"])
+    error_type = case_error_type(score_file)
+    if task.get("results_dir"):
+        # BFCL's raw result line for this case, by rollout id: the recipe gathers
+        # the held-out ones and runs `bfcl evaluate` on them as one category
+        # (python -m lightning.apps.bfcl official), for BFCL's own score file.
+        (result_file,) = (root / "result" / MODEL_ID).rglob(f"BFCL_v4_{category}_result.json")
+        keep = Path(task["results_dir"])
+        keep.mkdir(parents=True, exist_ok=True)
+        rollout = task.get("rollout_id") or test_id
+        saved = {
+            "id": test_id,
+            "category": category,
+            "relpath": str(result_file.relative_to(root)),
+            "result": result_file.read_text().splitlines()[0],
+        }
+        (keep / f"{rollout}.json").write_text(json.dumps(saved))
+    reward = shaped_reward(score, error_type) if task.get("shaped") else score
+    bfcl = {"id": test_id, "category": category, **header, "error_type": error_type}
+    return {"reward": reward, "bfcl": bfcl}
+
+
+def import_bfcl(root: Path) -> Any:
+    """``bfcl``'s click command, with ``root`` as its project root."""
+    os.environ["BFCL_PROJECT_ROOT"] = str(root.resolve())  # read when bfcl_eval is imported
+    import typer
+    from bfcl_eval.__main__ import cli
+
+    return typer.main.get_command(cli)
+
+
+def serve(listen_fd: int) -> int:
+    """A worker: import BFCL once (about 4.4 s of CPU, more than a case costs on
+    the engine), then run the cases clients send over the listening Unix socket
+    ``listen_fd``, one at a time in a private project root. Several workers
+    share one socket; the kernel hands each connection to a worker that is
+    waiting in ``accept``, so a busy worker is never given a second case."""
+    root = Path(tempfile.mkdtemp(prefix="bfcl-worker-"))
+    command = import_bfcl(root)
+    listener = socket.socket(fileno=listen_fd)
+    while True:
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rwb") as stream:
+            try:
+                job = json.loads(stream.readline())
+                task = {**job["task"], "rollout_id": job.get("rollout_id")}
+                reply = {"ok": run_case(task, job["base_url"], job["key"], root, command)}
+            except Exception as e:  # one bad case must not take the worker down
+                reply = {"error": f"{type(e).__name__}: {e}"}
+            try:
+                stream.write(json.dumps(reply).encode() + b"\n")
+                stream.flush()
+            except OSError:
+                pass  # the client is gone (its rollout timed out): next case
+
+
+def ask_worker(path: str, job: dict[str, Any]) -> dict[str, Any]:
+    """Send one case to the worker pool at ``path``; its result line."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(json.dumps(job).encode() + b"\n")
+        with s.makefile("rb") as stream:
+            line = stream.readline()
+    if not line:
+        raise SystemExit(f"the BFCL worker at {path} closed the connection without an answer")
+    reply = json.loads(line)
+    if "error" in reply:
+        raise SystemExit(f"BFCL worker: {reply['error']}")
+    return reply["ok"]
 
 
 def main() -> int:
@@ -157,61 +260,35 @@ def main() -> int:
         help="only run `bfcl evaluate` on the results already under ROOT/result (all "
         "categories named in ROOT/test_case_ids_to_generate.json)",
     )
+    p.add_argument(
+        "--serve-fd",
+        type=int,
+        help="run as a worker on this listening Unix socket (lightning.apps.bfcl.workers)",
+    )
     args = p.parse_args()
+    if args.serve_fd is not None:
+        return serve(args.serve_fd)
     if args.evaluate:
         return evaluate_root(Path(args.evaluate))
     task = json.loads(os.environ.get("LIGHTNING_TASK", "{}"))
-    test_id = args.id or task["id"]
-    category = task.get("category") or category_of(test_id)
-    # Sampling is the gateway's business (train/eval temperature per rollout);
-    # BFCL's own default (0.001) is what it sends otherwise.
-    temperature = str(task.get("temperature", 0.001))
+    if args.id:
+        task["id"] = args.id
     base_url = os.environ["OPENAI_BASE_URL"]
     key = os.environ.get("OPENAI_API_KEY", "EMPTY")
-
-    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bfcl-"))
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "test_case_ids_to_generate.json").write_text(json.dumps({category: [test_id]}))
-    os.environ["BFCL_PROJECT_ROOT"] = str(root)  # read when bfcl_eval is imported
-
-    import typer
-    from bfcl_eval.__main__ import cli
-
-    register(base_url, key, task.get("max_tokens"))
-    command = typer.main.get_command(cli)
-    # BFCL prints its progress on stdout; keep stdout for the final reward line.
-    with contextlib.redirect_stdout(sys.stderr):
-        generate = ["generate", "--model", MODEL_ID, "--run-ids", "--skip-server-setup"]
-        command(
-            [*generate, "--temperature", temperature, "--num-threads", "1", "--allow-overwrite"],
-            standalone_mode=False,
-        )
-        run_evaluate(command, [category])
-    found = sorted((root / "score" / MODEL_ID).rglob(f"BFCL_v4_{category}_score.json"))
-    if not found:
-        raise SystemExit(f"BFCL wrote no score file for {test_id} under {root / 'score'}")
-    score_file = found[0]
-    header = json.loads(score_file.read_text().splitlines()[0])
-    score = float(header["accuracy"])
-    error_type = case_error_type(score_file)
-    if task.get("results_dir"):
-        # BFCL's raw result line for this case, by rollout id: the recipe gathers
-        # the held-out ones and runs `bfcl evaluate` on them as one category
-        # (python -m lightning.apps.bfcl official), for BFCL's own score file.
-        (result_file,) = (root / "result" / MODEL_ID).rglob(f"BFCL_v4_{category}_result.json")
-        keep = Path(task["results_dir"])
-        keep.mkdir(parents=True, exist_ok=True)
-        rollout = os.environ.get("LIGHTNING_ROLLOUT_ID", test_id)
-        saved = {
-            "id": test_id,
-            "category": category,
-            "relpath": str(result_file.relative_to(root)),
-            "result": result_file.read_text().splitlines()[0],
-        }
-        (keep / f"{rollout}.json").write_text(json.dumps(saved))
-    reward = shaped_reward(score, error_type) if task.get("shaped") else score
-    bfcl = {"id": test_id, "category": category, **header, "error_type": error_type}
-    print(json.dumps({"reward": reward, "bfcl": bfcl}))
+    rollout = os.environ.get("LIGHTNING_ROLLOUT_ID")
+    pool = os.environ.get(WORKERS_ENV)
+    if pool and not args.keep:
+        job = {"task": task, "base_url": base_url, "key": key, "rollout_id": rollout}
+        out = ask_worker(pool, job)
+    else:
+        root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bfcl-"))
+        root.mkdir(parents=True, exist_ok=True)
+        command = import_bfcl(root)
+        try:
+            out = run_case({**task, "rollout_id": rollout}, base_url, key, root, command)
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from e
+    print(json.dumps(out))
     return 0
 
 

@@ -103,6 +103,79 @@ def test_one_case_through_bfcl_and_the_gateway(
     assert '"name": "calculate_triangle_area"' in prompt
 
 
+def test_cases_through_a_worker_pool_match_one_process_per_case(
+    bfcl_env: Path, tmp_path: Path
+) -> None:
+    """One worker imports BFCL once and runs every case after it in the same
+    project root: each case's verdict is the one a fresh process gives (CASES),
+    each rollout records its own call, and a case BFCL cannot run fails only its
+    rollout, with BFCL's reason, not the worker."""
+    engine = FakeEngine(script=[{"content": RIGHT}])
+    harness_py = HARNESS.parent / "bfcl_harness.py"
+    try:
+        with (
+            bfcl.workers(1, harness_py) as path,
+            gateway_client(engine.url, tmp_path / "lightning.db") as client,
+        ):
+            runner = Runner(client, ["sh", str(HARNESS)], reward_source="stdout", timeout_s=120)
+            got = []
+            for answer, *_ in CASES:
+                engine.script([{"content": answer}])
+                task = {"id": "simple_python_0", "category": "simple_python", "shaped": True}
+                (result,) = runner.run([(task, None)], mode="eval")
+                assert result.status == "succeeded", result.stderr_tail
+                got.append(json.loads(result.stdout_tail.strip().splitlines()[-1]))
+            unknown = {"id": "simple_python_99999", "category": "simple_python"}
+            (bad,) = runner.run([(unknown, None)], mode="eval")
+            engine.script([{"content": RIGHT}])
+            (again,) = runner.run([({"id": "simple_python_0"}, None)], mode="eval")
+            assert Path(path).exists()
+        assert not Path(path).exists()  # the pool cleans up after itself
+    finally:
+        engine.stop()
+    for final, (_, score, error_type, shaped) in zip(got, CASES, strict=True):
+        assert final["reward"] == shaped
+        assert final["bfcl"]["accuracy"] == score
+        assert final["bfcl"]["total_count"] == 1  # the last case's files were cleared
+        got_error = final["bfcl"]["error_type"]
+        assert got_error == error_type if error_type is None else got_error.startswith(error_type)
+    assert bad.status == "failed" and "BFCL worker" in bad.stderr_tail
+    assert again.status == "succeeded" and again.reward == 1.0
+    with Store(tmp_path / "lightning.db") as store:
+        rollouts = store.rollouts()
+        calls = {r["rollout_id"]: store.records(r["rollout_id"]) for r in rollouts}
+    answered = [r for r in rollouts if calls[r["rollout_id"]]]
+    # Every case that reached the model is its own rollout with its one call.
+    assert len(answered) == len(CASES) + 1
+    assert all(len(calls[r["rollout_id"]]) == 1 for r in answered)
+
+
+def test_score_model_scores_cases_on_the_embedded_engine(bfcl_env: Path, tmp_path: Path) -> None:
+    """An arm is scored end to end: the embedded engine serving SmolLM2 (which
+    takes only requests carrying its key), the recording gateway, the worker
+    pool and BFCL's checker. Every case runs (a harness failure would be
+    reported, never counted as a wrong answer) and each gets BFCL's verdict."""
+    from lightning.model_cache import smollm2_dir
+
+    tasks = [
+        {"id": f"simple_python_{i}", "category": "simple_python", "temperature": 0.0,
+         "max_tokens": 8}
+        for i in (0, 1)
+    ]  # fmt: skip
+    scored = bfcl.score_model(
+        smollm2_dir(), tasks, tmp_path / "arm", harness=HARNESS, samples=2, concurrency=2
+    )
+    assert scored["harness_failed"] == 0
+    assert sorted(scored["per_id"]) == ["simple_python_0", "simple_python_1"]
+    for row in scored["per_id"].values():
+        assert len(row["rewards"]) == 2
+        # Eight tokens of the base model are never a call BFCL can decode.
+        assert all(v is not None and v.startswith("ast_decoder:") for v in row["verdicts"])
+    with Store(tmp_path / "arm" / "lightning.db") as store:
+        rollouts = store.rollouts()
+    assert len(rollouts) == 4 and all(r["status"] == "succeeded" for r in rollouts)
+
+
 def test_tasks_split_by_category(bfcl_env: Path, tmp_path: Path) -> None:
     counts = bfcl.write_tasks(
         tmp_path, train=["live_simple"], held_out=["simple_python"], per_category=3, seed=0
@@ -314,6 +387,36 @@ def test_arms_table_paired_rows_and_report() -> None:
     assert bfcl.HELD_OUT_SENTENCE in md
     assert "| sft+rl | irrelevance | 1 | 0.000" in md
     assert "sft+rl - sft: +0.667" in md and "4 of 10 training prompts" in md
+
+
+def test_seeds_report_pools_per_case_differences(tmp_path: Path) -> None:
+    """Two seeds share the SFT arm; both RL arms win case b, seed 1's loses case
+    a: per case the mean over seeds of (sft+rl − sft) is −0.5, +1, 0, so the
+    pooled difference is +1/6, and with 3 cases its interval spans 0."""
+    sp = "simple_python"
+    sft = _scored({"a": (sp, 1.0, None), "b": (sp, 0.0, "value_error:x"), "c": (sp, 0.0, "x")})
+    rl0 = _scored({"a": (sp, 1.0, None), "b": (sp, 1.0, None), "c": (sp, 0.0, "x")})
+    rl1 = _scored({"a": (sp, 0.0, "x"), "b": (sp, 1.0, None), "c": (sp, 0.0, "x")})
+    dirs = []
+    for seed, rl in ((0, rl0), (1, rl1)):
+        d = tmp_path / f"s{seed}"
+        d.mkdir()
+        run = {"seed": seed, "arms": {"sft": sft, "sft+rl": rl}, "phases": {"rl": 10.0 + seed}}
+        (d / "bfcl.json").write_text(json.dumps(run))
+        dirs.append(d)
+    md = bfcl.seeds_report(dirs)
+    assert "seed 0, sft+rl - sft: +0.333" in md and "seed 1, sft+rl - sft: +0.000" in md
+    assert "pooled over 2 seeds, sft+rl - sft: +0.167" in md
+    assert "(interval includes 0)" in md
+    assert "| 1 | rl | 11.0 |" in md and bfcl.HELD_OUT_SENTENCE in md
+
+
+def test_each_phase_runs_in_its_own_process_with_the_same_arguments() -> None:
+    given = ["recipe", "--seed", "1", "--phases", "filter,rl", "--arms=sft+rl"]
+    assert bfcl.phase_argv(given, "rl") == [
+        "recipe", "--seed", "1", "--arms=sft+rl", "--phases", "rl"
+    ]  # fmt: skip
+    assert bfcl.phase_argv(["recipe", "--phases=a,b"], "a") == ["recipe", "--phases", "a"]
 
 
 def test_recipe_configs_load() -> None:

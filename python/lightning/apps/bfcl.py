@@ -20,16 +20,20 @@ category before and after training (BFCL's checker gave every reward), and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
 import math
 import os
 import random
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +119,55 @@ def _run(cmd: list[str], quiet: bool) -> None:
             f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}\n"
             f"It needs PyPI once; remove {venv_dir()} to retry from scratch."
         )
+
+
+# The harness's Unix socket for a pool of workers (examples/bfcl/bfcl_harness.py).
+WORKERS_ENV = "LIGHTNING_BFCL_WORKERS"
+
+
+@contextlib.contextmanager
+def workers(count: int, harness_py: Path) -> Iterator[str]:
+    """A pool of ``count`` BFCL workers for the duration: each imports BFCL once
+    (~4.4 s of CPU, which a process per rollout paid every time, more than the
+    engine spends on a case) and then runs cases from one shared listening
+    socket. The rollouts' harness processes find it through
+    ``LIGHTNING_BFCL_WORKERS`` (set here for the runner to pass down) and stay
+    the rollouts: they get the gateway URL and token, wait for their case and
+    print its reward line; only the BFCL code runs in the worker."""
+    python = bfcl_python(quiet=True)
+    sock_dir = Path(tempfile.mkdtemp(prefix="bfcl-workers-"))
+    path = str(sock_dir / "socket")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(256)
+    procs = [
+        subprocess.Popen(
+            [str(python), str(harness_py), "--serve-fd", str(listener.fileno())],
+            pass_fds=[listener.fileno()],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(count)
+    ]
+    before = os.environ.get(WORKERS_ENV)
+    os.environ[WORKERS_ENV] = path
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop(WORKERS_ENV, None)
+        else:
+            os.environ[WORKERS_ENV] = before
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        listener.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def data_dir() -> Path:
@@ -621,12 +674,13 @@ def score_model(
     *,
     harness: Path,
     samples: int = 1,
-    concurrency: int = 2,
+    concurrency: int = 8,
     max_model_len: int = 4096,
     max_batch: int = 8,
 ) -> dict[str, Any]:
     """Every task ``samples`` times through BFCL's harness (``bfcl generate`` +
-    ``bfcl evaluate`` per case) on the embedded engine serving ``model_dir``,
+    ``bfcl evaluate`` per case, in a pool of ``concurrency`` workers that import
+    BFCL once) on the embedded engine serving ``model_dir``,
     behind a recording gateway (its store in ``out``). Per test id: the rewards
     (BFCL's 0/1), its checker's verdicts, whether each answer was a call."""
     from lightning import Gateway, GatewayConfig
@@ -644,6 +698,7 @@ def score_model(
         config = GatewayConfig(
             listen="127.0.0.1:0",
             upstreams=[{"url": engine.url, "weight_version": 0}],
+            upstream_api_key=engine.key,  # the engine takes only requests with its key
             db=str(out / "lightning.db"),
         )
         handle = Gateway(config).start()
@@ -654,12 +709,24 @@ def score_model(
                 concurrency=concurrency,
             )  # fmt: skip
             jobs = [(t, f"{t['id']}") for t in tasks for _ in range(samples)]
-            results = runner.run(jobs, mode="eval")
+            with workers(concurrency, harness.parent / "bfcl_harness.py"):
+                results = runner.run(jobs, mode="eval")
         finally:
             client.close()
             handle.stop()
     finally:
         engine.stop()
+    failed = [r for r in results if r.status != "succeeded"]
+    if failed:
+        # A case the harness could not run is not a wrong answer: say so, and
+        # refuse to score an arm where none ran.
+        print(
+            f"[bfcl] {len(failed)} of {len(results)} cases did not run through BFCL's "
+            f"harness; the first said:\n{failed[0].stderr_tail[-1500:]}",
+            flush=True,
+        )
+        if len(failed) == len(results):
+            raise SystemExit(f"no case ran through BFCL's harness (serving {model_dir})")
     per_id: dict[str, dict[str, Any]] = {}
     for (task, _), r in zip(jobs, results, strict=True):
         verdict = _last_json(r.stdout_tail).get("bfcl", {}).get("error_type")
@@ -672,6 +739,7 @@ def score_model(
         row["verdicts"].append(verdict if r.status == "succeeded" else f"harness:{r.status}")
     return {
         "per_id": per_id,
+        "harness_failed": len(failed),
         "rollout_ids": [r.rollout_id for r in results],
         "wall_s": round(time.monotonic() - t0, 1),
     }
@@ -747,6 +815,12 @@ def report_v2(summary: dict[str, Any]) -> str:
             f"Learnability filter: {learn['kept']} of {learn['prompts']} training prompts had "
             f"0 < correct < {learn['samples']} ({learn['kept'] / max(1, learn['prompts']):.2f}).",
         ]
+        k = f"pass@{learn['samples']}"
+        if k in learn:
+            lines.append(
+                f"On those prompts at temperature 1.0 the SFT model had pass@1 "
+                f"{learn['pass@1']:.3f} and {k} {learn[k]:.3f}."
+            )
     lines += ["", "| phase | wall clock (s) |", "|---|---|"]
     for phase, secs in summary.get("phases", {}).items():
         lines.append(f"| {phase} | {secs} |")
@@ -778,6 +852,10 @@ def recipe_v2(args: argparse.Namespace) -> int:
         return result
 
     task_extra = {"max_tokens": args.max_tokens}
+    if args.shared_from:
+        shared_arms = share_run(Path(args.shared_from).resolve(), out)
+        summary.setdefault("arms", {}).update(shared_arms)
+        summary["shared_from"] = str(Path(args.shared_from).resolve())
     if "split" in phases:
         held = {"simple_python": args.held_out_n, "irrelevance": args.irrelevance_n}
         manifest = timed(
@@ -819,8 +897,13 @@ def recipe_v2(args: argparse.Namespace) -> int:
         )
         correct = {t: sum(r["rewards"]) for t, r in scored["per_id"].items()}
         kept = [t for t, c in correct.items() if 0 < c < args.filter_samples]
+        # pass@1 (mean correct per sample) against pass@k (any of k right): SFT
+        # that left pass@k no higher than pass@1 leaves RL nothing to explore.
+        n = max(1, len(correct))
         summary["learnability"] = {
             "prompts": len(correct), "samples": args.filter_samples, "kept": len(kept),
+            "pass@1": sum(correct.values()) / (n * args.filter_samples),
+            f"pass@{args.filter_samples}": sum(1 for c in correct.values() if c > 0) / n,
             "correct": correct,
         }  # fmt: skip
         (out / "rl_tasks.jsonl").write_text(
@@ -835,12 +918,15 @@ def recipe_v2(args: argparse.Namespace) -> int:
             "output_dir": str(out / "rl"),
             "seed": args.seed,
             "model": {"path": str(sft_dir / "model")},
-            "tasks": {"train": str(out / "rl_tasks.jsonl")},
+            # The held-out arms are scored apart (phase score), never inside RL.
+            "tasks": {"train": str(out / "rl_tasks.jsonl"), "eval": None},
         }
         if args.rl_steps is not None:
             overrides["steps"] = args.rl_steps
         rl_cfg = RunConfig.load(args.config, overrides)
-        result = timed("rl", lambda: train(rl_cfg))
+        pool = max(h.concurrency for h in rl_cfg.all_harnesses())
+        with workers(pool, here / "bfcl_harness.py"):
+            result = timed("rl", lambda: train(rl_cfg))
         summary["rl"] = {"run": result, "train_s": summary["phases"]["rl"]}
     if "control" in phases:
         # SFT continued from the SFT model on the same data for RL's wall clock.
@@ -905,6 +991,89 @@ def recipe_v2(args: argparse.Namespace) -> int:
     return 0
 
 
+def seeds_report(dirs: Sequence[Path]) -> str:
+    """Several seeds' pages in one: each seed's arms and paired differences, and
+    the differences pooled over seeds (per case, the mean over seeds of
+    ``b − a``; cases resampled as in :func:`paired_difference`; no McNemar test,
+    whose outcomes must be 0/1)."""
+    runs = [_read_json(d / "bfcl.json") or {} for d in dirs]
+    lines = [f"# BFCL recipe v2, seeds {', '.join(str(r.get('seed')) for r in runs)}", ""]
+    lines += [
+        f"Scores on {HELD_OUT_SENTENCE}.",
+        "",
+        "| seed | arm | category | n | accuracy (95% CI) | call rate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        for arm, cats in arm_table(run.get("arms", {})).items():
+            for cat, r in cats.items():
+                lines.append(
+                    f"| {run.get('seed')} | {arm} | {cat} | {r['n']} | {r['accuracy']:.3f} "
+                    f"({r['ci_low']:.3f}-{r['ci_high']:.3f}) | {r['call_rate']:.3f} |"
+                )
+    lines += ["", "Paired differences on simple_python, per seed and pooled:", ""]
+    for a, b in [("base", "sft"), ("sft", "sft+rl"), ("control", "sft+rl")]:
+        per_case: dict[str, list[float]] = {}
+        for run in runs:
+            arms = run.get("arms", {})
+            d = paired_rows(arms, [(a, b)], "simple_python").get(f"{b} - {a}")
+            if d is None:
+                continue
+            lines.append(
+                f"- seed {run.get('seed')}, {b} - {a}: {d['diff']:+.3f} "
+                f"[{d['low']:+.3f}, {d['high']:+.3f}], n={d['n']}, wins {d['b_wins']} vs "
+                f"{d['a_wins']}, p={d['p_value']:.3g}"
+            )
+            pa, pb = arms[a]["per_id"], arms[b]["per_id"]
+            for t in pa:
+                if pa[t]["category"] == "simple_python" and t in pb:
+                    per_case.setdefault(t, []).append(pb[t]["rewards"][0] - pa[t]["rewards"][0])
+        both = {t: v for t, v in per_case.items() if len(v) == len(runs)}
+        if len(runs) > 1 and both:
+            d = paired_difference([0.0] * len(both), [sum(v) / len(v) for v in both.values()])
+            zero = " (interval includes 0)" if d["low"] <= 0 <= d["high"] else ""
+            lines.append(
+                f"- **pooled over {len(runs)} seeds, {b} - {a}: {d['diff']:+.3f} "
+                f"[{d['low']:+.3f}, {d['high']:+.3f}]**, n={d['n']}{zero}"
+            )
+    lines += ["", "| seed | phase | wall clock (s) |", "|---|---|---|"]
+    for run in runs:
+        for phase, secs in run.get("phases", {}).items():
+            lines.append(f"| {run.get('seed')} | {phase} | {secs} |")
+    return "\n".join(lines) + "\n"
+
+
+def share_run(source: Path, out: Path) -> dict[str, Any]:
+    """What a second seed takes from the first (the issue lets the base and SFT
+    arms be scored once): its split, SFT data and SFT model (linked, not copied)
+    and the base and SFT arms' scores. The seed's own phases (filter, RL,
+    control, their arms) then run on the same held-out ids."""
+    for name in ("split.json", "sft.jsonl"):
+        shutil.copyfile(source / name, out / name)
+    link = out / "sft"
+    if not link.exists():
+        link.symlink_to(source / "sft", target_is_directory=True)
+    scored = (_read_json(source / "bfcl.json") or {}).get("arms", {})
+    missing = {"base", "sft"} - set(scored)
+    if missing:
+        raise SystemExit(f"{source} has not scored the arm(s) {sorted(missing)} to share")
+    return {arm: scored[arm] for arm in ("base", "sft")}
+
+
+def phase_argv(given: Sequence[str], phase: str) -> list[str]:
+    """The recipe's command line with ``--phases`` replaced by one phase."""
+    rest: list[str] = []
+    skip = False
+    for a in given:
+        if skip:
+            skip = False
+        elif a == "--phases":
+            skip = True
+        elif not a.startswith("--phases="):
+            rest.append(a)
+    return [*rest, "--phases", phase]
+
+
 def _builtin_model() -> Path:
     from lightning.model_cache import smollm2_dir
 
@@ -932,10 +1101,19 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--score-limit", type=int, help="score only the first N ids per category")
     v.add_argument("--arms", default="base,sft,sft+rl,control")
     v.add_argument(
+        "--shared-from",
+        metavar="DIR",
+        help="a first seed's output: reuse its split, SFT model and base/SFT arms "
+        "(run --phases filter,rl,control,score,report --arms sft+rl,control)",
+    )
+    v.add_argument(
         "--phases",
         default="split,sft-data,sft,filter,rl,control,score,report",
         help="comma-separated subset, in this order",
     )
+    sd = sub.add_parser("seeds", help="several seeds' recipe pages in one table")
+    sd.add_argument("dirs", nargs="+", help="the seeds' --output-dir")
+    sd.add_argument("--out", help="also write the page here")
     r = sub.add_parser("recipe-v1", help="v1: set up, measure held-out, train, measure again")
     r.add_argument("--config", default="examples/bfcl/recipe.toml")
     r.add_argument("--train", default="live_simple,live_multiple")
@@ -960,7 +1138,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "recipe":
         print(f"BFCL environment: {bfcl_python()}", flush=True)
-        return recipe_v2(args)
+        phases = args.phases.split(",")
+        if len(phases) == 1:
+            return recipe_v2(args)
+        # One process per phase: a trainer's memory is not given back to the
+        # system when it is dropped (13 GB after SFT, GRPO and the control in one
+        # process, which the kernel's OOM killer then ended mid-scoring), and
+        # each phase reads what the last one wrote to OUT anyway.
+        given = list(sys.argv[1:] if argv is None else argv)
+        for phase in phases:
+            cmd = [sys.executable, "-m", "lightning.apps.bfcl", *phase_argv(given, phase)]
+            done = subprocess.run(cmd)
+            if done.returncode != 0:
+                print(f"[bfcl] phase {phase} failed (exit {done.returncode})", flush=True)
+                return done.returncode
+        return 0
+    if args.cmd == "seeds":
+        page = seeds_report([Path(d) for d in args.dirs])
+        if args.out:
+            Path(args.out).write_text(page)
+        print(page)
+        return 0
     return recipe(args)
 
 
