@@ -146,3 +146,29 @@ def test_the_demo_prints_progress_and_results_only(
     assert tail[5] == f"[lightning] view:   lightning view {out / 'run'}"
     assert tail[6] == f"[lightning] record: {out / 'demo.json'}"
     assert json.loads((out / "demo.json").read_text())["steps"] == 2
+
+
+def test_kv_cache_bytes_reaches_the_engine_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`lightning demo --kv-cache-bytes 0` (benches/demo_wall.py's cache-off run) sets
+    `[engine] kv_cache_bytes`; without the flag the config's own budget stands."""
+    import lightning.run.loop
+    from lightning.config import RunConfig
+
+    seen: list[RunConfig] = []
+
+    def fake_train(config: RunConfig) -> dict[str, object]:
+        seen.append(config)
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(config.output_dir) / "metrics.jsonl").write_text("")
+        return {}
+
+    monkeypatch.setattr(lightning.run.loop, "train", fake_train)
+    for flags in (["--kv-cache-bytes", "0"], []):
+        out = tmp_path / f"demo{len(seen)}"
+        assert demo.main(["--model", "tiny", "--steps", "1", "--output-dir", str(out), *flags]) == 0
+    off, default = seen
+    assert off.engine.kv_cache_bytes == 0
+    shipped = RunConfig.load(Path(demo.examples_dir()) / "demo.toml")
+    assert default.engine.kv_cache_bytes == shipped.engine.kv_cache_bytes > 0

@@ -135,6 +135,12 @@ def main(argv: list[str]) -> int:
         help="override the model (tiny: a random model, for smoke tests)",
     )
     p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        help="override the embedded engine's prefix KV cache budget in bytes ([engine] "
+        "kv_cache_bytes; 0 turns it off), e.g. to time the demo with and without it",
+    )
+    p.add_argument(
         "--config",
         help="default: examples/demo.toml (examples/demo_harnesses.toml with --harnesses)",
     )
@@ -180,6 +186,8 @@ def main(argv: list[str]) -> int:
         overrides["trainer.total_steps"] = max(1, args.steps)
     if args.model:
         overrides["model.builtin"] = args.model
+    if args.kv_cache_bytes is not None:
+        overrides["engine.kv_cache_bytes"] = args.kv_cache_bytes
     config = RunConfig.load(config_path, overrides)
     print(f"[lightning] watch it live: lightning view {out / 'run'}", flush=True)
     summary = train(config)
