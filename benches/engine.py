@@ -3,9 +3,18 @@
 SmolLM2-135M-Instruct on this machine's CPU. For each batch size B (default 1,
 8, 32) it sends B chat requests at once through the HTTP server and the real
 OpenAI SDK, each forced to 64 new tokens (``ignore_eos``), and also runs the
-same B sequences in-process (``generate_many``, no HTTP). It does so for the
-engine as it ships (weights prepacked for oneDNN, batched sampling) and for the
-baseline engine with ``prepack=False`` (plain ``F.linear``), in the same run.
+same B sequences in-process (``generate_many``, no HTTP). Both of those rates
+are end to end: they include the B prompts' prefill (~39 tokens each, about as
+many FLOPs as 25 of the 64 decode steps at B = 32), which the roofline column
+does not count. The ``decode`` row is the decode step alone: in-process, from
+the moment every row has its first token until the first row finishes (B rows
+in every step), tokens and CPU time counted over that window only.
+
+It does so for three engines in the same run: ``fused`` (as it ships: the lean
+fused forward of ``lightning/engine/fused.py`` with prepacked oneDNN weights,
+prompts prefilled together), ``prepacked`` (``fuse=False``: transformers'
+modules with prepacked linears, the engine before the fused forward) and
+``plain`` (``prepack=False``: transformers with plain ``F.linear``).
 
 Measured in the same process, with the engine's thread count:
 - matmul FLOP/s: a 1024x1024 float32 ``torch.mm`` (best of 5);
@@ -30,7 +39,8 @@ off (``kv_cache_bytes=0``), in the same run, in-process (no HTTP):
   the whole context, so all 20 would take many minutes on a small CPU); it gets
   the same prompt ids the cache-on engine saw.
 
-Run: ``python benches/engine.py [--only decode group turns] [--batch 1 8 32] [--tokens 64]``.
+Run: ``python benches/engine.py [--only decode group turns] [--batch 1 8 32] [--tokens 64]
+[--engines fused prepacked plain]``.
 """
 
 from __future__ import annotations
@@ -152,6 +162,45 @@ def local_burst(engine: Engine, batch: int, tokens: int) -> tuple[int, float, fl
     return sum(len(r.token_ids) for r in results), time.perf_counter() - start, cpu
 
 
+def decode_window(engine: Engine, batch: int, tokens: int) -> tuple[int, float, float]:
+    """(tokens, wall s, CPU s) of the decode steps in which all ``batch`` rows run:
+    from the last row's first token (the end of the prefills) to the first row's
+    last token (that step included)."""
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True, seed=0)
+    done = threading.Event()
+    first: set[int] = set()
+    marks: dict[str, tuple[float, float, int]] = {}  # wall, CPU, steps run so far
+    finished = [0]
+
+    def mark(name: str) -> None:
+        if name not in marks:
+            t = os.times()
+            marks[name] = (time.perf_counter(), t.user + t.system, engine.stats["steps"])
+
+    def sink_for(i: int) -> Callable[[Event], None]:
+        # Called on the scheduler thread only: no lock needed.
+        def sink(ev: Event) -> None:
+            if ev.token is not None:
+                first.add(i)
+                if len(first) == batch:
+                    mark("start")
+            if ev.finish_reason is not None or ev.error is not None:
+                mark("stop")
+                finished[0] += 1
+                if finished[0] == batch:
+                    done.set()
+
+        return sink
+
+    prompts = prompts_for(engine, batch)
+    engine.submit_many([(p, params, sink_for(i)) for i, p in enumerate(prompts)])
+    done.wait()
+    (w0, c0, s0), (w1, c1, s1) = marks["start"], marks["stop"]
+    if s1 <= s0:
+        raise RuntimeError(f"no decode step ran with all {batch} rows; raise --tokens")
+    return batch * (s1 - s0), w1 - w0, c1 - c0
+
+
 def run_variant(
     name: str, engine: Engine, args: argparse.Namespace, limits: dict[str, float]
 ) -> dict[int, float]:
@@ -164,13 +213,14 @@ def run_variant(
             results: dict[str, Any] = {
                 "http": asyncio.run(http_burst(url, b, args.tokens)),
                 "in-process": local_burst(engine, b, args.tokens),
+                "decode": decode_window(engine, b, args.tokens),
             }
             for path, (n, wall, cpu) in results.items():
                 rate, per_cpu = n / wall, n / cpu
                 roof = 100 * flops * rate / limits["flops_wall"]
                 roof_cpu = 100 * flops * per_cpu / limits["flops_cpu"]
                 bound = ""
-                if b == 1:
+                if b == 1 and path != "decode":
                     mem = 100 * nbytes * rate / limits["bandwidth_wall"]
                     mem_cpu = 100 * nbytes * per_cpu / limits["bandwidth_cpu"]
                     bound = f" {mem:>7.1f}% {mem_cpu:>7.1f}%"
@@ -331,6 +381,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="default: cores")
+    parser.add_argument(
+        "--engines", nargs="+", default=["fused", "prepacked", "plain"], help="decode variants"
+    )
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--group-words", type=int, default=320, help="~600 prompt tokens")
     parser.add_argument("--group-tokens", type=int, default=16)
@@ -363,12 +416,17 @@ def main() -> int:
         print(f"after: {machine()}")
     if "decode" not in args.only:
         return 0
+    options: dict[str, dict[str, Any]] = {
+        "fused": {},
+        "prepacked": {"fuse": False},
+        "plain": {"prepack": False},
+    }
     engines = {
-        "prepacked": Engine(model, max_batch=max(args.batch), num_threads=args.threads),
-        "plain": Engine(model, max_batch=max(args.batch), num_threads=args.threads, prepack=False),
+        name: Engine(model, max_batch=max(args.batch), num_threads=args.threads, **options[name])
+        for name in args.engines
     }
     lim = limits()
-    flops, nbytes = model_cost(engines["plain"], context=30 + args.tokens // 2)
+    flops, nbytes = model_cost(next(iter(engines.values())), context=30 + args.tokens // 2)
     print(
         f"limits: matmul {lim['flops_wall'] / 1e9:.1f} GFLOP/s ({lim['flops_cpu'] / 1e9:.1f} per "
         f"CPU-s), read bandwidth {lim['bandwidth_wall'] / 1e9:.1f} GB/s "
@@ -391,9 +449,11 @@ def main() -> int:
     for name, engine in engines.items():
         with engine:
             rates[name] = run_variant(name, engine, args, lim)
-    for b in args.batch:
-        ratio = rates["prepacked"][b] / rates["plain"][b]
-        print(f"B={b}: prepacked / plain over HTTP = {ratio:.2f}x")
+    base = args.engines[-1]
+    for name in args.engines[:-1]:
+        for b in args.batch:
+            print(f"B={b}: {name} / {base} over HTTP = {rates[name][b] / rates[base][b]:.2f}x")
+    print(f"after: {machine()}")
     return 0
 
 

@@ -126,3 +126,22 @@ def test_no_import_circle() -> None:
 )
 def test_cycle_finder(g: dict[str, set[str]], cyclic: bool) -> None:
     assert (find_cycle(g) is not None) is cyclic
+
+
+def test_the_package_never_opens_sqlite_itself() -> None:
+    """Every store access goes through the Rust store: a second SQLite library
+    in a process that has the store open loses commits
+    (``lightning/gateway/store_guard.py``)."""
+    users = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(n.split(".")[0] in ("sqlite3", "_sqlite3") for n in names):
+                users.append(str(path.relative_to(ROOT)))
+    assert users == []

@@ -47,8 +47,13 @@ from lightning.gateway.client import GatewayClient, GatewayRequestError
 from lightning.gateway.records import AppKey, CallRecord, FeedbackReceipt, OnlineSession, Rollout
 from lightning.gateway.server import Gateway, GatewayConfig, GatewayHandle, UpstreamConfig
 from lightning.gateway.store import Store
+from lightning.gateway.store_guard import install as _install_store_guard
 
 __version__: str = _core.__version__
+
+# Python's sqlite3 on a store this process has open in Rust loses commits
+# (lightning/gateway/store_guard.py): refused from the first import on.
+_install_store_guard()
 
 # The training side's front door, loaded on first use (PEP 562) so that
 # `import lightning` stays torch-free: `from lightning import Trainer` imports

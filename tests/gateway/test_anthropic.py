@@ -10,7 +10,6 @@ engine's exact ids and logprobs.
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 import lightning
+import store_sql
 from fake_vllm import ID_OFFSET, FakeEngine
 from lightning import GatewayClient
 
@@ -91,10 +91,10 @@ def test_create_is_translated_and_recorded_exactly(
     assert msg.usage.output_tokens == len(ans["choices"][0]["ids"])
     assert_exact(client.records(r.id), [ans])
     # The store keeps the protocol and the harness's own body beside the engine request.
-    with sqlite3.connect(db) as conn:
-        protocol, original, request = conn.execute(
-            "SELECT protocol, harness_request, request FROM calls"
-        ).fetchone()
+    # (from another process while this one's gateway has the store open)
+    ((protocol, original, request),) = store_sql.rows(
+        db, "SELECT protocol, harness_request, request FROM calls"
+    )
     assert protocol == "anthropic_messages"
     assert json.loads(original)["metadata"] == {"user_id": "u1"}
     assert json.loads(request)["messages"][0] == {"role": "system", "content": "Be terse."}

@@ -8,7 +8,6 @@ into one sample."""
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import openai
 import pytest
 
 import lightning
+import store_sql
 from fake_vllm import FakeEngine
 from gateways import start_gateway
 from lightning import GatewayClient
@@ -101,11 +101,12 @@ def test_tool_round_trip_not_streamed(
     assert_trace_exact(client, r.id, engine)
     assert_one_sample(client, r.id)
     # The store says which protocol each call spoke and keeps the harness's own body.
-    with sqlite3.connect(tmp_path / "gw.db") as con:
-        rows = con.execute(
-            "SELECT protocol, harness_request, request FROM calls WHERE rollout_id = ? ORDER BY seq",
-            (r.id,),
-        ).fetchall()
+    # (from another process while this one's gateway has the store open)
+    rows = store_sql.rows(
+        tmp_path / "gw.db",
+        "SELECT protocol, harness_request, request FROM calls WHERE rollout_id = ? ORDER BY seq",
+        r.id,
+    )
     assert [p for p, _, _ in rows] == ["openai_responses", "openai_responses"]
     assert json.loads(rows[0][1])["input"] == TASK
     assert json.loads(rows[0][2])["messages"] == [{"role": "user", "content": TASK}]

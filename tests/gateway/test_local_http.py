@@ -25,7 +25,11 @@ async def echo(req: Request) -> JSONResponse:
     return JSONResponse({"ok": True, "body": (await req.body()).decode()})
 
 
-def app(listen_host: str = "127.0.0.1", key: str | None = KEY) -> LocalGuard:
+def app(
+    listen_host: str = "127.0.0.1",
+    key: str | None = KEY,
+    allowed_hosts: list[str] | None = None,
+) -> LocalGuard:
     inner = Starlette(routes=[Route("/x", echo, methods=["GET", "POST"]), Route("/health", echo)])
     return LocalGuard(
         inner,
@@ -33,6 +37,7 @@ def app(listen_host: str = "127.0.0.1", key: str | None = KEY) -> LocalGuard:
         key=key,
         error=lambda s, code, m: {"status": s, "code": code, "message": m},
         open_paths=("/health",),
+        allowed_hosts=allowed_hosts,
     )
 
 
@@ -70,9 +75,37 @@ def test_rebinding_content_type_and_key() -> None:
             assert r.status_code == 415 and r.json()["code"] == "unsupported_media_type"
         r = c.post("/x", json={"a": 1}, headers=auth)
         assert r.status_code == 200 and r.json()["body"] == '{"a":1}'
-    # A non-loopback listener: any name (the key guards it).
+    # A listener on every interface: only its own and the allowed names, even with the key.
     with TestClient(app("0.0.0.0"), base_url="http://box.internal") as c:
-        assert c.get("/x", headers=auth).status_code == 200
+        r = c.get("/x", headers=auth)
+        assert r.status_code == 403 and "LIGHTNING_ALLOWED_HOSTS" in r.json()["message"]
+    with TestClient(app("10.1.2.3"), base_url="http://10.1.2.3:80") as c:
+        assert c.get("/x", headers=auth).status_code == 200  # its listen address
     # Without a key (in-process helpers): Host and JSON still apply.
     with TestClient(app(key=None), base_url="http://rebound.example") as c:
         assert c.get("/x").status_code == 403
+
+
+def test_allowed_names_the_environment_and_the_address_reached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    monkeypatch.setenv("LIGHTNING_ALLOWED_HOSTS", "gw.example, Other.Example")
+    for base in ("http://gw.example:1", "http://OTHER.example", "http://localhost"):
+        with TestClient(app("0.0.0.0"), base_url=base) as c:
+            assert c.get("/x", headers=auth).status_code == 200, base
+    with TestClient(app("0.0.0.0"), base_url="http://evil.example") as c:
+        assert c.get("/x", headers=auth).status_code == 403
+    # Given names replace the environment's; `*` serves any name.
+    with TestClient(app("0.0.0.0", allowed_hosts=["a.example"]), base_url="http://gw.example") as c:
+        assert c.get("/x", headers=auth).status_code == 403
+    with TestClient(app("0.0.0.0", allowed_hosts=["*"]), base_url="http://evil.example") as c:
+        assert c.get("/x", headers=auth).status_code == 200
+    guard = app("0.0.0.0", allowed_hosts=[])
+    # The address the connection reached (ASGI `server`), IPv4 seen through `::` too.
+    assert guard.host_ok("192.168.1.5:8765", ("192.168.1.5", 8765))
+    assert guard.host_ok("192.168.1.5", ("::ffff:192.168.1.5", 8765))
+    assert not guard.host_ok("192.168.1.6", ("192.168.1.5", 8765))
+    assert not guard.host_ok("0.0.0.0", ("192.168.1.5", 8765))
+    # TestClient's `server` is the URL's name: a name there is never "reached".
+    assert not guard.host_ok("box", ("box", 80))

@@ -256,8 +256,9 @@ def test_the_database_file_alone_cannot_mint_a_rollout_token(
     files are 0600 too."""
     import hashlib
     import hmac
-    import sqlite3
     import stat
+
+    import store_sql
 
     db = tmp_path / "gw.db"
     handle = start_gateway(engine.url, db)
@@ -266,8 +267,8 @@ def test_the_database_file_alone_cannot_mint_a_rollout_token(
             ro = client.create_rollout(rollout_id="ro-1")
             # What a script with the database could try: every value in `meta`
             # as the HMAC key; and the real key is nowhere in the file's bytes.
-            with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
-                meta = dict(c.execute("SELECT key, value FROM meta").fetchall())
+            # (from another process: this one has the store open in Rust)
+            meta = dict(store_sql.rows(db, "SELECT key, value FROM meta"))
             assert "token_secret" not in meta
             blob = db.read_bytes() + Path(f"{db}-wal").read_bytes()
 

@@ -317,7 +317,10 @@ def test_every_online_argument_has_help(
 
 
 def test_train_online_checks_it_can_mark_before_it_trains(
-    engine: FakeEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    engine: FakeEngine,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Issue 39: without ``gateway = URL`` on a store a gateway is writing, the
     pass fails before a step is trained or a weight written (it used to train,
@@ -342,6 +345,14 @@ def test_train_online_checks_it_can_mark_before_it_trains(
             train_online(cfg, quiet=True)
         assert f"pid {gw.proc.pid}" in str(err.value)
         assert not (out / "metrics.jsonl").exists() and not (out / "weights").exists()
+        # The command says so in one line (no traceback) and exits 1.
+        from lightning.online.train import train_main
+
+        toml = tmp_path / "online.toml"
+        toml.write_text(f'output_dir = "{out}"\n[model]\nbuiltin = "tiny"\n[source]\ndb = "{db}"\n')
+        assert train_main([str(toml), "--quiet"]) == 1
+        said = capsys.readouterr().err.strip().splitlines()
+        assert len(said) == 1 and "gateway = URL" in said[0], said
         monkeypatch.setenv("WRONG_KEY", "not-the-admin-key")
         through = {"db": str(db), "gateway": gw.url, "admin_key_env": "WRONG_KEY"}
         cfg = OnlineConfig.model_validate({**base, "source": through})

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from agents import (
 from openai import AsyncOpenAI
 
 import lightning
+import store_sql
 from fake_vllm import FakeEngine
 from lightning import GatewayClient, Store
 
@@ -96,10 +96,12 @@ def assert_trace(client: GatewayClient, rollout_id: str, engine: FakeEngine) -> 
 
 def protocols(tmp_path: Path, rollout_id: str) -> list[tuple[str, bool]]:
     """Each recorded call's protocol and whether the harness asked for a stream."""
-    with sqlite3.connect(tmp_path / "gw.db") as con:
-        rows = con.execute(
-            "SELECT seq, protocol FROM calls WHERE rollout_id = ? ORDER BY seq", (rollout_id,)
-        ).fetchall()
+    # (in another process while this one's gateway has the store open)
+    rows = store_sql.rows(
+        tmp_path / "gw.db",
+        "SELECT seq, protocol FROM calls WHERE rollout_id = ? ORDER BY seq",
+        rollout_id,
+    )
     # The bodies through the store's reader: the table keeps only what each call adds.
     with Store(tmp_path / "gw.db") as store:
         bodies = {seq: harness for seq, _, harness in store.requests(rollout_id)}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import httpx
 
+import store_sql
 from gateways import serving, wait_until
 from lightning import GatewayClient
 
@@ -87,5 +87,4 @@ def feedback(gw: Gw, key: str, **body: Any) -> httpx.Response:
 
 
 def db_rows(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    with sqlite3.connect(str(db)) as c:
-        return c.execute(sql, args).fetchall()
+    return store_sql.rows(db, sql, *args)

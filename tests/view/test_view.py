@@ -419,9 +419,47 @@ def test_a_page_under_another_name_is_refused_before_the_key(run: Any) -> None:
     for base in ("http://localhost:1", "http://[::1]:1", "http://127.0.0.1"):
         with TestClient(create_app(view, KEY), base_url=base) as c:
             assert c.get(f"/api/summary?key={KEY}").status_code == 200, base
-    # A non-loopback listener serves any name (the key is what guards it).
+    # A listener on every interface checks names too: only those allowed.
     with TestClient(create_app(view, KEY, listen_host="0.0.0.0"), base_url="http://box") as c:
+        assert c.get(f"/api/summary?key={KEY}").status_code == 403
+    allowed = create_app(view, KEY, listen_host="0.0.0.0", allowed_hosts=["box"])
+    with TestClient(allowed, base_url="http://box") as c:
         assert c.get(f"/api/summary?key={KEY}").status_code == 200
+
+
+def test_a_view_on_every_interface_serves_only_allowed_names(
+    run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`lightning view --host 0.0.0.0`, a real process: a rebinding name gets 403
+    even with the key; `--allowed-host NAME` and `$LIGHTNING_ALLOWED_HOSTS` serve theirs."""
+    db = run[0] / "lightning.db"
+    exe = Path(sys.executable).with_name("lightning")
+    monkeypatch.setenv("LIGHTNING_ALLOWED_HOSTS", "env.example")
+    cmd = [str(exe), "view", "--db", str(db), "--host", "0.0.0.0", "--port", "0"]
+    for extra, allowed in (
+        ([], "env.example"),
+        (["--allowed-host", "view.example"], "view.example"),
+    ):
+        with subprocess.Popen([*cmd, *extra], stdout=subprocess.PIPE, text=True) as proc:
+            try:
+                assert proc.stdout is not None
+                url = re.search(r":(\d+)/\?key=(\S+)", proc.stdout.readline())
+                assert url
+                port, key = url.group(1), url.group(2)
+                root = f"http://127.0.0.1:{port}/api/summary"
+
+                def get(host: str, root: str = root, key: str = key) -> int:
+                    h = {"Authorization": f"Bearer {key}", "Host": host}
+                    return httpx.get(root, headers=h, timeout=10).status_code
+
+                assert get(f"evil.example:{port}") == 403
+                assert get(f"{allowed}:{port}") == 200
+                assert get(f"127.0.0.1:{port}") == 200
+                # The flag replaces the environment's names.
+                assert get("env.example") == (200 if not extra else 403)
+            finally:
+                proc.terminate()
+                proc.wait(10)
 
 
 def test_rate_parameters_outside_the_range_are_a_400(client: TestClient) -> None:

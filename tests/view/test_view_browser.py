@@ -401,3 +401,67 @@ def test_a_long_rollouts_calls_and_samples_page_with_a_more_control(
     assert page.is_visible("#more-samples")
     page.screenshot(path=str(artifacts / "12-rollout-paged.png"), full_page=True)
     assert page.errors == []
+
+
+BIG_GROUP, BIG_SAMPLES = 11, 6  # more rollouts than a page (8), more samples than one (4)
+
+
+@pytest.fixture(scope="module")
+def served_big_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A group of ``BIG_GROUP`` rollouts written by a real gateway, each with
+    ``BIG_SAMPLES`` unrelated calls (a sample each); rewards 0, 0.1, ..."""
+    import openai
+
+    from gateways import start_gateway
+
+    engine = FakeEngine("B", unique_ids=True)
+    db = tmp_path_factory.mktemp("view-browser-group") / "group.db"
+    try:
+        with start_gateway(engine.url, db) as gw, gw.client() as client:
+            for k in range(BIG_GROUP):
+                r = client.create_rollout({"task": "big"}, group="big")
+                with openai.OpenAI(base_url=r.base_url, api_key=r.token, max_retries=0) as sdk:
+                    for i in range(BIG_SAMPLES):
+                        sdk.chat.completions.create(
+                            model="m",
+                            messages=[{"role": "user", "content": f"r{k} q{i} [[len:3]]"}],
+                        )
+                client.reward(r.id, k / 10)
+                client.set_status(r.id, "succeeded")
+    finally:
+        engine.stop()
+    server, thread, url = serve(View(db, tokenizer=ByteDecoder()))
+    yield url
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_a_big_groups_rollouts_and_samples_page_with_more_controls(
+    page: Any, served_big_group: Any, artifacts: Path
+) -> None:
+    url = served_big_group
+    page.goto("about:blank")
+    page.goto(url + "#/group/big")
+    page.wait_for_selector("#group-cols .col .tok")
+    cols = page.locator("#group-cols .col")
+    assert cols.count() == 8
+    assert page.inner_text("#more-rollouts-pager").startswith(f"8 of {BIG_GROUP} rollouts")
+    # Highest reward first, across pages.
+    click_more(page, "#more-rollouts", "#group-cols .col", BIG_GROUP)
+    assert page.is_hidden("#more-rollouts")
+    rewards = [float(h.split("reward ")[1]) for h in cols.locator("h3").all_inner_texts()]
+    assert rewards == sorted(rewards, reverse=True) and len(rewards) == BIG_GROUP
+    # Each column: 4 samples, then its own control for the rest.
+    for k in (0, BIG_GROUP - 1):
+        col = cols.nth(k)
+        assert col.locator(".tokens").count() == 4
+        assert page.inner_text(f"#more-samples-{k}-pager").startswith(f"4 of {BIG_SAMPLES} samples")
+        page.click(f"#more-samples-{k}")
+        page.wait_for_function(
+            f"document.querySelectorAll('#group-cols .col')[{k}]"
+            f".querySelectorAll('.tokens').length === {BIG_SAMPLES}"
+        )
+        assert page.is_hidden(f"#more-samples-{k}")
+    assert cols.nth(1).locator(".tokens").count() == 4  # the others are untouched
+    page.screenshot(path=str(artifacts / "13-group-paged.png"), full_page=True)
+    assert page.errors == []

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from lightning._core import LightningError
-from lightning.engine import kv, linear, tools
+from lightning.engine import fused, kv, linear, tools
 from lightning.engine.prefix import PrefixCache
 from lightning.engine.sampling import (
     LOGPROBS_MODES,
@@ -247,6 +247,7 @@ class Engine:
         chat_template: str | os.PathLike[str] | None = None,
         tool_call_parser: str = "auto",
         prepack: bool = True,
+        fuse: bool = True,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
@@ -254,7 +255,10 @@ class Engine:
         (vLLM's ``--chat-template``); ``tool_call_parser``: ``auto`` (from the
         template, see ``tools.py``), ``hermes`` or ``none``; ``kv_cache_bytes``:
         the prefix cache's budget (0: off); ``prefill_chunk``: prompt tokens
-        prefilled per scheduler iteration."""
+        prefilled per scheduler iteration; ``prepack``: multiply by weights
+        packed once for oneDNN (``linear.py``); ``fuse``: with ``prepack``, run
+        Llama models through the lean fused forward (``fused.py``) instead of
+        transformers' modules (other models, or ``fuse=False``: transformers)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if logprobs_mode not in LOGPROBS_MODES:
@@ -320,8 +324,15 @@ class Engine:
         self.model.to(self.device)
         self.model.eval()
         # Decode multiplies a few rows by every weight: pack the weights once for
-        # oneDNN instead of letting every call re-pack them (see linear.py).
-        self.prepacked = prepack and linear.available(self.device, torch_dtype)
+        # oneDNN instead of letting every call re-pack them (see linear.py); for a
+        # Llama model pack them fused, for the lean forward (see fused.py), and
+        # leave transformers' modules plain (one packed copy of the weights, not two).
+        self.fused: fused.FusedLlama | None = None
+        if prepack and fuse and fused.supports(self.model, self.device, torch_dtype):
+            self.fused = fused.FusedLlama(self.model, batch_hint=max_batch)
+        self.prepacked = (
+            prepack and self.fused is None and linear.available(self.device, torch_dtype)
+        )
         if self.prepacked:
             linear.pack(self.model, batch_hint=max_batch)
         self.model_path = str(source)
@@ -540,12 +551,15 @@ class Engine:
 
         Every reload path calls this once (``load_weights`` does); it must run on
         the scheduler thread or while the scheduler is idle, with no sequence in
-        flight. It repacks the oneDNN linears and drops every cached prefix: keys
-        and values computed under the old weights are wrong under the new ones,
-        and the cache then accepts only ``version``.
+        flight. It repacks the oneDNN linears (or rebuilds the fused forward's
+        weights) and drops every cached prefix: keys and values computed under
+        the old weights are wrong under the new ones, and the cache then
+        accepts only ``version``.
         """
         if self.prepacked:
             linear.repack(self.model)
+        if self.fused is not None:
+            self.fused.refresh()
         self.prefix.invalidate(version)
         self.weight_version = version
 
@@ -571,6 +585,7 @@ class Engine:
                 "model": self.model_name,
                 "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."),
+                "forward": "fused" if self.fused else "prepacked" if self.prepacked else "plain",
                 "max_batch": self.max_batch,
                 "max_model_len": self.max_model_len,
                 "running": len(self._rows),
@@ -660,8 +675,24 @@ class Engine:
         for seq in [*self._rows, *pending, *self._waiting]:
             seq.sink(Event(error="the engine shut down"))
 
-    def _forward(self, **kwargs: Any) -> torch.Tensor:
-        out = self.model(use_cache=True, **kwargs)
+    def _forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: kv.SlabCache,
+    ) -> torch.Tensor:
+        """transformers' forward: logits of each row's last position [B, V]
+        float32; the keys/values of every input position are appended to ``cache``."""
+        out = self.model(
+            use_cache=True,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :].float().cpu()  # [B, V]
 
     def _enqueue_prefill(self, seq: SequenceState) -> None:
@@ -696,10 +727,10 @@ class Engine:
 
     def _prefill_some(self) -> None:
         """Run at most ``prefill_chunk`` prompt tokens of the waiting jobs, oldest
-        first; jobs that reach their prompt's end sample and join the batch."""
+        first (with the fused forward, all their chunks in one forward); jobs
+        that reach their prompt's end sample and join the batch."""
         budget = self.prefill_chunk
-        joined: list[tuple[SequenceState, kv.RowKV]] = []
-        adoptable: _Prefill | None = None
+        planned: list[tuple[_Prefill, int, int]] = []  # (job, start, end) of each chunk
         for job in list(self._prefilling):
             job.seqs = [s for s in job.seqs if not s.cancelled]
             if not job.seqs:
@@ -707,34 +738,46 @@ class Engine:
                 continue
             if budget <= 0:
                 break
-            n = len(job.ids)
-            start, end = job.done, min(n, job.done + budget)
-            q = end - start
-            ids = torch.tensor([job.ids[start:end]], dtype=torch.long, device=self.device)
-            positions = torch.arange(start, end, device=self.device)[None]  # [1, q]
-            # [1, 1, q, end] True = attend: query i (position start + i) sees columns <= it.
-            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-            logits = self._forward(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=mask.view(1, 1, q, end).to(self.device),
-                cache=job.cache,
-                logits_to_keep=1,
-            )
-            self.stats["prefill_tokens"] += q
+            end = min(len(job.ids), job.done + budget)
+            planned.append((job, job.done, end))
+            budget -= end - job.done
+        if not planned:
+            return
+        if self.fused is not None:
+            logits = self.fused.prefill([(j.ids[s:e], s, j.cache) for j, s, e in planned])
             self.stats["prefill_forwards"] += 1
+        else:
+            rows = []
+            for job, start, end in planned:
+                q = end - start
+                # [1, 1, q, end] True = attend: query i (position start + i) sees columns <= it.
+                mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+                rows.append(
+                    self._forward(
+                        input_ids=torch.tensor([job.ids[start:end]], device=self.device),
+                        position_ids=torch.arange(start, end, device=self.device)[None],
+                        attention_mask=mask.view(1, 1, q, end).to(self.device),
+                        cache=job.cache,
+                    )
+                )
+                self.stats["prefill_forwards"] += 1
+            logits = torch.cat(rows)  # [chunks, V]
+        joined: list[tuple[SequenceState, kv.RowKV]] = []
+        adoptable: _Prefill | None = None
+        for (job, start, end), last in zip(planned, logits, strict=True):
+            self.stats["prefill_tokens"] += end - start
             job.done = end
-            budget -= q
+            n = len(job.ids)
             if end < n:
                 continue
             self._prefilling.remove(job)
             row = kv.row_from_cache(job.cache, 0, n)
             self.prefix.insert(job.ids, row, self.weight_version)
-            raw = torch.log_softmax(logits[0], dim=-1)
+            raw = torch.log_softmax(last, dim=-1)
             for seq in job.seqs:
                 seq.kv_len = n
                 seq.weight_version = self.weight_version
-                choice = sample_row(logits[0], raw, seq.params, seq.generator, self.logprobs_mode)
+                choice = sample_row(last, raw, seq.params, seq.generator, self.logprobs_mode)
                 self._accept(seq, choice)
                 if seq.finish_reason is None:
                     joined.append((seq, row))
@@ -779,7 +822,8 @@ class Engine:
         columns = torch.arange(length + 1)
         # [B, 1, 1, T+1] True = attend: a row sees its own right-aligned columns only.
         mask = (columns[None, :] >= (length - lens)[:, None]).view(b, 1, 1, length + 1)
-        logits = self._forward(
+        forward = self._forward if self.fused is None else self.fused.decode
+        logits = forward(
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask.to(self.device),

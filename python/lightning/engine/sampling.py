@@ -142,9 +142,13 @@ def sample_rows(
         for i, t in zip(greedy, logits[index].argmax(-1).tolist(), strict=True):
             tokens[i] = t
     if plain:
-        index = torch.tensor(plain)
-        temps = torch.tensor([params[i].temperature for i in plain], dtype=logits.dtype)
-        scaled = logits[index] / temps[:, None]  # [b, V]
+        # The whole batch is usually plain at temperature 1: skip the row copy and
+        # the division by 1 (both exact, each ~1 ms over [32, 49152] on one core).
+        rows = logits if len(plain) == b else logits[torch.tensor(plain)]
+        temps = [params[i].temperature for i in plain]
+        if any(t != 1.0 for t in temps):
+            rows = rows / torch.tensor(temps, dtype=logits.dtype)[:, None]
+        scaled = rows  # [b, V]
         drawn, processed = _draw(scaled, [generators[i] for i in plain], mode)
         for j, i in enumerate(plain):
             tokens[i] = drawn[j]

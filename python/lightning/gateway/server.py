@@ -270,6 +270,10 @@ class GatewayConfig(BaseModel):
         ge=0,
         description="Most alternatives per token a request may ask for (`top_logprobs`, completions' `logprobs`); 400 above.",
     )
+    allowed_hosts: list[str] = Field(
+        default=[],
+        description="Names a request may give in `Host` besides localhost, loopback addresses, the listen address, the address a connection reached and `public_url`'s host (others get 403: a page of another site can point its name at this machine). `*` serves any name. On the command line `--allowed-host NAME` (repeatable) or LIGHTNING_ALLOWED_HOSTS=a,b.",
+    )
     # END generated
     online: OnlineSection = Field(
         default_factory=OnlineSection,

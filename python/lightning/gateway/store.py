@@ -15,10 +15,20 @@ import json
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from lightning._core import MergeResult, StoreReader, Tokenizer
+from lightning._core import MergeResult, StoreError, StoreReader, Tokenizer
 from lightning.gateway.records import CallRecord
+
+
+class _Closed:
+    """The reader of a closed ``Store``: every read says so."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __getattr__(self, name: str) -> Any:
+        raise StoreError(f"{self.path}: this lightning.Store is closed; open a new one to read")
 
 
 class Store:
@@ -30,7 +40,11 @@ class Store:
         self._reader = StoreReader(self.path)
 
     def close(self) -> None:
-        """Nothing to release beyond the reader's connection (closed with it)."""
+        """Closes the reader's connection now (not whenever the object is
+        collected): until then Python's ``sqlite3`` is refused on this file
+        (``lightning/gateway/store_guard.py``). Reads after it raise ``StoreError``."""
+        # Stands in for the reader (typed as one: every attribute raises).
+        self._reader = cast(StoreReader, _Closed(self.path))
 
     def __enter__(self) -> Store:
         return self

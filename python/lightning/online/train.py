@@ -263,7 +263,6 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
     """Select, reward, group, train; returns the summary (also in
     OUTPUT_DIR/summary.json; one line per step in OUTPUT_DIR/metrics.jsonl)."""
     from lightning import Store, Tokenizer
-    from lightning.rl.trainer import Trainer
 
     def say(msg: str) -> None:
         if not quiet:
@@ -297,6 +296,9 @@ def train_online(cfg: OnlineConfig, *, quiet: bool = False) -> dict[str, Any]:
         src = cfg.source
         admin_key = os.environ.get(src.admin_key_env) if src.gateway else None
         check_can_mark(src.db, gateway=src.gateway, admin_key=admin_key)
+    # torch loads only now: a pass that cannot mark fails in a second, not after the import.
+    from lightning.rl.trainer import Trainer
+
     model_dir = cfg.model.resolve()
     trainer = Trainer(cfg.trainer_config(model_dir), log_dir=str(out))
     tokenizer = Tokenizer.from_dir(str(model_dir))
@@ -506,7 +508,9 @@ def train_main(argv: list[str], prog: str = "lightning train --online") -> int:
         cfg.output_dir = args.output_dir
     try:
         summary = train_online(cfg, quiet=args.quiet)
-    except (PassStopped, FileNotFoundError) as e:
+    except (FileNotFoundError, LightningError) as e:  # PassStopped is one
+        # LightningError: a store another writer holds (the fix is in the
+        # message: `gateway = URL`), a gateway that refuses the admin key.
         return fail(str(e))
     print(json.dumps({k: summary[k] for k in ("output_dir", "sessions")}, indent=2))
     return 0

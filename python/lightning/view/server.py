@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -34,7 +35,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from lightning.gateway.local_http import LocalGuard, check_key, new_key
+from lightning.gateway.local_http import ALLOWED_HOSTS_ENV, LocalGuard, check_key, new_key
 from lightning.view.data import (
     CALLS_PAGE,
     CALLS_PAGE_MAX,
@@ -54,10 +55,15 @@ KEY_ENV = "LIGHTNING_VIEW_KEY"
 
 
 def create_app(
-    view: View, admin_key: str | None = None, *, listen_host: str = "127.0.0.1"
+    view: View,
+    admin_key: str | None = None,
+    *,
+    listen_host: str = "127.0.0.1",
+    allowed_hosts: Collection[str] | None = None,
 ) -> ASGIApp:
     """The view's ASGI app: the page, its assets and the read-only JSON API,
-    behind ``LocalGuard`` (Host, and ``admin_key`` on every request when given;
+    behind ``LocalGuard`` (Host, with ``allowed_hosts`` or else
+    ``$LIGHTNING_ALLOWED_HOSTS``; and ``admin_key`` on every request when given;
     ``main`` always gives one)."""
 
     async def page(_: Request) -> Response:
@@ -171,6 +177,7 @@ def create_app(
     return LocalGuard(
         app,
         listen_host=listen_host,
+        allowed_hosts=allowed_hosts,
         key=check_key(admin_key, KEY_ENV) if admin_key is not None else None,
         error=lambda _status, code, message: {"error": message, "code": code},
     )
@@ -242,6 +249,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8765, help="listen port (default 8765; 0 picks one)")
     p.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a name the page may be opened by besides localhost, loopback addresses and the "
+        "address it listens on or is reached at (repeatable; default: "
+        f"${ALLOWED_HOSTS_ENV}, comma-separated); other names get 403 (DNS rebinding)",
+    )
+    p.add_argument(
         "--admin-key",
         default=None,
         help=f"the key every request needs (default: ${KEY_ENV}, else a random one per start, "
@@ -285,7 +300,10 @@ def main(argv: list[str]) -> int:
     sock.listen(128)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
-    config = uvicorn.Config(create_app(view, key, listen_host=args.host), log_level="warning")
+    config = uvicorn.Config(
+        create_app(view, key, listen_host=args.host, allowed_hosts=args.allowed_host),
+        log_level="warning",
+    )
     # The whole URL, key included, as Jupyter prints it: the terminal that
     # started the view is the one place the key needs to reach.
     print(f"[lightning] view of {view.db} on http://{host}:{port}/?key={key}", flush=True)

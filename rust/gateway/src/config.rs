@@ -141,7 +141,7 @@ macro_rules! python_type {
         })*
     };
 }
-python_type!(String => "str", PathBuf => "str", bool => "bool", usize => "int", u32 => "int", u64 => "int", f64 => "float");
+python_type!(String => "str", PathBuf => "str", bool => "bool", usize => "int", u32 => "int", u64 => "int", f64 => "float", Vec<String> => "list[str]");
 
 impl<T: FieldType> FieldType for Option<T> {
     fn python() -> String {
@@ -379,6 +379,13 @@ config! {
     /// completions' `logprobs`); 400 above.
     #[arg(value_name = "N")]
     max_top_logprobs: u64 = 20, NonNegative;
+    /// Names a request may give in `Host` besides localhost, loopback
+    /// addresses, the listen address, the address a connection reached and
+    /// `public_url`'s host (others get 403: a page of another site can point
+    /// its name at this machine). `*` serves any name. On the command line
+    /// `--allowed-host NAME` (repeatable) or LIGHTNING_ALLOWED_HOSTS=a,b.
+    #[arg(value_name = "NAME", visible_alias = "allowed-host", env = "LIGHTNING_ALLOWED_HOSTS", value_delimiter = ',')]
+    allowed_hosts: Vec<String> = Vec::new(), Any;
     ;
     /// Engines behind the gateway (`[[upstreams]]`; on the command line
     /// `--upstream URL[@VERSION]`).

@@ -54,41 +54,114 @@ pub fn error_response_with(e: &ApiError, body: Bytes) -> Response<Body> {
     r
 }
 
-/// DNS rebinding: a page of any origin whose name resolves to 127.0.0.1
-/// reaches a loopback service with its own name in `Host`. A `loopback`
-/// listener (only this machine can connect, so a browser page is the one
-/// outside party that can reach it) answers only `localhost`, a loopback IP literal (`127.0.0.1`,
-/// `[::1]`) or its own listen host, with any port; a request without `Host`
-/// (HTTP/1.0, never a browser) passes. A listener on another address needs an
-/// admin key (`Config::validate`), which a page cannot send: any name passes.
-pub fn host_allowed(listen: &str, loopback: bool, headers: &HeaderMap) -> Result<(), ApiError> {
-    if !loopback {
-        return Ok(());
+/// Which names a request may give in `Host` (DNS rebinding: a page of any
+/// origin whose name an attacker resolves to this machine's address reaches
+/// the service with its own name in `Host`; an admin key does not help when
+/// the service runs without one, and the harness routes take rollout tokens a
+/// page can learn). Served, with any port:
+/// - `localhost` and loopback IP literals (`127.0.0.0/8`, `[::1]`);
+/// - the listen host, unless it is an unspecified address (`0.0.0.0`, `[::]`);
+/// - the address the connection actually reached (a `0.0.0.0` listener
+///   called at `http://192.168.1.5:8080` sees `192.168.1.5`): a page can only
+///   send an IP literal as `Host` when its own origin is that address;
+/// - the host of `public_url` (the base URL harnesses are handed);
+/// - each name in `allowed_hosts` (case-insensitive; `*` serves any name).
+///
+/// A request without `Host` (HTTP/1.0, never a browser) passes.
+#[derive(Debug, Clone)]
+pub struct HostRule {
+    listen: String,
+    names: Vec<String>,
+    any: bool,
+}
+
+/// The name part of a `Host` value or a `host:port`: `[::1]:80` → `::1`, `a:80` → `a`.
+pub fn host_name(value: &str) -> &str {
+    let v = value.trim();
+    if let Some(rest) = v.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or("");
     }
-    let Some(v) = headers.get(hyper::header::HOST) else {
-        return Ok(());
-    };
-    let given = v.to_str().unwrap_or("").trim();
-    let name = if let Some(rest) = given.strip_prefix('[') {
-        rest.split(']').next().unwrap_or("")
-    } else {
-        given.rsplit_once(':').map_or(given, |(h, _)| h)
-    };
-    let own = listen.rsplit_once(':').map_or(listen, |(h, _)| h);
-    let own = own.trim_start_matches('[').trim_end_matches(']');
-    let ok = name.eq_ignore_ascii_case("localhost")
-        || name.eq_ignore_ascii_case(own)
-        || name
+    match v.rsplit_once(':') {
+        // One colon: `name:port`; more: a bare IPv6 literal.
+        Some((h, _)) if !h.contains(':') => h,
+        _ => v,
+    }
+}
+
+impl HostRule {
+    pub fn new(listen: &str, public_url: Option<&str>, allowed: &[String]) -> HostRule {
+        let mut names = Vec::new();
+        let mut add = |n: &str| {
+            let n = n.trim().to_ascii_lowercase();
+            let unspecified = n
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_unspecified());
+            if !n.is_empty() && !unspecified && !names.contains(&n) {
+                names.push(n);
+            }
+        };
+        add(host_name(listen));
+        if let Some(url) = public_url {
+            let rest = url.split_once("://").map_or(url, |(_, r)| r);
+            let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+            let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+            add(host_name(authority));
+        }
+        let mut any = false;
+        for a in allowed {
+            if a.trim() == "*" {
+                any = true;
+            } else {
+                add(host_name(a));
+            }
+        }
+        HostRule {
+            listen: listen.to_string(),
+            names,
+            any,
+        }
+    }
+
+    /// `Ok` when `headers`' `Host` is served; `local` is the IP the
+    /// connection reached (None where unknown).
+    pub fn check(
+        &self,
+        headers: &HeaderMap,
+        local: Option<std::net::IpAddr>,
+    ) -> Result<(), ApiError> {
+        if self.any {
+            return Ok(());
+        }
+        let Some(v) = headers.get(hyper::header::HOST) else {
+            return Ok(());
+        };
+        let given = v.to_str().unwrap_or("").trim();
+        let name = host_name(given);
+        // `[::]` listeners see IPv4 clients as `::ffff:a.b.c.d`.
+        let ip = name
             .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback());
-    if ok {
-        Ok(())
-    } else {
+            .ok()
+            .map(|ip| ip.to_canonical());
+        let local = local.map(|ip| ip.to_canonical());
+        let ok = name.eq_ignore_ascii_case("localhost")
+            || ip.is_some_and(|ip| ip.is_loopback() || Some(ip) == local)
+            || self.names.iter().any(|n| n.eq_ignore_ascii_case(name));
+        if ok {
+            return Ok(());
+        }
+        let named = if self.names.is_empty() {
+            String::new()
+        } else {
+            format!(", {}", self.names.join(", "))
+        };
         Err(ApiError::new(
             403,
             "permission_error",
             "host_not_allowed",
-            format!("this gateway listens on loopback ({listen}) and answers only requests addressed to localhost or a loopback address, not Host {given:?} (a page of another site can point its name at 127.0.0.1); use http://127.0.0.1:PORT, or listen on another address with an admin key"),
+            format!(
+                "this gateway (listening on {}) answers only requests addressed to localhost, a loopback address, the address it was reached at{named}; not Host {given:?} (a page of another site can point its name at this machine). Call it by one of those, or add the name with --allowed-host NAME (allowed_hosts in the config, LIGHTNING_ALLOWED_HOSTS)",
+                self.listen
+            ),
         ))
     }
 }
@@ -323,6 +396,56 @@ pub fn copy_content_type(from: &HeaderMap, default: &'static str) -> HeaderValue
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn host(v: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            hyper::header::HOST,
+            HeaderValue::from_str(v).unwrap_or_else(|e| panic!("{e}")),
+        );
+        h
+    }
+
+    #[test]
+    fn host_rule_serves_own_loopback_and_allowed_names_only() {
+        let lan: std::net::IpAddr = [192, 168, 1, 5].into();
+        let rule = HostRule::new(
+            "0.0.0.0:8080",
+            Some("http://user@gw.lan:8080/base"),
+            &["Extra.Example".into()],
+        );
+        for ok in [
+            "localhost:1",
+            "127.0.0.1",
+            "[::1]:8080",
+            "192.168.1.5:8080",
+            "gw.lan",
+            "extra.example:9",
+        ] {
+            assert!(rule.check(&host(ok), Some(lan)).is_ok(), "{ok}");
+        }
+        // An IPv4 client of a `[::]` listener: the local address is mapped.
+        let mapped: std::net::IpAddr = "::ffff:192.168.1.5"
+            .parse()
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(rule.check(&host("192.168.1.5"), Some(mapped)).is_ok());
+        for bad in [
+            "evil.example",
+            "0.0.0.0:8080",
+            "192.168.1.6",
+            "gw.lan.evil.example",
+            "",
+        ] {
+            let e = rule.check(&host(bad), Some(lan)).err();
+            assert_eq!(e.map(|e| e.code), Some("host_not_allowed"), "{bad}");
+        }
+        assert!(rule.check(&HeaderMap::new(), Some(lan)).is_ok());
+        let any = HostRule::new("0.0.0.0:1", None, &["*".into()]);
+        assert!(any.check(&host("evil.example"), None).is_ok());
+        assert_eq!(host_name("[::1]:80"), "::1");
+        assert_eq!(host_name("::1"), "::1");
+        assert_eq!(host_name("a.example:80"), "a.example");
+    }
 
     #[test]
     fn query_strings_decode() {

@@ -47,6 +47,8 @@ pub struct State {
     pub metrics: Metrics,
     pub limits: Arc<crate::limits::Limits>,
     pub public_url: String,
+    /// The `Host` names served (`crate::http::HostRule`).
+    pub hosts: crate::http::HostRule,
     rollouts: RwLock<HashMap<String, Arc<RolloutInfo>>>,
     tokens: RwLock<HashMap<String, String>>,
     pub online_keys: Keys,
@@ -79,6 +81,7 @@ impl State {
             .build(connector);
         Ok(State {
             limits: Arc::new(crate::limits::Limits::new(&cfg)),
+            hosts: crate::http::HostRule::new(&cfg.listen, Some(&public_url), &cfg.allowed_hosts),
             cfg,
             store,
             pool,

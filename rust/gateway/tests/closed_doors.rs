@@ -4,61 +4,11 @@
 //! a CORS preflight. Both are refused before a route runs, in the route's
 //! protocol's error shape.
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::Request;
-use hyper_util::rt::TokioIo;
-use lightning_gateway::{Config, Server};
-use serde_json::{json, Value};
-use std::net::SocketAddr;
+mod common;
 
-async fn raw(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> (u16, Value) {
-    let s = tokio::net::TcpStream::connect(addr)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    tokio::spawn(conn);
-    let mut req = Request::builder().method(method).uri(path);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let req = req
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let resp = send
-        .send_request(req)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let status = resp.status().as_u16();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .unwrap_or_default();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
-
-async fn start(cfg: Config) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-    let server = Server::bind(cfg).await.unwrap_or_else(|e| panic!("{e}"));
-    let addr = server.local_addr();
-    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async move {
-        let _ = rx.await;
-    }));
-    (addr, stop)
-}
+use common::{raw, start};
+use lightning_gateway::Config;
+use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loopback_gateway_answers_only_loopback_names_and_json_bodies() {
@@ -71,7 +21,8 @@ async fn a_loopback_gateway_answers_only_loopback_names_and_json_bodies() {
         insecure_local: true,
         ..Config::default()
     };
-    let (addr, stop) = start(cfg).await;
+    let gw = start(cfg).await;
+    let addr = gw.addr;
     let port = addr.port().to_string();
     let json_ct = ("content-type", "application/json");
     let upstreams = r#"{"upstreams": [{"url": "http://203.0.113.9:1/v1"}]}"#;
@@ -175,6 +126,6 @@ async fn a_loopback_gateway_answers_only_loopback_names_and_json_bodies() {
     }
     let (s, r) = reward(r#"{"value": 0.5}"#).await;
     assert_eq!(s, 200, "{r}");
-    let _ = stop.send(());
+    gw.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,16 +1,16 @@
 //! Loopback integration test: a tiny vLLM-shaped upstream, the gateway server,
 //! and a hyper client, all in one process.
 
+mod common;
+
 use bytes::Bytes;
+use common::{call_bytes, spawn_upstream, start};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
 use hyper::{Request, Response};
-use hyper_util::rt::TokioIo;
-use lightning_gateway::{Config, Server, UpstreamConfig};
+use lightning_gateway::{Config, UpstreamConfig};
 use serde_json::{json, Value};
 use std::convert::Infallible;
-use std::net::SocketAddr;
 
 async fn upstream(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
     let body = req
@@ -46,62 +46,9 @@ async fn upstream(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infal
     Ok(Response::new(Full::new(Bytes::from(text))))
 }
 
-async fn spawn_upstream() -> SocketAddr {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let addr = l.local_addr().unwrap_or_else(|e| panic!("{e}"));
-    tokio::spawn(async move {
-        while let Ok((s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(s), service_fn(upstream))
-                    .await;
-            });
-        }
-    });
-    addr
-}
-
-async fn call(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    token: &str,
-    body: Value,
-) -> (u16, Vec<u8>) {
-    let s = tokio::net::TcpStream::connect(addr)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    tokio::spawn(conn);
-    let req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "localhost")
-        .header("content-type", "application/json")
-        .header("authorization", format!("Bearer {token}"))
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let resp = send
-        .send_request(req)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let status = resp.status().as_u16();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .unwrap_or_default();
-    (status, bytes.to_vec())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_json_and_streamed_calls_exactly() {
-    let up = spawn_upstream().await;
+    let up = spawn_upstream(upstream).await;
     let dir = std::env::temp_dir().join(format!("lightning-loopback-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let cfg = Config {
@@ -115,14 +62,10 @@ async fn records_json_and_streamed_calls_exactly() {
         admin_key: Some("admin-key-123".into()),
         ..Config::default()
     };
-    let server = Server::bind(cfg).await.unwrap_or_else(|e| panic!("{e}"));
-    let addr = server.local_addr();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.run(async move {
-        let _ = stop_rx.await;
-    }));
+    let gw = start(cfg).await;
+    let addr = gw.addr;
 
-    let (s, b) = call(
+    let (s, b) = call_bytes(
         addr,
         "POST",
         "/rollouts",
@@ -147,7 +90,7 @@ async fn records_json_and_streamed_calls_exactly() {
 
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let path = format!("/rollouts/{id}/v1/chat/completions");
-    let (s, b) = call(
+    let (s, b) = call_bytes(
         addr,
         "POST",
         &path,
@@ -157,7 +100,7 @@ async fn records_json_and_streamed_calls_exactly() {
     .await;
     assert_eq!(s, 200);
     assert!(String::from_utf8_lossy(&b).contains("\"token_ids\":[7,8,9]"));
-    let (s, b) = call(
+    let (s, b) = call_bytes(
         addr,
         "POST",
         &path,
@@ -169,7 +112,7 @@ async fn records_json_and_streamed_calls_exactly() {
     let text = String::from_utf8_lossy(&b).to_string();
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
 
-    let (s, b) = call(
+    let (s, b) = call_bytes(
         addr,
         "GET",
         &format!("/rollouts/{id}/trace"),
@@ -191,10 +134,10 @@ async fn records_json_and_streamed_calls_exactly() {
     assert_eq!(calls[0]["flags"], json!([]));
 
     // Another rollout's token may not read this trace.
-    let (_, b2) = call(addr, "POST", "/rollouts", "admin-key-123", json!({})).await;
+    let (_, b2) = call_bytes(addr, "POST", "/rollouts", "admin-key-123", json!({})).await;
     let other: Value = serde_json::from_slice(&b2).unwrap_or(Value::Null);
     let other_token = other["token"].as_str().unwrap_or_default().to_string();
-    let (s, b) = call(
+    let (s, b) = call_bytes(
         addr,
         "GET",
         &format!("/rollouts/{id}/trace"),
@@ -206,7 +149,6 @@ async fn records_json_and_streamed_calls_exactly() {
     let e: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
     assert_eq!(e["error"]["code"], json!("wrong_rollout"));
 
-    let _ = stop_tx.send(());
-    let _ = task.await;
+    gw.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

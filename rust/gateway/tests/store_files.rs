@@ -2,15 +2,13 @@
 //! (issue 26, bug 5), every file is private (0600), and one writer holds a
 //! store file at a time.
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::Request;
-use hyper_util::rt::TokioIo;
+mod common;
+
+use common::{call, start};
 use lightning_gateway::auth;
 use lightning_gateway::store::{SecretSource, Store};
 use lightning_gateway::{Config, GatewayError, Server, SyncMode};
 use serde_json::{json, Value};
-use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
@@ -30,68 +28,6 @@ fn config(db: &Path) -> Config {
         admin_key: Some(ADMIN.into()),
         ..Config::default()
     }
-}
-
-struct Running {
-    addr: SocketAddr,
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), GatewayError>>,
-}
-
-async fn start(cfg: Config) -> Running {
-    let server = Server::bind(cfg).await.unwrap_or_else(|e| panic!("{e}"));
-    let addr = server.local_addr();
-    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.run(async move {
-        let _ = rx.await;
-    }));
-    Running { addr, stop, task }
-}
-
-impl Running {
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        let _ = self.task.await;
-    }
-}
-
-async fn call(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    token: &str,
-    body: Value,
-) -> (u16, Value) {
-    let s = tokio::net::TcpStream::connect(addr)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    tokio::spawn(conn);
-    let req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "localhost")
-        .header("content-type", "application/json")
-        .header("authorization", format!("Bearer {token}"))
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let resp = send
-        .send_request(req)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let status = resp.status().as_u16();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .unwrap_or_default();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
 }
 
 fn mode(p: &Path) -> u32 {

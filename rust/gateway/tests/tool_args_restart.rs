@@ -2,13 +2,14 @@
 //! own argument text: the gateway recovers it from the store, so the re-sent
 //! prompt extends the first call's prompt and completion (one sample).
 
+mod common;
+
 use bytes::Bytes;
+use common::{call, spawn_upstream, start};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
 use hyper::{Request, Response};
-use hyper_util::rt::TokioIo;
-use lightning_gateway::{Config, Server, UpstreamConfig};
+use lightning_gateway::{Config, UpstreamConfig};
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -39,64 +40,8 @@ async fn upstream(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infal
     Ok(Response::new(Full::new(Bytes::from(text))))
 }
 
-async fn spawn_upstream() -> SocketAddr {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let addr = l.local_addr().unwrap_or_else(|e| panic!("{e}"));
-    tokio::spawn(async move {
-        while let Ok((s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(s), service_fn(upstream))
-                    .await;
-            });
-        }
-    });
-    addr
-}
-
-async fn call(addr: SocketAddr, path: &str, token: &str, body: Value) -> (u16, Value) {
-    let s = tokio::net::TcpStream::connect(addr)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    tokio::spawn(conn);
-    let req = Request::builder()
-        .method("POST")
-        .uri(path)
-        .header("host", "localhost")
-        .header("content-type", "application/json")
-        .header("authorization", format!("Bearer {token}"))
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let resp = send
-        .send_request(req)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let status = resp.status().as_u16();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .unwrap_or_default();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
-
-type Running = (
-    SocketAddr,
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), lightning_gateway::GatewayError>>,
-);
-
-async fn start(up: SocketAddr, db: &std::path::Path) -> Running {
-    let cfg = Config {
+fn config(up: SocketAddr, db: &std::path::Path) -> Config {
+    Config {
         listen: "127.0.0.1:0".into(),
         upstreams: vec![UpstreamConfig {
             url: format!("http://{up}/v1"),
@@ -106,25 +51,26 @@ async fn start(up: SocketAddr, db: &std::path::Path) -> Running {
         db: db.to_path_buf(),
         admin_key: Some("admin-key-123".into()),
         ..Config::default()
-    };
-    let server = Server::bind(cfg).await.unwrap_or_else(|e| panic!("{e}"));
-    let addr = server.local_addr();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.run(async move {
-        let _ = rx.await;
-    }));
-    (addr, tx, task)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_use_resent_after_a_restart_keeps_the_engine_text() {
-    let up = spawn_upstream().await;
+    let up = spawn_upstream(upstream).await;
     let dir = std::env::temp_dir().join(format!("lightning-toolargs-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let db = dir.join("t.db");
 
-    let (addr, stop, task) = start(up, &db).await;
-    let (s, r) = call(addr, "/rollouts", "admin-key-123", json!({"task": {}})).await;
+    let gw = start(config(up, &db)).await;
+    let addr = gw.addr;
+    let (s, r) = call(
+        addr,
+        "POST",
+        "/rollouts",
+        "admin-key-123",
+        json!({"task": {}}),
+    )
+    .await;
     assert_eq!(s, 201, "{r}");
     let id = r["rollout_id"].as_str().unwrap_or_default().to_string();
     let token = r["token"].as_str().unwrap_or_default().to_string();
@@ -133,6 +79,7 @@ async fn a_tool_use_resent_after_a_restart_keeps_the_engine_text() {
     let user = json!({"role": "user", "content": "weather?"});
     let (s, m) = call(
         addr,
+        "POST",
         &path,
         &token,
         json!({"model": "m", "max_tokens": 64, "tools": tools, "messages": [user]}),
@@ -140,16 +87,17 @@ async fn a_tool_use_resent_after_a_restart_keeps_the_engine_text() {
     .await;
     assert_eq!(s, 200, "{m}");
     assert_eq!(m["content"][0]["type"], json!("tool_use"), "{m}");
-    let _ = stop.send(());
-    let _ = task.await;
+    gw.stop().await;
 
     // A fresh gateway on the same store: nothing in memory.
-    let (addr, stop, task) = start(up, &db).await;
+    let gw = start(config(up, &db)).await;
+    let addr = gw.addr;
     let assistant = json!({"role": "assistant", "content": m["content"]});
     let result = json!({"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": m["content"][0]["id"], "content": "sunny"}]});
     let (s, r) = call(
         addr,
+        "POST",
         &path,
         &token,
         json!({"model": "m", "max_tokens": 64, "tools": tools,
@@ -157,8 +105,7 @@ async fn a_tool_use_resent_after_a_restart_keeps_the_engine_text() {
     )
     .await;
     assert_eq!(s, 200, "{r}");
-    let _ = stop.send(());
-    let _ = task.await;
+    gw.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
 
     let seen = SEEN.lock().unwrap_or_else(|p| p.into_inner()).clone();

@@ -380,6 +380,18 @@ impl PyStoreReader {
     }
 }
 
+/// `Ok` when a file is at `path`: a writer opened on a wrong path would
+/// create an empty store there instead of saying the path is wrong.
+fn existing_store(path: &std::path::Path) -> Result<(), GatewayError> {
+    if path.is_file() {
+        return Ok(());
+    }
+    Err(GatewayError::store(
+        path.display(),
+        "no gateway store here; pass the --db path the gateway was started with",
+    ))
+}
+
 /// Marks online sessions trained at `when` in the store file at `path` of a
 /// gateway that is not running, through the store's own writer (the same code
 /// the gateway's `POST /admin/online/trained` runs); returns how many it found.
@@ -391,12 +403,7 @@ fn mark_trained(
     when: f64,
 ) -> PyResult<usize> {
     let run = || -> Result<usize, GatewayError> {
-        if !path.is_file() {
-            return Err(GatewayError::store(
-                path.display(),
-                "no gateway store here; pass the --db path the gateway was started with",
-            ));
-        }
+        existing_store(&path)?;
         let store = Store::open(&path, SyncMode::Full, SecretSource::None)?;
         let rt = tokio::runtime::Builder::new_current_thread().build()?;
         let n = rt.block_on(store.mark_trained(rollout_ids, when));
@@ -412,19 +419,25 @@ fn mark_trained(
 #[pyfunction]
 fn check_writable(py: Python<'_>, path: PathBuf) -> PyResult<()> {
     let run = || -> Result<(), GatewayError> {
-        if !path.is_file() {
-            return Err(GatewayError::store(
-                path.display(),
-                "no gateway store here; pass the --db path the gateway was started with",
-            ));
-        }
+        existing_store(&path)?;
         lightning_gateway::store::check_writable(&path)
     };
     py.detach(run).map_err(|e| gateway_error(py, e))
 }
 
+/// Whether a store writer or reader of this process (an in-process gateway,
+/// `StoreReader`, `mark_trained`) has the file at `path` open now, under any
+/// of its names. Another SQLite library (Python's `sqlite3`) must not open
+/// the file then: closing its connection would delete the `-wal` the store
+/// still writes to and drop the store's locks (`lightning/gateway/store_guard.py`).
+#[pyfunction]
+fn store_open_here(path: PathBuf) -> bool {
+    lightning_gateway::store::open_here(&path)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStoreReader>()?;
+    m.add_function(wrap_pyfunction!(store_open_here, m)?)?;
     m.add_function(wrap_pyfunction!(mark_trained, m)?)?;
     m.add_function(wrap_pyfunction!(check_writable, m)?)?;
     Ok(())

@@ -276,15 +276,38 @@ async function showRollout(id) {
   const events = d.events.length ? el("details", {}, el("summary", {}, d.events.length + " events"), el("pre", {}, JSON.stringify(d.events, null, 1))) : null;
   box.replaceChildren(rolloutHeader(d), samples, calls, events);
 }
+// A group shows GROUP_PAGE rollouts side by side, each with its first page of
+// samples; "more" controls add the next rollouts and each column's next samples.
+const GROUP_PAGE = 8;
+function groupCol(d, k) {
+  const path = "api/rollouts/" + encodeURIComponent(d.rollout.rollout_id);
+  const list = el("div", { class: "page-items" });
+  const add = (page) => page.forEach((s) => list.append(sampleView(s, d.divergences)));
+  add(d.samples);
+  const more = d.samples_total > d.samples.length ? pager("more-samples-" + k, "samples", d.samples.length, d.samples_total, d.next_samples_offset, async (off) => {
+    // An offset past the last call: the next samples without calls.
+    const p = await api(path + "?offset=" + d.calls_total + "&samples_offset=" + off);
+    add(p.samples);
+    return { added: p.samples.length, next: p.next_samples_offset };
+  }) : null;
+  return el("div", { class: "col", "data-rollout": d.rollout.rollout_id },
+    el("h3", {}, el("a", { href: "#/rollout/" + encodeURIComponent(d.rollout.rollout_id) }, d.rollout.rollout_id), " · reward " + fmt(d.rollout.reward)),
+    list, more);
+}
 async function showGroup(g) {
   const grp = await api("api/groups/" + encodeURIComponent(g));
-  const ids = grp.rollouts.slice(0, 8).map((r) => r.rollout_id);
-  const cols = await Promise.all(ids.map((id) => api("api/rollouts/" + encodeURIComponent(id))));
-  const box = document.getElementById("detail");
-  box.replaceChildren(el("h2", {}, "group " + g + " · " + grp.rollouts.length + " rollouts, highest reward first" + (grp.rollouts.length > 8 ? " (first 8)" : "")),
-    el("div", { class: "side", id: "group-cols" }, ...cols.map((d) => el("div", { class: "col" },
-      el("h3", {}, el("a", { href: "#/rollout/" + encodeURIComponent(d.rollout.rollout_id) }, d.rollout.rollout_id), " · reward " + fmt(d.rollout.reward)),
-      ...d.samples.map((s) => sampleView(s, d.divergences))))));
+  const total = grp.rollouts.length;
+  const cols = el("div", { class: "side", id: "group-cols" });
+  const addCols = async (from) => {
+    const page = grp.rollouts.slice(from, from + GROUP_PAGE);
+    const details = await Promise.all(page.map((r) => api("api/rollouts/" + encodeURIComponent(r.rollout_id))));
+    details.forEach((d, i) => cols.append(groupCol(d, from + i)));
+    const next = from + details.length;
+    return { added: details.length, next: next < total ? next : null };
+  };
+  const first = await addCols(0);
+  document.getElementById("detail").replaceChildren(el("h2", {}, "group " + g + " · " + total + " rollouts, highest reward first"), cols,
+    first.next !== null ? pager("more-rollouts", "rollouts", first.added, total, first.next, addCols) : null);
 }
 async function showCompare(a, b) {
   const c = await api("api/compare?a=" + encodeURIComponent(a) + "&b=" + encodeURIComponent(b));

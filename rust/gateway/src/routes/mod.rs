@@ -35,6 +35,11 @@ use crate::proxy;
 use crate::state::{RolloutInfo, State};
 use crate::wire::engine::Kind;
 
+/// The address a request's connection reached (this side of the socket),
+/// which `Host` may name (`crate::http::HostRule`).
+#[derive(Debug, Clone, Copy)]
+struct LocalIp(std::net::IpAddr);
+
 /// The protocol adapters the routes serve (the fuzz targets drive the same ones).
 pub(crate) static CHAT: OpenAi = OpenAi(Kind::Chat);
 pub(crate) static COMPLETIONS: OpenAi = OpenAi(Kind::Completion);
@@ -103,8 +108,8 @@ async fn route(st: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>
     let path = req.uri().path().to_string();
     let query = query_params(req.uri().query());
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let loopback = crate::config::is_loopback_listen(&st.cfg.listen);
-    crate::http::host_allowed(&st.cfg.listen, loopback, req.headers())?;
+    let local = req.extensions().get::<LocalIp>().map(|l| l.0);
+    st.hosts.check(req.headers(), local)?;
     // Every method that carries a body here is a POST (DELETE carries none).
     if method == Method::POST {
         crate::http::json_content_type(req.headers())?;
@@ -373,9 +378,13 @@ impl Server {
                         }
                     };
                     let _ = stream.set_nodelay(true);
+                    let local = stream.local_addr().ok().map(|a| LocalIp(a.ip()));
                     let st = state.clone();
-                    let svc = service_fn(move |req| {
+                    let svc = service_fn(move |mut req: Request<Incoming>| {
                         let st = st.clone();
+                        if let Some(l) = local {
+                            req.extensions_mut().insert(l);
+                        }
                         async move { Ok::<_, Infallible>(handle(st, req).await) }
                     });
                     let conn = http.serve_connection(TokioIo::new(stream), svc);

@@ -52,6 +52,13 @@ pub use online::{AppKey, KeyDefaults, OnlineCall};
 /// Whether a writer could open the store at `path` now: takes the writer's
 /// lock and gives it back, opening no SQLite connection. An error names the
 /// process that writes it (`StoreLocked`), like `Store::open` would.
+/// Whether a `Store` or `Reader` of this process has the file at `path` (any
+/// name of it) open now: another SQLite library must not open it then
+/// (`schema::HELD` says why).
+pub fn open_here(path: &Path) -> bool {
+    schema::open_here(path)
+}
+
 pub fn check_writable(path: &Path) -> Result<(), GatewayError> {
     let lock = schema::lock_writer(path)?;
     schema::release(lock.file);
@@ -186,6 +193,8 @@ pub struct Store {
     secret: Option<Vec<u8>>,
     /// The open database file carrying the writer's `flock`, released by `close`.
     lock: Mutex<Option<std::fs::File>>,
+    /// This process has the file open (`schema::HELD`) while the readers live.
+    _held: schema::Held,
 }
 
 impl Store {
@@ -246,6 +255,7 @@ impl Store {
             stats,
             secret,
             lock: Mutex::new(Some(lock.file)),
+            _held: schema::Held::new(path),
         })
     }
 

@@ -737,6 +737,8 @@ pub fn trainable(rollout: &RolloutRecord, c: StoredCall) -> Option<Call> {
 pub struct Reader {
     path: PathBuf,
     conn: Mutex<Connection>,
+    /// This process has the file open (`schema::HELD`) while `conn` lives.
+    _held: super::schema::Held,
 }
 
 impl Reader {
@@ -766,6 +768,7 @@ impl Reader {
             ));
         }
         Ok(Reader {
+            _held: super::schema::Held::new(path),
             path: path.to_path_buf(),
             conn: Mutex::new(conn),
         })

@@ -263,6 +263,72 @@ pub(super) fn lock_writer(db: &Path) -> Result<Locked, GatewayError> {
     }
 }
 
+/// Store files this process has open through this crate's SQLite (a `Store`
+/// or a `Reader` alive), by device and inode, with how many.
+///
+/// A *second* SQLite library in the same process (Python's `sqlite3` module
+/// links the system's; this crate bundles its own) keeps its own lock
+/// bookkeeping over the same per-process POSIX locks. Its connection sees
+/// none of ours (a process never conflicts with itself), so when it closes it
+/// believes it is the last user of the file: it checkpoints and deletes the
+/// `-wal` our connections still write to, and its closing descriptor drops
+/// our locks. Acknowledged commits then live only in an unlinked file (lost
+/// at a crash; other processes stop seeing them), and a reader can get "disk
+/// I/O error". `open_here` is how Python refuses such a connection
+/// (`lightning/gateway/store_guard.py`).
+static HELD: Mutex<Vec<((u64, u64), usize)>> = Mutex::new(Vec::new());
+
+/// One entry of `HELD` for as long as it lives (a field of `Store` and `Reader`).
+#[derive(Debug)]
+pub(super) struct Held(Option<(u64, u64)>);
+
+#[cfg(unix)]
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+#[cfg(not(unix))]
+fn file_id(_: &Path) -> Option<(u64, u64)> {
+    None
+}
+
+impl Held {
+    pub(super) fn new(path: &Path) -> Held {
+        let id = file_id(path);
+        if let (Some(id), Ok(mut held)) = (id, HELD.lock()) {
+            match held.iter_mut().find(|(k, _)| *k == id) {
+                Some((_, n)) => *n += 1,
+                None => held.push((id, 1)),
+            }
+        }
+        Held(id)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let (Some(id), Ok(mut held)) = (self.0, HELD.lock()) {
+            if let Some(at) = held.iter().position(|(k, _)| *k == id) {
+                held[at].1 -= 1;
+                if held[at].1 == 0 {
+                    held.swap_remove(at);
+                }
+            }
+        }
+    }
+}
+
+/// Whether this process has the store file at `path` (any name of it) open
+/// through this crate now.
+pub(super) fn open_here(path: &Path) -> bool {
+    let Some(id) = file_id(path) else {
+        return false;
+    };
+    HELD.lock()
+        .is_ok_and(|held| held.iter().any(|(k, _)| *k == id))
+}
+
 /// Files of stores this process has locked, unlocked and kept open, one per
 /// inode. Closing *any* descriptor of a file drops every POSIX (`fcntl`) lock
 /// the process holds on it, SQLite's included: a writer that closed its lock
