@@ -53,7 +53,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -68,7 +67,7 @@ from codex_cli import codex_env, codex_executable, write_codex_home  # noqa: E40
 from engine import machine  # noqa: E402
 from lightning import Gateway, GatewayConfig  # noqa: E402
 from lightning.engine import Engine  # noqa: E402
-from lightning.engine.server import build_app  # noqa: E402
+from lightning.engine.server import AppServer, build_app  # noqa: E402
 from lightning.engine.tools import CHATML_TOOLS_TEMPLATE  # noqa: E402
 from lightning.model_cache import smollm2_dir  # noqa: E402
 
@@ -164,34 +163,6 @@ class TimedDoor:
         await self.app(scope, replay, timed_send)
 
 
-class DoorServer:
-    """uvicorn on a background thread serving ``app`` (as the engine's RunningServer)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        import socket
-
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the bench's engine server did not start")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
-
-
 def long_context_copy(source: Path, target: Path, positions: int) -> Path:
     """``source``'s files linked into ``target``, with ``max_position_embeddings``
     raised to ``positions`` in its config (see the module docstring)."""
@@ -234,7 +205,7 @@ def variant(name: str, model: Path, codex: Path, tmp: Path, args: argparse.Names
         kv_cache_bytes=args.kv_cache_bytes if name == "on" else 0,
     ).start()
     door = TimedDoor(build_app(engine), engine, args.max_tokens)
-    server = DoorServer(door)
+    server = AppServer(door)
     gateway = Gateway(
         GatewayConfig(
             listen="127.0.0.1:0",

@@ -35,18 +35,6 @@ sys.path.insert(0, str(HERE))
 from bfcl_harness import shaped_reward  # noqa: E402  (pure Python, no BFCL import)
 
 
-def last_json(text: str) -> dict:
-    """The harness's final ``{"reward", "bfcl"}`` line ({} if it printed none)."""
-    for line in reversed(text.splitlines()):
-        try:
-            out = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(out, dict):
-            return out
-    return {}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine-url", required=True)
@@ -90,7 +78,7 @@ def main() -> int:
             shaped = []
             for t, r in zip(tasks, results, strict=True):
                 rewards.setdefault(t["id"], []).append(r.reward if r.reward is not None else 0.0)
-                error_type = last_json(r.stdout_tail).get("bfcl", {}).get("error_type")
+                error_type = bfcl.last_json(r.stdout_tail).get("bfcl", {}).get("error_type")
                 verdicts[error_type or ("correct" if r.reward else "harness failed")] += 1
                 shaped.append(shaped_reward(r.reward or 0.0, error_type))
             iv = reward_interval(rewards)

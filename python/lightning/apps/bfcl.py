@@ -647,7 +647,8 @@ def recipe(args: argparse.Namespace) -> int:
 HELD_OUT_SENTENCE = "held-out BFCL categories, not BFCL overall, not leaderboard-comparable"
 
 
-def _last_json(text: str) -> dict[str, Any]:
+def last_json(text: str) -> dict[str, Any]:
+    """The harness's final ``{"reward", "bfcl"}`` line ({} if it printed none)."""
     for line in reversed(text.splitlines()):
         try:
             out = json.loads(line)
@@ -729,7 +730,7 @@ def score_model(
             raise SystemExit(f"no case ran through BFCL's harness (serving {model_dir})")
     per_id: dict[str, dict[str, Any]] = {}
     for (task, _), r in zip(jobs, results, strict=True):
-        verdict = _last_json(r.stdout_tail).get("bfcl", {}).get("error_type")
+        verdict = last_json(r.stdout_tail).get("bfcl", {}).get("error_type")
         reward = float(r.reward) if r.reward is not None else 0.0
         row = per_id.setdefault(
             task["id"], {"category": task["category"], "rewards": [], "calls": [], "verdicts": []}
@@ -783,6 +784,30 @@ def paired_rows(
     return out
 
 
+# The paired differences every page reports, on simple_python: (a, b) for b − a.
+PAIRS = [("base", "sft"), ("sft", "sft+rl"), ("control", "sft+rl")]
+
+
+def _score_cells(r: dict[str, Any]) -> str:
+    """An arm-table row's cells after the category: n, accuracy (CI), call rate."""
+    return (
+        f"{r['n']} | {r['accuracy']:.3f} ({r['ci_low']:.3f}-{r['ci_high']:.3f}) | "
+        f"{r['call_rate']:.3f} |"
+    )
+
+
+def _paired_text(d: dict[str, Any]) -> str:
+    """A paired difference with its interval, n, the discordant wins and McNemar's p."""
+    return (
+        f"{d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}], n={d['n']}, "
+        f"wins {d['b_wins']} vs {d['a_wins']}, p={d['p_value']:.3g}"
+    )
+
+
+def _zero_mark(d: dict[str, Any]) -> str:
+    return " (interval includes 0)" if d["low"] <= 0 <= d["high"] else ""
+
+
 def report_v2(summary: dict[str, Any]) -> str:
     """The recipe's page: the arms' held-out scores, the paired differences, the
     learnable fraction, what each phase cost, and the sentence that bounds it."""
@@ -797,17 +822,10 @@ def report_v2(summary: dict[str, Any]) -> str:
     ]
     for arm, cats in summary.get("table", {}).items():
         for cat, r in cats.items():
-            lines.append(
-                f"| {arm} | {cat} | {r['n']} | {r['accuracy']:.3f} "
-                f"({r['ci_low']:.3f}-{r['ci_high']:.3f}) | {r['call_rate']:.3f} |"
-            )
+            lines.append(f"| {arm} | {cat} | {_score_cells(r)}")
     lines += ["", "Paired differences (same cases; bootstrap 95% CI; exact McNemar):", ""]
     for name, d in summary.get("paired", {}).items():
-        zero = " (interval includes 0)" if d["low"] <= 0 <= d["high"] else ""
-        lines.append(
-            f"- {name}: {d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}], n={d['n']}, "
-            f"wins {d['b_wins']} vs {d['a_wins']}, p={d['p_value']:.3g}{zero}"
-        )
+        lines.append(f"- {name}: {_paired_text(d)}{_zero_mark(d)}")
     learn = summary.get("learnability")
     if learn:
         lines += [
@@ -983,8 +1001,7 @@ def recipe_v2(args: argparse.Namespace) -> int:
     if "report" in phases or "score" in phases:
         arms = summary.get("arms", {})
         summary["table"] = arm_table(arms)
-        pairs = [("base", "sft"), ("sft", "sft+rl"), ("control", "sft+rl")]
-        summary["paired"] = paired_rows(arms, pairs, "simple_python")
+        summary["paired"] = paired_rows(arms, PAIRS, "simple_python")
         (out / "bfcl.md").write_text(report_v2(summary))
         print(report_v2(summary))
     (out / "bfcl.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -1007,34 +1024,26 @@ def seeds_report(dirs: Sequence[Path]) -> str:
     for run in runs:
         for arm, cats in arm_table(run.get("arms", {})).items():
             for cat, r in cats.items():
-                lines.append(
-                    f"| {run.get('seed')} | {arm} | {cat} | {r['n']} | {r['accuracy']:.3f} "
-                    f"({r['ci_low']:.3f}-{r['ci_high']:.3f}) | {r['call_rate']:.3f} |"
-                )
+                lines.append(f"| {run.get('seed')} | {arm} | {cat} | {_score_cells(r)}")
     lines += ["", "Paired differences on simple_python, per seed and pooled:", ""]
-    for a, b in [("base", "sft"), ("sft", "sft+rl"), ("control", "sft+rl")]:
+    for a, b in PAIRS:
         per_case: dict[str, list[float]] = {}
         for run in runs:
             arms = run.get("arms", {})
             d = paired_rows(arms, [(a, b)], "simple_python").get(f"{b} - {a}")
             if d is None:
                 continue
-            lines.append(
-                f"- seed {run.get('seed')}, {b} - {a}: {d['diff']:+.3f} "
-                f"[{d['low']:+.3f}, {d['high']:+.3f}], n={d['n']}, wins {d['b_wins']} vs "
-                f"{d['a_wins']}, p={d['p_value']:.3g}"
-            )
+            lines.append(f"- seed {run.get('seed')}, {b} - {a}: {_paired_text(d)}")
             pa, pb = arms[a]["per_id"], arms[b]["per_id"]
-            for t in pa:
+            for t in pa:  # in scoring order: the pooled bootstrap resamples by position
                 if pa[t]["category"] == "simple_python" and t in pb:
                     per_case.setdefault(t, []).append(pb[t]["rewards"][0] - pa[t]["rewards"][0])
         both = {t: v for t, v in per_case.items() if len(v) == len(runs)}
         if len(runs) > 1 and both:
             d = paired_difference([0.0] * len(both), [sum(v) / len(v) for v in both.values()])
-            zero = " (interval includes 0)" if d["low"] <= 0 <= d["high"] else ""
             lines.append(
                 f"- **pooled over {len(runs)} seeds, {b} - {a}: {d['diff']:+.3f} "
-                f"[{d['low']:+.3f}, {d['high']:+.3f}]**, n={d['n']}{zero}"
+                f"[{d['low']:+.3f}, {d['high']:+.3f}]**, n={d['n']}{_zero_mark(d)}"
             )
     lines += ["", "| seed | phase | wall clock (s) |", "|---|---|---|"]
     for run in runs:

@@ -44,7 +44,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Self
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -914,22 +914,16 @@ def _routes(engine: Engine, admin_key: str | None) -> Starlette:
 
 
 # ---------------------------------------------------------------------- running a server
-class RunningServer:
-    """A uvicorn server on a background thread (tests, the in-process loop)."""
+class AppServer:
+    """An ASGI app served by uvicorn on a background thread, started when this
+    returns (the engine's :class:`RunningServer`; a bench's wrapped app)."""
 
-    def __init__(
-        self, engine: Engine, host: str = "127.0.0.1", port: int = 0, admin_key: str | None = None
-    ) -> None:
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
 
-        self.engine = engine.start()
         self.sock = _bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(
-            build_app(engine, admin_key=admin_key, listen_host=host),
-            log_level="warning",
-            lifespan="off",
-        )
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
@@ -950,11 +944,21 @@ class RunningServer:
         self.thread.join(timeout=30)
         self.sock.close()
 
-    def __enter__(self) -> RunningServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class RunningServer(AppServer):
+    """The engine's HTTP server on a background thread (tests, the in-process loop)."""
+
+    def __init__(
+        self, engine: Engine, host: str = "127.0.0.1", port: int = 0, admin_key: str | None = None
+    ) -> None:
+        self.engine = engine.start()
+        super().__init__(build_app(engine, admin_key=admin_key, listen_host=host), host, port)
 
 
 def _bind(host: str, port: int) -> socket.socket:
