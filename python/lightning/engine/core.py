@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from lightning._core import LightningError
-from lightning.engine import fused, kv, linear, tools
+from lightning.engine import fused, kv, linear, openmp, tools
 from lightning.engine.prefix import PrefixCache
 from lightning.engine.sampling import (
     LOGPROBS_MODES,
@@ -384,6 +384,12 @@ class Engine:
             "prefill_cached_tokens": 0,
             "prefill_forwards": 0,
         }
+        if self.device.type == "cpu":
+            # Loading left OpenMP workers on this thread; with the scheduler's own
+            # they would outnumber the cores and libgomp would throttle both (see
+            # openmp.py; tests/engine/test_engine_openmp.py checks that neither
+            # this nor ``load_weights`` leaves a pool on the caller).
+            openmp.release_workers()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Engine:
