@@ -20,6 +20,14 @@ Measured in the same process, with the engine's thread count:
 - matmul FLOP/s: a 1024x1024 float32 ``torch.mm`` (best of 5);
 - read bandwidth: ``sum`` over a 256 MiB float32 tensor (best of 5).
 
+- the ceiling of the kernels themselves: the fused engine's own packed
+  weights (every layer's q/k/v, o, gate/up and down, then the LM head) applied
+  to B random rows in model order, as a decode step applies them, with nothing
+  else (best of 5). At B = 32 the step streams all 538 MB of float32 weights
+  from memory, and this is the fastest any decode step built on these kernels
+  can go on this machine: its fraction of the matmul limit bounds the
+  roofline column.
+
 Printed per row: tokens/s (wall), tokens per CPU-second of this process (the
 figure that moves least when neighbours load a shared machine), the fraction of
 the compute roofline reached (model FLOPs per token x tokens/s / matmul FLOP/s)
@@ -58,7 +66,7 @@ from typing import Any
 import openai
 import torch
 
-from lightning.engine import Engine, Event, SamplingParams
+from lightning.engine import Engine, Event, SamplingParams, openmp
 from lightning.engine.server import RunningServer
 from lightning.model_cache import smollm2_dir
 
@@ -105,6 +113,30 @@ def limits() -> dict[str, float]:
         out[f"flops_{clock_name}"] = 2 * 1024**3 / best_of(lambda: torch.mm(a, b), clock)
         out[f"bandwidth_{clock_name}"] = x.numel() * 4 / best_of(lambda: x.sum(), clock)
     return out
+
+
+def linears_alone(engine: Engine, batch: int) -> tuple[float, float]:
+    """(seconds, FLOPs) of one pass of the fused engine's packed weights over
+    ``batch`` random rows, in model order (best of 5)."""
+    fz = engine.fused
+    if fz is None:
+        raise RuntimeError("the linears-alone ceiling needs the fused engine (--engines fused ...)")
+    weights = [w for layer in fz.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    weights.append(fz.head)
+    hidden, width = fz.embed.shape[1], fz.heads * fz.head_dim
+    # The input width of each: q/k/v and gate/up read the hidden state, o the
+    # attention output, down the MLP's inner activation, the LM head the hidden state.
+    shapes = [k for layer in fz.layers for k in (hidden, width, hidden, layer.inner)] + [hidden]
+    inputs = {k: torch.randn(batch, k) for k in set(shapes)}
+    flops = sum(2.0 * batch * k * w.out_features for w, k in zip(weights, shapes, strict=True))
+
+    def one_pass() -> None:
+        for w, k in zip(weights, shapes, strict=True):
+            w(inputs[k])
+
+    with torch.inference_mode():
+        one_pass()
+        return best_of(one_pass, time.perf_counter), flops
 
 
 def model_cost(engine: Engine, context: int) -> tuple[float, float]:
@@ -437,6 +469,18 @@ def main() -> int:
         f"batch-1 bounds: compute {lim['flops_wall'] / flops:.0f} tok/s, memory "
         f"{lim['bandwidth_wall'] / nbytes:.0f} tok/s; {args.tokens} new tokens per request"
     )
+    if "fused" in engines:
+        for b in args.batch:
+            seconds, lin_flops = linears_alone(engines["fused"], b)
+            print(
+                f"linears alone, B={b}: {seconds * 1e3:.1f} ms per pass, "
+                f"{lin_flops / seconds / 1e9:.0f} GFLOP/s = "
+                f"{100 * lin_flops / seconds / lim['flops_wall']:.0f}% of the matmul limit "
+                "(the ceiling of the roofline column at this B)"
+            )
+    # The measurements above ran parallel regions on this thread; its OpenMP pool
+    # would throttle the engines' scheduler threads (lightning/engine/openmp.py).
+    openmp.release_workers()
     print(
         "roofline = model FLOPs/token x tok/s / matmul FLOP/s; mem = weight bytes/token x "
         "tok/s / bandwidth (B=1); each per wall second and per CPU-second"

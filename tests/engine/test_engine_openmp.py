@@ -30,6 +30,12 @@ def threads():
     return len(os.listdir("/proc/self/task"))
 def parallel():
     torch.ones(2**22).sum()
+def settled(count):
+    # Up to 10 s for the thread count to reach ``count`` (threads exit asynchronously).
+    import time
+    deadline = time.monotonic() + 10
+    while threads() != count and time.monotonic() < deadline:
+        time.sleep(0.01)
 seen = {}
 """
 
@@ -69,18 +75,35 @@ def test_engine_releases_the_loading_and_reloading_threads(tmp_path: Path) -> No
         seen["loaded"] = threads()
         parallel()  # no pool was left on this thread: this region builds one
         seen["pool"] = threads()
-        openmp.release_workers()
         engine.model.save_pretrained({str(tmp_path / "w")!r})
         openmp.release_workers()
-        # The scheduler's own pool (which the reload uses too) is built here.
-        engine.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
-        seen["saved"] = threads()
         engine.load_weights({str(tmp_path / "w")!r}, 1)
+        # The scheduler frees its own pool once idle (the next test); wait for that.
+        settled(seen["loaded"])
         seen["reloaded"] = threads()
-        seen["ids"] = len(engine.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)).token_ids)
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        seen["ids"] = len(engine.generate([1, 2, 3], params).token_ids)
         engine.close()
         """
     )
     assert seen["pool"] == seen["loaded"] + 1
-    assert seen["reloaded"] == seen["saved"]  # the reload's reading left no pool here
+    assert seen["reloaded"] == seen["loaded"]  # reading the weights left no pool here
     assert seen["ids"] == 4
+
+
+def test_an_idle_scheduler_holds_no_pool() -> None:
+    model_dir = tiny_model_dir()
+    seen = run(
+        f"""
+        from lightning.engine import Engine, SamplingParams
+        engine = Engine({str(model_dir)!r}, max_batch=2, num_threads=2).start()
+        seen["started"] = threads()
+        params = SamplingParams(max_tokens=64, ignore_eos=True)
+        seen["ids"] = len(engine.generate([1, 2, 3] * 200, params).token_ids)
+        settled(seen["started"])
+        seen["idle"] = threads()
+        engine.close()
+        """
+    )
+    assert seen["ids"] == 64
+    assert seen["idle"] == seen["started"]

@@ -648,6 +648,12 @@ class Engine:
                         and not self._prefilling
                         and self._reload is None
                     ):
+                        if self.device.type == "cpu":
+                            # Idle: free this thread's OpenMP workers, so that another
+                            # thread computing meanwhile (a second engine, a trainer)
+                            # is not throttled by them (openmp.py). Rebuilding them
+                            # for the next request costs a thread start.
+                            openmp.release_workers()
                         self._cv.wait()
                     if self._closing:
                         break
