@@ -210,13 +210,15 @@ def import_bfcl(root: Path) -> Any:
     return typer.main.get_command(cli)
 
 
-def serve(listen_fd: int) -> int:
+def serve(listen_fd: int, under: Path | None) -> int:
     """A worker: import BFCL once (about 4.4 s of CPU, more than a case costs on
     the engine), then run the cases clients send over the listening Unix socket
     ``listen_fd``, one at a time in a private project root. Several workers
     share one socket; the kernel hands each connection to a worker that is
-    waiting in ``accept``, so a busy worker is never given a second case."""
-    root = Path(tempfile.mkdtemp(prefix="bfcl-worker-"))
+    waiting in ``accept``, so a busy worker is never given a second case. The
+    project root is made under ``under`` (the pool's directory, which the pool
+    removes: a worker ends by SIGTERM and cleans up nothing itself)."""
+    root = Path(tempfile.mkdtemp(prefix="bfcl-worker-", dir=under))
     command = import_bfcl(root)
     listener = socket.socket(fileno=listen_fd)
     while True:
@@ -265,9 +267,10 @@ def main() -> int:
         type=int,
         help="run as a worker on this listening Unix socket (lightning.apps.bfcl.workers)",
     )
+    p.add_argument("--serve-dir", help="with --serve-fd: make the worker's files under this")
     args = p.parse_args()
     if args.serve_fd is not None:
-        return serve(args.serve_fd)
+        return serve(args.serve_fd, Path(args.serve_dir) if args.serve_dir else None)
     if args.evaluate:
         return evaluate_root(Path(args.evaluate))
     task = json.loads(os.environ.get("LIGHTNING_TASK", "{}"))
@@ -281,13 +284,14 @@ def main() -> int:
         job = {"task": task, "base_url": base_url, "key": key, "rollout_id": rollout}
         out = ask_worker(pool, job)
     else:
-        root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bfcl-"))
-        root.mkdir(parents=True, exist_ok=True)
-        command = import_bfcl(root)
-        try:
-            out = run_case({**task, "rollout_id": rollout}, base_url, key, root, command)
-        except RuntimeError as e:
-            raise SystemExit(str(e)) from e
+        with tempfile.TemporaryDirectory(prefix="bfcl-") as scratch:
+            root = Path(args.keep or scratch)
+            root.mkdir(parents=True, exist_ok=True)
+            command = import_bfcl(root)
+            try:
+                out = run_case({**task, "rollout_id": rollout}, base_url, key, root, command)
+            except RuntimeError as e:
+                raise SystemExit(str(e)) from e
     print(json.dumps(out))
     return 0
 

@@ -142,7 +142,10 @@ def workers(count: int, harness_py: Path) -> Iterator[str]:
     listener.listen(256)
     procs = [
         subprocess.Popen(
-            [str(python), str(harness_py), "--serve-fd", str(listener.fileno())],
+            [
+                *(str(python), str(harness_py), "--serve-fd", str(listener.fileno())),
+                *("--serve-dir", str(sock_dir)),
+            ],
             pass_fds=[listener.fileno()],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -678,6 +681,7 @@ def score_model(
     concurrency: int = 8,
     max_model_len: int = 4096,
     max_batch: int = 8,
+    kv_cache_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Every task ``samples`` times through BFCL's harness (``bfcl generate`` +
     ``bfcl evaluate`` per case, in a pool of ``concurrency`` workers that import
@@ -692,6 +696,7 @@ def score_model(
     engine = EmbeddedEngine(
         model_dir, host="127.0.0.1", port=0, max_batch=max_batch, dtype="float32",
         threads=None, log_path=out / "engine.log", max_model_len=max_model_len,
+        kv_cache_bytes=kv_cache_bytes,
     )  # fmt: skip
     t0 = time.monotonic()
     try:
@@ -911,6 +916,7 @@ def recipe_v2(args: argparse.Namespace) -> int:
                 out / "filter",
                 harness=harness,
                 samples=args.filter_samples,
+                kv_cache_bytes=args.kv_cache_bytes,
             ),
         )
         correct = {t: sum(r["rewards"]) for t, r in scored["per_id"].items()}
@@ -941,6 +947,8 @@ def recipe_v2(args: argparse.Namespace) -> int:
         }
         if args.rl_steps is not None:
             overrides["steps"] = args.rl_steps
+        if args.kv_cache_bytes is not None:
+            overrides["engine.kv_cache_bytes"] = args.kv_cache_bytes
         rl_cfg = RunConfig.load(args.config, overrides)
         pool = max(h.concurrency for h in rl_cfg.all_harnesses())
         with workers(pool, here / "bfcl_harness.py"):
@@ -995,7 +1003,8 @@ def recipe_v2(args: argparse.Namespace) -> int:
             arms[arm] = timed(
                 f"score:{arm}",
                 lambda m=model, ts=tasks, a=arm: score_model(
-                    Path(m), ts, out / "score" / a, harness=harness
+                    Path(m), ts, out / "score" / a, harness=harness,
+                    kv_cache_bytes=args.kv_cache_bytes,
                 ),
             )
     if "report" in phases or "score" in phases:
@@ -1108,6 +1117,12 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--control-s", type=float, help="control budget when RL did not run")
     v.add_argument("--max-tokens", type=int, default=96, help="cap per answer (ours)")
     v.add_argument("--score-limit", type=int, help="score only the first N ids per category")
+    v.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        help="the embedded engine's prefix cache budget in the filter, RL and score "
+        "phases (0 = off; default: the engine's)",
+    )
     v.add_argument("--arms", default="base,sft,sft+rl,control")
     v.add_argument(
         "--shared-from",
