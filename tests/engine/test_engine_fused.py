@@ -78,12 +78,14 @@ def test_chunked_prefill_matches_transformers(gqa_model: LlamaForCausalLM) -> No
     assert cache.length == 40
 
 
+# 1 and 2 rows multiply through F.linear, 3 through oneDNN (fused.SMALL_ROWS).
+@pytest.mark.parametrize("lengths", [(7,), (7, 19), (7, 19, 12)])
 def test_batched_decode_over_padded_rows_matches_transformers(
-    gqa_model: LlamaForCausalLM,
+    gqa_model: LlamaForCausalLM, lengths: tuple[int, ...]
 ) -> None:
     runner = fused.FusedLlama(gqa_model, batch_hint=4)
     gen = torch.Generator().manual_seed(2)
-    rows = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (7, 19, 12)]
+    rows = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in lengths]
     with torch.inference_mode():
         # Each row prefilled alone, then right-aligned into one slab (as the engine does).
         singles = []
@@ -97,8 +99,8 @@ def test_batched_decode_over_padded_rows_matches_transformers(
         mask = torch.arange(length + 1)[None, :] >= (length - torch.tensor(lens))[:, None]
         logits = runner.decode(
             torch.tensor([[ids[-1]] for ids in rows]),
-            torch.tensor(lens).view(3, 1),
-            mask.view(3, 1, 1, length + 1),
+            torch.tensor(lens).view(len(rows), 1),
+            mask.view(len(rows), 1, 1, length + 1),
             slab,
         )
     for i, ids in enumerate(rows):

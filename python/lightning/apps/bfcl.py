@@ -1003,7 +1003,10 @@ def recipe_v2(args: argparse.Namespace) -> int:
             arms[arm] = timed(
                 f"score:{arm}",
                 lambda m=model, ts=tasks, a=arm: score_model(
-                    Path(m), ts, out / "score" / a, harness=harness,
+                    Path(m),
+                    ts,
+                    out / "score" / a,
+                    harness=harness,
                     kv_cache_bytes=args.kv_cache_bytes,
                 ),
             )

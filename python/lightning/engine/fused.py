@@ -62,14 +62,29 @@ def supports(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-class _Packed:
-    """One weight [N, K] packed for oneDNN; ``__call__(x [.., K]) -> [.., N]``."""
+# Up to this many rows, ``_Packed`` multiplies with ``F.linear`` (see there).
+SMALL_ROWS = 2
 
-    def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
-        self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
+
+class _Packed:
+    """Weights [N_i, K], concatenated and packed once for oneDNN: ``__call__(x
+    [.., K]) -> [.., sum N_i]``. One or two rows go through ``F.linear`` on the
+    original weights instead: there the product is a matrix-vector read of
+    every weight, which MKL's kernel streams faster than oneDNN's packed one
+    (1.5x at one row, 1.3x at two; from four rows oneDNN is faster:
+    benches/README.md), and the originals are the model's own parameters, so
+    that path costs no memory."""
+
+    def __init__(self, parts: Sequence[torch.Tensor], batch_hint: int) -> None:
+        self.parts = [w.detach() for w in parts]
+        self.out_features = sum(w.shape[0] for w in self.parts)
+        whole = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(whole.contiguous(), batch_hint)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= SMALL_ROWS * x.shape[-1]:
+            outs = [F.linear(x, w) for w in self.parts]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
@@ -81,18 +96,13 @@ class _Layer:
         self.norm_post = layer.post_attention_layernorm.weight.detach()
         self.eps_post = float(layer.post_attention_layernorm.variance_epsilon)
         # Rows [q | k | v] and [gate | up]: one matmul each, split by columns after.
-        self.qkv = _Packed(
-            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-            batch_hint,
-        )
+        self.qkv = _Packed([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], batch_hint)
         self.q_width = attn.q_proj.weight.shape[0]
         self.kv_width = attn.k_proj.weight.shape[0]
-        self.o = _Packed(attn.o_proj.weight.detach(), batch_hint)
-        self.gate_up = _Packed(
-            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), batch_hint
-        )
+        self.o = _Packed([attn.o_proj.weight], batch_hint)
+        self.gate_up = _Packed([mlp.gate_proj.weight, mlp.up_proj.weight], batch_hint)
         self.inner = mlp.gate_proj.weight.shape[0]
-        self.down = _Packed(mlp.down_proj.weight.detach(), batch_hint)
+        self.down = _Packed([mlp.down_proj.weight], batch_hint)
         self.scaling = float(attn.scaling)
 
 
@@ -120,7 +130,7 @@ class FusedLlama:
             self.embed = inner.embed_tokens.weight.detach()
             self.norm = inner.norm.weight.detach()
             self.eps = float(inner.norm.variance_epsilon)
-            self.head = _Packed(self.model.lm_head.weight.detach(), self.batch_hint)
+            self.head = _Packed([self.model.lm_head.weight], self.batch_hint)
 
     def decode(
         self,
