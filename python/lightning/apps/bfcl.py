@@ -140,12 +140,11 @@ def workers(count: int, harness_py: Path) -> Iterator[str]:
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     listener.listen(256)
+    fd = str(listener.fileno())
+    argv = [str(python), str(harness_py), "--serve-fd", fd, "--serve-dir", str(sock_dir)]
     procs = [
         subprocess.Popen(
-            [
-                *(str(python), str(harness_py), "--serve-fd", str(listener.fileno())),
-                *("--serve-dir", str(sock_dir)),
-            ],
+            argv,
             pass_fds=[listener.fileno()],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -9,7 +9,8 @@ linears took ~60% of the step, attention ~15%, the rest was elementwise ops,
 dispatch and sampling. This module computes the same function with:
 
 1. q/k/v fused into one matmul and gate/up into another (4 matmuls per layer
-   instead of 7), each weight packed once for oneDNN (as ``linear.py`` does);
+   instead of 7), each weight packed once for oneDNN (as ``linear.py`` does),
+   except that one or two rows use ``F.linear`` (``_Packed``);
 2. decode attention (one query per row) as two batched matmuls over the KV
    slab, each query head grouped with its key/value head (no ``repeat_kv``
    copy), the padding columns masked to -inf before the softmax;
