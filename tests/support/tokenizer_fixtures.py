@@ -106,7 +106,17 @@ def _sdist() -> Path:
 def _unpack_models(sdist: Path, dest: Path) -> Path:
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/models/" in m.name]
-        tar.extractall(dest, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, members=members, filter="data")
+        else:
+            # Python 3.11.0-3.11.3 (Debian 12's is 3.11.2) have no extraction
+            # filters: keep what the "data" filter would, plain files and
+            # directories inside dest.
+            for m in members:
+                inside = not Path(m.name).is_absolute() and ".." not in Path(m.name).parts
+                if not (inside and (m.isfile() or m.isdir())):
+                    raise ValueError(f"{sdist}: refusing to unpack {m.name!r}")
+            tar.extractall(dest, members=members)
     (models,) = list(dest.glob("*/vendor/llama.cpp/models"))
     return models
 
