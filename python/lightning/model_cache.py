@@ -11,10 +11,12 @@ concurrent builders (parallel test processes) never see a half-written model.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,24 @@ def _publish(build: Path, target: Path) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Silence transformers' progress bars for one call: ``save_pretrained``
+    draws a "Writing model shards" bar, and a run exports weights after every
+    step (and builds a model fixture on first use), so a run's output would
+    carry one bar per save. The previous setting is restored, so a caller's own
+    choice stands."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
     """Dequantize a GGUF checkpoint into a safetensors model directory (fp32)."""
     import torch
@@ -78,7 +98,8 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
         # safetensors and trained; the quantized form cannot.
         quantization_config=GgufConfig(gguf_file=gguf_path.name, dequantize=True),
     )
-    model.save_pretrained(build, safe_serialization=True)
+    with no_progress_bars():
+        model.save_pretrained(build, safe_serialization=True)
     tokenizer.save_pretrained(build)
     return _publish(build, target)
 
@@ -143,7 +164,8 @@ def tiny_model_dir(
         _end_answers(model, tokenizer.eos_token_id, answer_tokens)
     target.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=target.name + ".build-", dir=target.parent))
-    model.save_pretrained(build, safe_serialization=True)
+    with no_progress_bars():
+        model.save_pretrained(build, safe_serialization=True)
     tokenizer.save_pretrained(build)
     return _publish(build, target)
 

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from lightning.config import LoraSettings, TrainerConfig
+from lightning.model_cache import no_progress_bars
 from lightning.rl.advantages import estimate, zero_advantage_groups
 from lightning.rl.batching import (
     MicroBatch,
@@ -305,23 +306,6 @@ def _metrics(
         "samples_per_rollout": float(pieces.mean()) if len(pieces) else nan,
         "single_sample_rollout_frac": float((pieces == 1).mean()) if len(pieces) else nan,
     }
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """Silence transformers' progress bars for one call: ``save_pretrained``
-    draws a "Writing model shards" bar, and a run exports weights after every
-    step, so a run's output would be one bar per step. The previous setting is
-    restored, so a caller's own choice stands."""
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 class Trainer:
@@ -813,7 +797,7 @@ class Trainer:
                 model = copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
             target.parent.mkdir(parents=True, exist_ok=True)
             build = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-            with _no_progress_bars():
+            with no_progress_bars():
                 model.save_pretrained(  # type: ignore[operator]
                     build, safe_serialization=True, state_dict=full
                 )
