@@ -13,7 +13,7 @@ else, and reports per kernel:
 Kernels: oneDNN prepacked (what the engine uses, ``lightning/engine/linear.py``),
 ``F.linear``, ``mm`` on a pre-transposed copy, and oneDNN prepacked in
 bfloat16 (AMX where the CPU has it). Limits measured in the same run: a
-1024-cube float32 ``mm`` and a 256 MiB ``sum`` (as ``benches/engine.py``).
+1024-cube float32 ``mm`` and a 256 MiB ``sum`` (``benches/engine.py``'s ``limits``).
 
 Run: ``python benches/linears.py [--batch 32] [--threads N]``.
 """
@@ -21,27 +21,24 @@ Run: ``python benches/linears.py [--batch 32] [--threads N]``.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# benches/engine.py: the machine's limits, measured the same way in both benches.
+from engine import best_of, limits
 
 HIDDEN, WIDTH, INNER, QKV, VOCAB, LAYERS = 576, 576, 1536, 960, 49152, 30
 # (out, in) of each weight in the order a forward reads them.
 SHAPES = [(QKV, HIDDEN), (HIDDEN, WIDTH), (2 * INNER, HIDDEN), (HIDDEN, INNER)] * LAYERS + [
     (VOCAB, HIDDEN)
 ]
-
-
-def best(fn: Callable[[], object], n: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def packed(w: torch.Tensor, batch: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -70,10 +67,8 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     b = args.batch
-    a, m = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    peak = 2 * 1024**3 / best(lambda: torch.mm(a, m))
-    big = torch.ones(64 * 2**20)
-    bandwidth = big.numel() * 4 / best(lambda: big.sum())
+    lim = limits()
+    peak, bandwidth = lim["flops_wall"], lim["bandwidth_wall"]
     flops = sum(2.0 * b * n * k for n, k in SHAPES)
     weight_bytes = sum(4 * n * k for n, k in SHAPES)
     print(
@@ -93,12 +88,14 @@ def main() -> int:
                 for f, x in calls:
                     f(x)
 
-            seconds = best(streamed)
+            seconds = best_of(streamed, time.perf_counter)
             del calls
             cached_s = 0.0
             for n, k in dict.fromkeys(SHAPES):
                 f, x = make(torch.randn(n, k)), rows[k]
-                cached_s += SHAPES.count((n, k)) * best(lambda f=f, x=x: f(x), 20)
+                cached_s += SHAPES.count((n, k)) * best_of(
+                    lambda f=f, x=x: f(x), time.perf_counter, 20
+                )
             rate = flops / seconds
             read = weight_bytes / (2 if dtype == torch.bfloat16 else 1) / seconds
             print(
